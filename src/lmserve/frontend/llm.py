@@ -1,0 +1,151 @@
+"""The offline entry point: the engine core in-process, no server, vLLM's LLM interface."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from lmserve.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_memory,
+)
+from lmserve.engine.core import EngineCore
+from lmserve.frontend.input_processor import InputProcessor, Prompt
+from lmserve.frontend.output_processor import OutputProcessor
+from lmserve.outputs import RequestOutput
+from lmserve.sampling_params import SamplingParams
+from lmserve.worker.loader import load_tokenizer, resolve_model
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per sample; seeded samples get distinct seeds so n>1 gives n different answers."""
+    if params.n == 1:
+        return [params]
+    children = []
+    for i in range(params.n):
+        child = copy.copy(params)
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + i
+        children.append(child)
+    return children
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_memory: float | str | None = None,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        self.config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
+            ),
+        )
+        self.tokenizer = load_tokenizer(resolve_model(model))
+        self.engine = EngineCore(self.config)
+        self.input_processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion in one continuous batch; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._per_prompt(sampling_params, len(prompts))
+        ids = [self._add(p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(zip(prompts, params))]
+        done: dict[str, RequestOutput] = {}
+        for output in self._run():
+            done[output.request_id] = output
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.input_processor.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
+            for conv in conversations  # type: ignore[arg-type]
+        ]
+        ids = [self.input_processor.tokenize(p, add_special_tokens=False).token_ids for p in prompts]
+        return self.generate(ids, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields text deltas of one request as the engine produces them."""
+        request_id = self._add(prompt, sampling_params or SamplingParams(), 0)
+        while self.engine.has_unfinished_requests():
+            processed = self._step()
+            yield from (d for d in processed if d.request_id == request_id)
+        self.output_processor.remove(request_id)
+
+    def _per_prompt(self, params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+        request_id = str(next(self._ids))
+        processed = self.input_processor.tokenize(prompt)
+        children = child_params(params)
+        requests = [
+            self.input_processor.make_request(f"{request_id}", processed, p, priority) for p in children
+        ]  # validates every child before anything is registered
+        child_ids = self.output_processor.add_request(
+            request_id, processed.text, processed.token_ids, [r.sampling_params for r in requests]
+        )
+        for child_id, request in zip(child_ids, requests, strict=True):
+            request.request_id = child_id
+            self.engine.add_request(request)
+        return request_id
+
+    def _step(self) -> list[RequestOutput]:
+        processed = self.output_processor.process_outputs(self.engine.step())
+        if processed.requests_to_abort:
+            self.engine.finish_requests(processed.requests_to_abort)
+        return processed.deltas
+
+    def _run(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            for delta in self._step():
+                if delta.finished:
+                    parent = self.output_processor.get_parent(delta.request_id)
+                    assert parent is not None
+                    yield parent.full_output()
+                    self.output_processor.remove(delta.request_id)

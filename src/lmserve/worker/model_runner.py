@@ -1,0 +1,191 @@
+"""Turns a scheduled batch into flat tensors, runs one forward pass for the whole mixed batch, and samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmserve.config import CacheConfig, ModelConfig, parse_memory
+from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.worker.attention import AttentionMetadata
+from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
+from lmserve.worker.models.llama import LlamaForCausalLM
+from lmserve.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Measured on this machine (docs/benchmarks.md): float32 decodes faster for a small model at small batches.
+DEFAULT_CPU_DTYPE = "float32"
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = DEFAULT_CPU_DTYPE if device.type == "cpu" else "bfloat16"
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}: use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer of one block."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledRequest]  # the requests that sample, in logits order
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.block_size = cache_config.block_size
+        source = resolve_model(model_config.model)
+        self.hf_config = load_hf_config(source)
+        native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        self.max_model_len = model_config.max_model_len or native_len
+        if self.max_model_len > native_len:
+            logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
+        started = time.perf_counter()
+        torch.manual_seed(model_config.seed)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.hf_config, self.max_model_len).to(self.dtype)
+        model.load_weights(load_weights(source, self.dtype))
+        self.model = model.eval()
+        self.vocab_size = self.hf_config.vocab_size
+        logger.info("loaded %s (%s, %s) in %.1fs", source.name, self.dtype, self.device, time.perf_counter() - started)
+
+        num_kv_heads, head_dim = model.kv_shape
+        per_block = kv_bytes_per_block(model.num_layers, num_kv_heads, head_dim, self.block_size, self.dtype)
+        if cache_config.num_blocks:
+            self.num_blocks = cache_config.num_blocks
+        else:
+            budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+            self.num_blocks = budget // per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
+        shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model.num_layers)
+        ]
+        tokens = self.num_blocks * self.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at %d tokens per request: %.1f",
+            self.num_blocks, self.block_size, self.num_blocks * per_block / 2**30, tokens,
+            self.max_model_len, tokens / self.max_model_len,
+        )
+        self.kv_bytes_per_block = per_block
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.eos_token_id: int | None = None
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        bs = self.block_size
+        # Decodes first so their queries form one contiguous, batched attention call.
+        order = sorted(scheduled, key=lambda r: r.num_tokens != 1)
+        decodes = [r for r in order if r.num_tokens == 1]
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        prefills: list[tuple[int, int, int, torch.Tensor]] = []
+        logits_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        row = 0
+        for r in order:
+            pos = np.arange(r.start_position, r.start_position + r.num_tokens)
+            table = np.asarray(r.block_ids, dtype=np.int64)
+            input_ids.extend(r.token_ids)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if r.num_tokens > 1:
+                nblocks = -(-(r.start_position + r.num_tokens) // bs)
+                prefills.append((row, r.num_tokens, r.start_position, torch.as_tensor(table[:nblocks], device=self.device)))
+            row += r.num_tokens
+            if r.samples:
+                logits_rows.append(row - 1)
+                sampling.append(r)
+        max_blocks = max((-(-(r.start_position + 1) // bs) for r in decodes), default=0)
+        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+        context = np.zeros(len(decodes), dtype=np.int64)
+        for i, r in enumerate(decodes):
+            n = -(-(r.start_position + 1) // bs)
+            tables[i, :n] = r.block_ids[:n]
+            context[i] = r.start_position + 1
+        mask = np.arange(max_blocks * bs)[None, :] < context[:, None]
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.as_tensor(np.concatenate(slots), device=dev),
+            num_decodes=len(decodes),
+            decode_block_tables=torch.as_tensor(tables, device=dev),
+            decode_mask=torch.as_tensor(mask, device=dev).view(len(decodes), 1, 1, max_blocks * bs),
+            prefills=prefills,
+        )
+        return BatchInputs(
+            input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.as_tensor(np.concatenate(positions), device=dev),
+            attn=attn,
+            logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
+            sampling=sampling,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs) -> torch.Tensor:
+        """One forward pass over the whole mixed batch; float32 logits for the sampling positions only."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self.prepare_inputs(scheduler_output.scheduled)
+        logits = self.forward(batch)
+        if not batch.sampling:
+            return ModelRunnerOutput(sampled_token_ids={})
+        metadata = SamplingMetadata.build(
+            params=[r.sampling_params for r in batch.sampling],
+            prompt_token_ids=[r.prompt_token_ids for r in batch.sampling],
+            output_token_ids=[r.output_token_ids for r in batch.sampling],
+            generators=[self._generator(r) for r in batch.sampling],
+            eos_token_id=self.eos_token_id,
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        sampled = self.sampler(logits, metadata)
+        token_ids = sampled.token_ids.tolist()
+        ids = [r.request_id for r in batch.sampling]
+        return ModelRunnerOutput(
+            sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
+            logprobs={rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None},
+        )
+
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+        seed = r.sampling_params.seed
+        if seed is None or r.sampling_params.greedy:
+            return None
+        gen = self.generators.get(r.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[r.request_id] = gen
+        return gen

@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat batch of positions and a paged KV cache.
+
+Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
+matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from lmserve.worker.attention import AttentionMetadata, PagedAttention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Returns norm(x + residual) and the new residual (x + residual), like vLLM's fused add-norm."""
+        dtype = x.dtype
+        x = x.float()
+        if residual is not None:
+            x = x + residual.float()
+            residual = x.to(dtype)
+        else:
+            residual = x.to(dtype)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype), residual
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position, computed once in float32."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        else:
+            raise ValueError(f"unsupported rope type {rope_type!r}")
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.float())
+        # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16.
+        self.cos = freqs.cos() * scaling
+        self.sin = freqs.sin() * scaling
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, KVH, D]; HF's rotate-half layout."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions, x, residual, kv_cache, md):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture {config.model_type!r}: lmserve supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        attn = self.layers[0].self_attn
+        return attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, md)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    # Hugging Face names → our fused parameters: (our name, shard index in the fused tensor)
+    _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the output layer
+            parts = name.split(".")
+            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is not None:
+                parts[-2] = fused[0]
+                target = ".".join(parts)
+                self._load_shard(params[target], fused[0], fused[1], tensor)
+            else:
+                target = name
+                if target not in params:
+                    raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+                params[target].data.copy_(tensor)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def _load_shard(self, param: torch.Tensor, fused_name: str, shard: int, tensor: torch.Tensor) -> None:
+        if fused_name == "qkv_proj":
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.layers[0].mlp.intermediate] * 2
+        offset = sum(sizes[:shard])
+        param.data[offset : offset + sizes[shard]].copy_(tensor)

