@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+serve: $(STAMP)
+	$(VENV)/bin/lmserve serve $(ARGS)
+
 generate: $(STAMP)
 	$(VENV)/bin/lmserve generate "$(or $(PROMPT),What is the capital of France?)"
 

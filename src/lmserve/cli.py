@@ -64,9 +64,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from lmserve.api.serve import ShutdownRequested, serve
+    from lmserve.config import make_engine_config
+
+    def stop(signum: int, _frame: object) -> None:
+        raise ShutdownRequested(signum)
+
+    # uvicorn handles SIGINT/SIGTERM while it serves and re-raises them when it stops; turn that re-raise into an
+    # exception that serve() expects, so the engine process is shut down before we exit 0.
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    return asyncio.run(serve(
+        make_engine_config(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, log_level=args.log_level.lower(),
+    ))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline and stream it to the terminal")
@@ -79,7 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--log-level", default="WARNING")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible API")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--log-level", default="INFO")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -59,3 +59,32 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def make_engine_config(
+    model: str = DEFAULT_MODEL,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    kv_cache_memory: float | str | None = None,
+    num_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    long_prefill_token_threshold: int = 0,
+    scheduling_policy: str = "fcfs",
+) -> EngineConfig:
+    """The flat keyword form that LLM(...) and the command line share."""
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+        cache=CacheConfig(
+            kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
+        ),
+    )

@@ -1,22 +1,27 @@
 """The engine core: scheduler → model runner → update, one step at a time.
 
-The offline `LLM` drives it in-process; the server runs the same class in its own process behind ZMQ.
+The offline `LLM` drives it in-process; the server runs the same class in its own process (core_proc.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lmserve.config import EngineConfig
+from lmserve.engine.messages import EngineStats
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# How many recent requests keep their position counts for debugging (bounded: the server runs for days).
+TRACKED_REQUESTS = 4096
 
 
 @dataclass
@@ -34,10 +39,14 @@ class EngineCore:
         self.runner.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len)
         self.last_step: StepStats | None = None
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_aborted = 0
+        self.positions_computed: OrderedDict[str, int] = OrderedDict()
 
     @property
     def max_model_len(self) -> int:
-        return self.runner.max_model_len
+        return self.scheduler.max_model_len
 
     @property
     def vocab_size(self) -> int:
@@ -47,7 +56,9 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(list(request_ids))
+        outputs = self.scheduler.abort_requests(list(request_ids))
+        self.num_aborted += len(outputs)
+        return outputs
 
     def finish_requests(self, request_ids: Iterable[str]) -> None:
         """Ends requests that the front-end stopped (a stop string), freeing their blocks now."""
@@ -56,12 +67,49 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, after_execute: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
+        """One iteration. `after_execute` runs between the forward pass and the update, so that aborts arriving
+        during the step stop their requests before any of their output is processed."""
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
+        if after_execute is not None:
+            after_execute()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.num_preemptions += len(scheduler_output.preempted_request_ids)
+        for scheduled in scheduler_output.scheduled:
+            rid = scheduled.request_id
+            self.positions_computed[rid] = self.positions_computed.pop(rid, 0) + scheduled.num_tokens
+        while len(self.positions_computed) > TRACKED_REQUESTS:
+            self.positions_computed.popitem(last=False)
         self.last_step = StepStats(
             scheduler_output.num_batched_tokens, len(scheduler_output.scheduled), time.perf_counter() - started
         )
         return outputs
+
+    def stats(self, request_ids: Iterable[str] = ()) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        positions, status = {}, {}
+        for rid in request_ids:
+            # A parent id also covers its n>1 children ("id-0", "id-1", ...).
+            ids = [t for t in self.positions_computed if t == rid or t.startswith(rid + "-")] or [rid]
+            positions[rid] = sum(self.positions_computed.get(t, 0) for t in ids)
+            live = [r for r in map(self.scheduler.get_request, ids) if r is not None]
+            status[rid] = live[0].status.value if live else "gone"
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_cached_free=kv.num_cached_free_blocks,
+            kv_cache_usage_perc=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_requests_aborted=self.num_aborted,
+            num_steps=self.num_steps,
+            request_positions=positions,
+            request_status=status,
+        )

@@ -7,14 +7,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lmserve.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    parse_memory,
-)
+from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
 from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.output_processor import OutputProcessor
@@ -38,33 +31,9 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        kv_cache_memory: float | str | None = None,
-        num_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-    ) -> None:
-        self.config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
-            ),
-        )
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        """Keyword arguments are those of lmserve.config.make_engine_config (dtype, max_model_len, num_blocks, ...)."""
+        self.config = make_engine_config(model, **kwargs)
         self.tokenizer = load_tokenizer(resolve_model(model))
         self.engine = EngineCore(self.config)
         self.input_processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
@@ -82,7 +51,16 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = self._per_prompt(sampling_params, len(prompts))
-        ids = [self._add(p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(zip(prompts, params))]
+        ids: list[str] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                ids.append(self._add(p, sp, priority[i] if priority else 0))
+        except Exception:
+            # A bad prompt rejects the whole call: drop the ones already queued, as vLLM does.
+            for request_id in ids:
+                self.engine.abort_requests(self.output_processor.child_ids(request_id))
+                self.output_processor.remove(request_id)
+            raise
         done: dict[str, RequestOutput] = {}
         for output in self._run():
             done[output.request_id] = output

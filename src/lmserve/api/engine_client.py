@@ -1,0 +1,47 @@
+"""The one interface the API server uses to reach the engine, so the server can be tested without one."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from lmserve.outputs import RequestOutput
+from lmserve.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str  # served model name
+    max_model_len: int
+    is_ready: bool  # engine process up and loaded
+    errored: bool  # engine process died
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields delta RequestOutputs: only the children that changed, with text, token ids and logprobs new since
+        the previous yield; the last one has finished=True.
+
+        Raises ValueError (PromptTooLongError included) for bad input before yielding anything, EngineDeadError if
+        the engine dies mid-request. Closing the iterator (or cancelling the task iterating it) aborts the request.
+        """
+        ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def prompt_token_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]: ...
+
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token on its own (for logprobs)."""
+        ...
+
+    async def get_stats(self, request_ids: list[str] | None = None) -> dict[str, Any]:
+        """Engine gauges and counters: num_requests_running, num_requests_waiting, kv_blocks_used, kv_blocks_free,
+        kv_blocks_total, kv_cache_usage_perc, prefix_cache_queries, prefix_cache_hits, num_preemptions, ..."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Idempotent; unknown or finished ids are ignored."""
+        ...

@@ -1,0 +1,384 @@
+"""OpenAI request and response schemas (pydantic v2), and their translation to lmserve's SamplingParams.
+
+Requests ignore unknown fields (OpenAI clients send fields we do not implement) but reject fields of the wrong
+type. Optional fields are `X | None = None` because clients send explicit nulls to mean "the default".
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from lmserve.engine.outputs import Logprobs
+from lmserve.sampling_params import SamplingParams
+
+DecodeToken = Callable[[int], str]
+Prompt = str | list[int]
+
+# JSON has no -inf; OpenAI clients expect a number, so impossible tokens get vLLM's floor instead of null.
+MIN_LOGPROB = -9999.0
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent (HTTP 400); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _param_of(error: ValueError) -> str | None:
+    match = re.search(r"parameter (\w+)=", str(error))
+    return match.group(1) if match else None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+# Request fields copied to SamplingParams as they are when the client set them (None keeps SamplingParams' default).
+_PASSTHROUGH_FIELDS = (
+    "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+
+class _SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        kwargs: dict[str, Any] = {
+            name: value for name in _PASSTHROUGH_FIELDS if (value := getattr(self, name)) is not None
+        }
+        kwargs.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=self._token_logit_bias())
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise RequestError(str(exc), _param_of(exc)) from None
+
+    def _token_logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not -100.0 <= value <= 100.0:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+            bias[token_id] = value
+        return bias
+
+
+def _is_token_ids(value: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _is_prompt_list(value: list) -> bool:
+    return (
+        _is_token_ids(value)
+        or all(isinstance(p, str) for p in value)
+        or all(isinstance(p, list) and _is_token_ids(p) for p in value)
+    )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # explicit null: up to the context length
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: Any) -> Any:
+        # One clear message instead of one error per member of the union.
+        if isinstance(value, str) or (isinstance(value, list) and _is_prompt_list(value)):
+            return value
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts as a list (one engine request each), every one non-empty."""
+        prompt = self.prompt
+        prompts: list[Prompt]
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]  # type: ignore[list-item]
+        else:
+            prompts = list(prompt)  # type: ignore[arg-type]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise RequestError("prompt must not be empty", "prompt")
+        return prompts
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._build_sampling_params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, tool_call_id, ...) travel to the chat template untouched.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        message = self.model_dump(exclude={"content"})
+        message["content"] = self._text_content()
+        return message
+
+    def _text_content(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise RequestError(f"only text content parts are supported, got type {part.type!r}", "messages")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the context length
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    # vLLM extras
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._build_sampling_params(max_tokens, logprobs)
+
+
+# ------------------------------------------------------------------------------------------------ responses
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "lmserve"
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogprobs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended the choice
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTokenLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatMessageOut(OpenAIModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_keys(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        # OpenAI sends the role only in the first delta; a `"role": null` in every later one confuses some clients.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------------------------ logprobs
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def completion_logprobs(
+    entries: Sequence[Logprobs], decode_token: DecodeToken, num_top: int, text_offset: int
+) -> CompletionLogprobs:
+    """OpenAI's legacy shape; `text_offset` is where the first of these tokens starts in the choice's text.
+
+    The sampled token is always in its position's top_logprobs, so there may be num_top + 1 entries (as OpenAI).
+    """
+    out = CompletionLogprobs()
+    for entry in entries:
+        token = decode_token(entry.token_id)
+        top = {decode_token(t): _finite(lp) for t, lp in entry.top[:num_top]}
+        top.setdefault(token, _finite(entry.logprob))
+        out.tokens.append(token)
+        out.token_logprobs.append(_finite(entry.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def _chat_token(token_id: int, logprob: float, decode_token: DecodeToken) -> ChatTokenLogprob:
+    token = decode_token(token_id)
+    return ChatTokenLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
+
+
+def chat_logprobs(entries: Sequence[Logprobs], decode_token: DecodeToken, num_top: int) -> ChatChoiceLogprobs:
+    content = []
+    for entry in entries:
+        sampled = _chat_token(entry.token_id, entry.logprob, decode_token)
+        top = [_chat_token(t, lp, decode_token) for t, lp in entry.top[:num_top]]
+        content.append(ChatLogprobEntry(**sampled.model_dump(), top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)

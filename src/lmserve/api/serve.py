@@ -1,0 +1,55 @@
+"""`lmserve serve`: the API-server process (FastAPI + uvicorn + AsyncLLM) and, through AsyncLLM, the engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+
+from lmserve.api.server import build_app
+from lmserve.config import EngineConfig
+from lmserve.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+# After the engine dies, keep answering 503 this long (so clients and probes see why), then exit non-zero.
+ENGINE_DEATH_GRACE_S = 3.0
+
+
+class ShutdownRequested(Exception):
+    """SIGINT or SIGTERM arrived: stop serving and shut the engine down."""
+
+
+async def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    log_level: str = "info",
+) -> int:
+    """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
+    llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper())
+    llm.start()
+    app = build_app(llm, api_key=api_key, served_model_name=served_model_name)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    )
+    exit_code = 0
+
+    def on_engine_dead() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+    llm.on_engine_dead = on_engine_dead
+    try:
+        await server.serve()
+    except ShutdownRequested:
+        pass
+    finally:
+        await llm.shutdown()
+    if exit_code:
+        logger.error("exiting because the engine died: %s", llm.dead_reason)
+    return exit_code

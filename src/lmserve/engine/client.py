@@ -1,0 +1,71 @@
+"""The front-end's handle on the engine-core process: start it, send inputs, receive outputs (ZMQ + msgspec)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+import tempfile
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from lmserve.config import EngineConfig
+from lmserve.engine.core_proc import run_engine_core
+from lmserve.engine.messages import EngineInput, EngineOutput, Shutdown
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        self._dir = tempfile.mkdtemp(prefix="lmserve-")
+        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        # Inputs go out on a plain socket: a PUSH send never blocks here, so an abort can be sent from any
+        # synchronous cleanup path (a generator's finally) without awaiting.
+        self._sync_ctx = zmq.Context()
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.bind(input_addr)
+        self._async_ctx = zmq.asyncio.Context()
+        self._output = self._async_ctx.socket(zmq.PULL)
+        self._output.bind(output_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineOutput)
+        # spawn, not fork: torch and a running event loop do not survive fork.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, input_addr, output_addr, log_level), name="lmserve-engine",
+            daemon=True,
+        )
+        self.process.start()
+
+    def send(self, message: EngineInput) -> None:
+        self._input.send(self._encoder.encode(message), copy=False)
+
+    async def recv(self) -> EngineOutput:
+        frame = await self._output.recv(copy=False)
+        return self._decoder.decode(frame.buffer)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self.process.is_alive():
+            try:
+                self.send(Shutdown())
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("engine did not stop in %.0fs; terminating it", timeout)
+            self.process.terminate()
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

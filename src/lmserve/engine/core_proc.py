@@ -1,0 +1,131 @@
+"""The engine core in its own process: a ZMQ loop around EngineCore.
+
+Each iteration drains adds and aborts in arrival order, runs one step, applies aborts that arrived during the step,
+and sends the outputs. When there is nothing to run it blocks on the input socket: an idle server uses no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from lmserve.config import EngineConfig
+from lmserve.engine.core import EngineCore
+from lmserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineInput,
+    EngineOutput,
+    FinishRequests,
+    GetStats,
+    Ready,
+    Shutdown,
+    StatsReply,
+    StepOutputs,
+)
+from lmserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# While idle, wake up this often to notice that the parent process is gone.
+PARENT_CHECK_MS = 1000
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_addr)
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.parent_pid = os.getppid()
+        self.running = True
+        try:
+            self.engine = EngineCore(config)
+        except Exception as exc:
+            logger.exception("engine failed to start")
+            self.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+            raise
+        self.send(Ready(self.engine.max_model_len, self.engine.vocab_size, self.engine.runner.num_blocks,
+                        config.cache.block_size))
+
+    def send(self, message: EngineOutput) -> None:
+        self.output.send(self.encoder.encode(message), copy=False)
+
+    def handle(self, message: EngineInput) -> None:
+        engine = self.engine
+        if isinstance(message, AddRequest):
+            request = Request(
+                request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
+                sampling_params=message.sampling_params, eos_token_id=message.eos_token_id,
+                priority=message.priority, arrival_time=message.arrival_time,
+            )
+            try:
+                engine.add_request(request)
+            except ValueError as exc:  # the front-end validates first; this is a last line of defence
+                logger.warning("rejected request %s: %s", message.request_id, exc)
+                self.send(StepOutputs(engine.abort_requests([message.request_id])))
+        elif isinstance(message, AbortRequests):
+            outputs = engine.abort_requests(message.request_ids)
+            if outputs:
+                self.send(StepOutputs(outputs))
+        elif isinstance(message, FinishRequests):
+            engine.finish_requests(message.request_ids)
+        elif isinstance(message, GetStats):
+            self.send(StatsReply(message.call_id, engine.stats(message.request_ids)))
+        elif isinstance(message, Shutdown):
+            self.running = False
+
+    def drain(self, block: bool) -> None:
+        """Handles every waiting input in arrival order; with block, first waits for one (or the parent check)."""
+        if block and not self.input.poll(PARENT_CHECK_MS):
+            if os.getppid() != self.parent_pid:
+                logger.warning("parent process is gone; engine exiting")
+                self.running = False
+            return
+        while self.running:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.handle(self.decoder.decode(frame.buffer))
+
+    def run(self) -> None:
+        while self.running:
+            self.drain(block=not self.engine.has_unfinished_requests())
+            if not self.running or not self.engine.has_unfinished_requests():
+                continue
+            outputs = self.engine.step(after_execute=lambda: self.drain(block=False))
+            if outputs:
+                self.send(StepOutputs(outputs))
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=1000)
+        self.ctx.term()
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "INFO") -> None:
+    """Entry point of the engine process."""
+    # Ctrl-C reaches the whole process group; the API process decides how to shut us down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    proc = None
+    try:
+        proc = EngineCoreProc(config, input_addr, output_addr)
+        proc.run()
+    except Exception:
+        logger.exception("engine core crashed")
+        sys.exit(1)
+    finally:
+        if proc is not None:
+            proc.close()

@@ -1,0 +1,239 @@
+"""AsyncLLM: the server's front-end. Input processing, per-request output streams, detokenization, aborts.
+
+Runs in the API-server process; the engine core runs in its own process behind EngineCoreClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from lmserve.config import EngineConfig
+from lmserve.engine.client import EngineCoreClient
+from lmserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineStats,
+    FinishRequests,
+    GetStats,
+    Ready,
+    StatsReply,
+    StepOutputs,
+)
+from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
+from lmserve.frontend.input_processor import InputProcessor, Prompt
+from lmserve.frontend.llm import child_params
+from lmserve.frontend.output_processor import OutputProcessor
+from lmserve.outputs import RequestOutput
+from lmserve.sampling_params import SamplingParams
+from lmserve.worker.loader import load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CHECK_INTERVAL_S = 0.2
+
+
+class RequestStream:
+    """One request's outputs. A consumer slower than the engine gets the deltas merged, never dropped."""
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, delta: RequestOutput) -> None:
+        if self.pending is None:
+            self.pending = delta
+        else:
+            merge_into(self.pending, delta)
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.pending is not None:
+            out, self.pending = self.pending, None
+            return out
+        assert self.error is not None
+        raise self.error
+
+
+def merge_into(pending: RequestOutput, delta: RequestOutput) -> None:
+    by_index = {c.index: c for c in pending.outputs}
+    for new in delta.outputs:
+        old = by_index.get(new.index)
+        if old is None:
+            pending.outputs.append(new)
+            by_index[new.index] = new
+            continue
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if old.logprobs is not None and new.logprobs:
+            old.logprobs.extend(new.logprobs)
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+    pending.finished = delta.finished
+    pending.num_cached_tokens = delta.num_cached_tokens
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, served_model_name: str | None = None, log_level: str = "INFO") -> None:
+        self.config = config
+        self.model_name = served_model_name or config.model.model
+        self.tokenizer = load_tokenizer(resolve_model(config.model.model))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor: InputProcessor | None = None  # needs the engine's max_model_len: set on Ready
+        self.engine = EngineCoreClient(config, log_level)
+        self.streams: dict[str, RequestStream] = {}
+        self.is_ready = False
+        self.errored = False
+        self.dead_reason = ""
+        self.on_engine_dead: Callable[[], None] | None = None
+        self.max_model_len = 0
+        self._ready = asyncio.Event()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the output and health loops on the running event loop."""
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_engine())]
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        if self.errored:
+            raise EngineDeadError(self.dead_reason)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.engine.shutdown)
+
+    # ---- the EngineClient interface of the API room ----------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return self._inputs().apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_token_ids(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens).token_ids
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields delta outputs until the request finishes. Closing the iterator early aborts the request."""
+        inputs = self._inputs()
+        arrival = time.monotonic()
+        processed = inputs.tokenize(prompt)
+        requests = [inputs.make_request(request_id, processed, p, priority, arrival) for p in child_params(params)]
+        child_ids = self.output_processor.add_request(
+            request_id, processed.text, processed.token_ids, [r.sampling_params for r in requests]
+        )
+        stream = self.streams[request_id] = RequestStream()
+        for child_id, request in zip(child_ids, requests, strict=True):
+            self.engine.send(AddRequest(child_id, request.prompt_token_ids, request.sampling_params,
+                                        request.eos_token_id, priority, arrival))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            # Runs on normal end, on error, and when the consumer goes away (cancel or aclose).
+            self.streams.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+            self.output_processor.remove(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    async def get_stats(self, request_ids: list[str] | None = None) -> dict:
+        stats = await self.engine_stats(request_ids or [])
+        return {f: getattr(stats, f) for f in stats.__struct_fields__}
+
+    async def engine_stats(self, request_ids: list[str]) -> EngineStats:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason)
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self.engine.send(GetStats(call_id, request_ids))
+        try:
+            return await asyncio.wait_for(future, timeout=10)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _inputs(self) -> InputProcessor:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason)
+        if self.input_processor is None:
+            raise EngineNotReadyError("the engine is still loading the model")
+        return self.input_processor
+
+    def _abort_now(self, request_id: str) -> None:
+        child_ids = self.output_processor.child_ids(request_id)
+        if child_ids and not self.errored:
+            self.engine.send(AbortRequests(child_ids))
+        self.output_processor.remove(request_id)
+
+    async def _output_loop(self) -> None:
+        while True:
+            message = await self.engine.recv()
+            if isinstance(message, StepOutputs):
+                self._deliver(message)
+            elif isinstance(message, StatsReply):
+                future = self._calls.get(message.call_id)
+                if future is not None and not future.done():
+                    future.set_result(message.stats)
+            elif isinstance(message, Ready):
+                self.max_model_len = message.max_model_len
+                self.input_processor = InputProcessor(self.tokenizer, message.max_model_len, message.vocab_size)
+                self.is_ready = True
+                self._ready.set()
+                logger.info("engine ready: %d KV blocks, max_model_len %d", message.num_blocks, message.max_model_len)
+            elif isinstance(message, EngineFailed):
+                self._engine_dead(f"engine failed: {message.message}")
+
+    def _deliver(self, message: StepOutputs) -> None:
+        processed = self.output_processor.process_outputs(message.outputs)
+        if processed.requests_to_abort:
+            self.engine.send(FinishRequests(processed.requests_to_abort))
+        for delta in processed.deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is not None:
+                stream.put(delta)
+
+    async def _watch_engine(self) -> None:
+        while self.engine.is_alive:
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+        if not self.errored:
+            self._engine_dead(f"engine process died (exit code {self.engine.process.exitcode})")
+
+    def _engine_dead(self, reason: str) -> None:
+        logger.error("%s; failing %d in-flight requests", reason, len(self.streams))
+        self.errored, self.is_ready, self.dead_reason = True, False, reason
+        self._ready.set()
+        for stream in self.streams.values():
+            stream.fail(EngineDeadError(reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        if self.on_engine_dead is not None:
+            self.on_engine_dead()
+

@@ -1,0 +1,11 @@
+"""Errors the front-end raises to its callers (the API server, scripts) about the engine's state."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process died; every in-flight request fails and no new one can run."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine core is still starting (loading weights, allocating the KV cache)."""

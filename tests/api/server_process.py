@@ -1,0 +1,91 @@
+"""Start a real `lmserve serve` on 127.0.0.1 for end-to-end tests, and find its engine process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+LMSERVE = Path(sys.executable).parent / "lmserve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        found += [int(c) for c in text.split()]
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    @property
+    def engine_pid(self) -> int:
+        for pid in children(self.process.pid):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return pid
+        raise RuntimeError("engine process not found")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def start_server(tmp: Path, *args: str, timeout: float = 180) -> Server:
+    port = free_port()
+    log_path = tmp / f"server-{port}.log"
+    cmd = [str(LMSERVE), "serve", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")

@@ -1,0 +1,247 @@
+"""The real server (API process + engine process, default model) over real HTTP with the official openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import Server, alive, cpu_seconds, start_server
+
+from lmserve import LLM, SamplingParams
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Server:
+    srv = start_server(
+        tmp_path_factory.mktemp("server"), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB"
+    )
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory="128MiB")
+
+
+def engine(server: Server, *request_ids: str) -> dict:
+    params = [("request_id", r) for r in request_ids]
+    return httpx.get(f"{server.base_url}/debug/engine", params=params, timeout=10).json()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def test_chat_and_completions_answer(client: openai.OpenAI) -> None:
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, temperature=0, max_tokens=24)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens > 10 and 0 < chat.usage.completion_tokens <= 24
+    streamed = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=question, temperature=0, max_tokens=24, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+
+    done = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=8,
+                                     temperature=0)
+    assert "Paris" in done.choices[0].text
+    assert done.usage.prompt_tokens == 5 and done.usage.completion_tokens == 8
+    pieces = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=8,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == done.choices[0].text
+
+
+def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: Server) -> None:
+    steps_before = engine(server)["num_steps"]
+    results: dict[int, tuple[str, object]] = {}
+
+    def run(i: int) -> None:
+        stream = client.completions.create(
+            model="smollm2-135m-instruct", prompt=f"Story number {i}: once upon a time", max_tokens=24,
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                usage = chunk.usage
+        results[i] = (text, usage)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == 16
+    for i, (text, usage) in results.items():
+        assert text
+        one = client.completions.create(model="smollm2-135m-instruct", prompt=f"Story number {i}: once upon a time",
+                                        max_tokens=1)
+        assert usage.completion_tokens == 24
+        assert usage.prompt_tokens == one.usage.prompt_tokens
+        assert usage.total_tokens == usage.prompt_tokens + 24
+    # 16 × 24 tokens one request at a time would need at least 384 steps; batched it takes far fewer.
+    assert engine(server)["num_steps"] - steps_before < 16 * 24 / 2
+
+
+STOP_PROMPTS = [
+    "Write a short poem about the sea.",
+    "List three fruits and their colors.",
+    "Translate 'good morning, my friend' into Japanese and Chinese.",
+    "Reply with five emoji that describe happiness, then explain them.",
+]
+
+
+@pytest.mark.parametrize("prompt", STOP_PROMPTS)
+def test_stop_strings_stream_equals_nonstream_equals_offline(client, offline: LLM, prompt: str) -> None:
+    messages = [{"role": "user", "content": prompt}]
+    full = offline.chat(messages, SamplingParams(temperature=0, max_tokens=48))[0].outputs[0].text
+    assert len(full) > 12
+    # Stops that start at several places and span several tokens (and, for CJK/emoji text, multi-byte characters).
+    stops = {full[k : k + n] for k, n in ((3, 4), (len(full) // 2, 3), (len(full) - 6, 5), (1, 1))}
+    for stop in sorted(s for s in stops if s.strip()):
+        expected = full[: full.index(stop)]
+        offline_text = offline.chat(messages, SamplingParams(temperature=0, max_tokens=48, stop=[stop]))[0]
+        assert offline_text.outputs[0].text == expected
+        plain = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, temperature=0,
+                                               max_tokens=48, stop=[stop])
+        assert plain.choices[0].message.content == expected, stop
+        assert plain.choices[0].finish_reason == "stop"
+        chunks = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, temperature=0,
+                                                max_tokens=48, stop=[stop], stream=True)
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert "".join(deltas) == expected, stop
+        assert not any("\ufffd" in d for d in deltas)
+        kept = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, temperature=0,
+                                              max_tokens=48, stop=[stop], extra_body={"include_stop_str_in_output": True})
+        assert kept.choices[0].message.content == expected + stop
+
+
+def assert_aborted_and_freed(server: Server, request_id: str, idle_free: int) -> None:
+    gone = wait_until(lambda: engine(server, request_id)["request_status"][request_id] == "gone", timeout=1.0)
+    assert gone, engine(server, request_id)
+    first = engine(server, request_id)["request_positions"][request_id]
+    time.sleep(0.3)
+    stats = engine(server, request_id)
+    assert stats["request_positions"][request_id] == first, "positions kept growing after the abort"
+    assert stats["kv_blocks_free"] == idle_free
+    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+
+
+def idle_free_blocks(server: Server) -> int:
+    stats = wait_until(lambda: (s := engine(server))["num_requests_running"] == 0 and s, timeout=10)
+    return stats["kv_blocks_free"]
+
+
+def test_stream_closed_by_client_aborts_in_engine(client, server: Server) -> None:
+    idle_free = idle_free_blocks(server)
+    aborted_before = engine(server)["num_requests_aborted"]
+    stream = client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", max_tokens=900,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, chunk in enumerate(stream):
+        if i == 4:
+            break
+    stream.close()
+    request_id = f"{chunk.id}-0"
+    assert_aborted_and_freed(server, request_id, idle_free)
+    assert engine(server)["num_requests_aborted"] == aborted_before + 1
+    assert engine(server, request_id)["request_positions"][request_id] < 900
+
+
+def test_non_streaming_client_timeout_aborts_in_engine(server: Server) -> None:
+    idle_free = idle_free_blocks(server)
+    aborted_before = engine(server)["num_requests_aborted"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base_url}/v1/completions", timeout=1.0,
+                   json={"prompt": "Count: 1, 2, 3,", "max_tokens": 900, "ignore_eos": True})
+    assert wait_until(lambda: engine(server)["num_requests_aborted"] == aborted_before + 1, timeout=1.5)
+    assert wait_until(lambda: engine(server)["kv_blocks_free"] == idle_free, timeout=1.0)
+    assert engine(server)["num_requests_running"] == 0
+
+
+def test_n3_stream_closed_aborts_every_child(client, server: Server) -> None:
+    idle_free = idle_free_blocks(server)
+    stream = client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", max_tokens=900, n=3,
+                                       stream=True, extra_body={"ignore_eos": True})
+    seen = set()
+    for i, chunk in enumerate(stream):
+        seen.add(chunk.choices[0].index)
+        if i == 8:
+            break
+    stream.close()
+    assert len(seen) >= 2
+    assert_aborted_and_freed(server, f"{chunk.id}-0", idle_free)
+
+
+def test_errors_from_the_real_engine(server: Server) -> None:
+    url = f"{server.base_url}/v1/completions"
+    too_long = httpx.post(url, json={"prompt": "hello " * 1100, "max_tokens": 8})
+    assert too_long.status_code == 400
+    message = too_long.json()["error"]["message"]
+    numbers = [int(n) for n in re.findall(r"\d+", message)]
+    assert MAX_MODEL_LEN in numbers and any(n > MAX_MODEL_LEN for n in numbers), message
+    fits_not = httpx.post(url, json={"prompt": "hello " * 500, "max_tokens": 600})
+    assert fits_not.status_code == 400 and "600" in fits_not.json()["error"]["message"]
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 0}).status_code == 400
+    assert httpx.post(url, json={"prompt": "hi", "model": "gpt-4"}).status_code == 404
+    assert httpx.post(url, json={"prompt": [999999999]}).status_code == 400
+    # The engine is unharmed.
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_idle_server_uses_almost_no_cpu(server: Server) -> None:
+    pids = [server.process.pid, server.engine_pid]
+    idle_free_blocks(server)
+    before = sum(cpu_seconds(p) for p in pids)
+    time.sleep(2.0)
+    used = sum(cpu_seconds(p) for p in pids) - before
+    assert used < 0.1, f"idle server used {used:.2f} CPU-seconds in 2 s"
+
+
+def test_sigterm_shuts_down_cleanly(server: Server) -> None:
+    engine_pid = server.engine_pid
+    assert server.stop(signal.SIGTERM) == 0
+    assert wait_until(lambda: not alive(engine_pid), timeout=5), "engine process outlived the server"
+
+
+def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
+    srv = start_server(tmp_path, "--max-model-len", "512", "--kv-cache-memory", "64MiB")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=30)
+        stream = client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2,", max_tokens=400,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(srv.engine_pid, signal.SIGKILL)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in stream:
+                pass
+        assert wait_until(lambda: httpx.get(f"{srv.base_url}/health", timeout=2).status_code == 503, timeout=3)
+        new = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert new.status_code == 503
+        assert srv.process.wait(20) != 0
+    finally:
+        srv.stop(signal.SIGKILL)
