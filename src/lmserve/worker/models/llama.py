@@ -6,6 +6,7 @@ matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -17,6 +18,22 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
+NUMPY_BLAS = os.environ.get("LMSERVE_BLAS", "numpy") == "numpy"
+
+
+def blas_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T. On CPU in float32 through NumPy's OpenBLAS, which on this project's AVX2 machines is 2-5× faster
+    than torch's MKL sgemm for the few-row products of decoding (benchmarks/matmul_backends.py)."""
+    if NUMPY_BLAS and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.from_numpy(x.contiguous().numpy() @ weight.numpy().T)
+    return x @ weight.t()
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = blas_matmul(x, self.weight)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +87,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D]; HF's rotate-half layout."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -89,8 +106,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
@@ -108,8 +125,8 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU)")
 
@@ -147,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def num_layers(self) -> int:
@@ -166,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return blas_matmul(hidden, weight).float()
 
     # Hugging Face names → our fused parameters: (our name, shard index in the fused tensor)
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
