@@ -10,6 +10,7 @@ at batch 1 (a subset, it is slow) and batch 16. Prints a markdown table; paste i
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -17,7 +18,9 @@ import time
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.worker.loader import resolve_model
+from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
+
+CORES = os.cpu_count() or 1
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -27,6 +30,7 @@ def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[l
 
 
 def bench_lmserve(dtype: str, prompts: list[list[int]], single: list[int], repeats: int) -> dict:
+    torch.set_num_threads(CORES)  # the float32 engine lowers it to 1 for itself (see ModelRunner)
     llm = LLM(dtype=dtype, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
@@ -56,12 +60,15 @@ def single_stream_rate(llm: LLM, prompt: list[int]) -> float:
 
 
 def bench_transformers(prompts: list[list[int]], single: list[int], batch1_prompts: int) -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import LlamaForCausalLM
 
+    torch.set_num_threads(CORES)
     source = resolve_model("smollm2-135m-instruct")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-    ).eval()
+    # The same dequantized weights as ours (transformers' own GGUF path needs accelerate and is slow).
+    model = LlamaForCausalLM(load_hf_config(source))
+    model.load_state_dict(dict(load_weights(source, torch.float32)), strict=False)
+    model.tie_weights()
+    model.eval()
     kwargs = {"do_sample": False, "max_new_tokens": 128, "min_new_tokens": 128, "pad_token_id": 0}
     with torch.inference_mode():
         started = time.perf_counter()
@@ -103,9 +110,10 @@ def main() -> None:
         rows.append(("transformers generate fp32, batch 1", h["batch1"], h["single"]))
         rows.append(("transformers generate fp32, batch 16", h["batch16"], None))
     base = next((r[1] for r in rows if "batch 16" in r[0]), None)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
-          f"torch {torch.__version__}; python {platform.python_version()}")
-    print("| engine | 64×(256 in, 128 out) output tok/s | single stream decode tok/s | ratio to HF batch 16 |")
+    print(f"machine: {platform.machine()}, {CORES} cores, torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; torch {torch.__version__}; python {platform.python_version()}; "
+          f"{args.num_prompts} prompts")
+    print(f"| engine | {args.num_prompts}×(256 in, 128 out) output tok/s | single stream decode tok/s | ratio to HF batch 16 |")
     print("|---|---|---|---|")
     for name, thr, one in rows:
         ratio = f"{thr / base:.2f}×" if base else "-"
