@@ -11,6 +11,7 @@ import torch
 
 from lmserve.config import CacheConfig, ModelConfig, parse_memory
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.plan.memory import kv_bytes_per_block  # one formula for the engine and the planner
 from lmserve.worker.attention import AttentionMetadata
 from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
@@ -36,11 +37,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}: use one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of one block."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass
@@ -77,7 +73,9 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1fs", source.name, self.dtype, self.device, time.perf_counter() - started)
 
         num_kv_heads, head_dim = model.kv_shape
-        per_block = kv_bytes_per_block(model.num_layers, num_kv_heads, head_dim, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(
+            model.num_layers, num_kv_heads, head_dim, self.block_size, self.dtype.itemsize
+        )
         if cache_config.num_blocks:
             self.num_blocks = cache_config.num_blocks
         else:

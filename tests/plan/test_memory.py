@@ -1,0 +1,146 @@
+"""lmserve plan: KV and weight sizes from configs, fit verdicts, layouts, and the engine sharing the KV formula."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lmserve.cli import main
+from lmserve.plan import memory
+from lmserve.plan.memory import GiB, Layout, PlanSettings, load_spec, make_plan, stage_params
+
+
+def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    code = main(["plan", *args, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_kv_bytes_per_token_smollm2(capsys):
+    code, out = run_plan(capsys, "--model", "smollm2-135m", "--dtype", "bfloat16", "--device-memory", "16")
+    assert out["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert out["devices"][0]["kv_bytes_per_token"] == 23_040
+    assert code == 0 and out["fits"]
+
+
+def test_kv_bytes_per_token_llama3_8b(capsys):
+    code, out = run_plan(capsys, "--model", "llama-3-8b", "--dtype", "bfloat16", "--device-memory", "80")
+    assert out["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert code == 0
+
+
+def test_llama3_8b_weights_match_its_parameter_count(capsys):
+    _, out = run_plan(capsys, "--model", "llama-3-8b", "--device-memory", "80")
+    assert out["weight_bytes"] == pytest.approx(8.03e9 * 2, rel=0.01)
+    assert out["devices"][0]["weights"] == out["weight_bytes"]
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("llama-3-8b", 8.03e9), ("llama-3-70b", 70.55e9), ("qwen2.5-7b", 7.62e9), ("mistral-7b", 7.25e9),
+    ("smollm2-135m", 134.5e6), ("meta-llama/Meta-Llama-3-8B", 8.03e9),
+])  # fmt: skip
+def test_shipped_configs_give_published_parameter_counts(name, params):
+    assert load_spec(name).num_params == pytest.approx(params, rel=0.01)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_parameter_count_equals_the_saved_checkpoint(fixture, request):
+    """Untied Llama, and Qwen2 with q/k/v biases and tied embeddings: the config implies exactly what is stored."""
+    from safetensors import safe_open
+
+    directory: Path = request.getfixturevalue(fixture)
+    stored = 0
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, framework="numpy") as f:
+            names = f.keys()  # safe_open handles are not iterable
+            stored += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    assert load_spec(str(directory)).num_params == stored
+
+
+def test_llama3_70b_on_one_80gib_device_does_not_fit_weights_short(capsys):
+    code, out = run_plan(capsys, "--model", "llama-3-70b", "--device-memory", "80")
+    assert code != 0 and not out["fits"]
+    shortage = out["shortage"]
+    assert shortage["resource"] == "weights"
+    # The full target is short by more than the weights' own overflow (~51 GiB).
+    assert shortage["short_by"] > out["weight_bytes"] - 80 * GiB > 50 * GiB
+    assert main(["plan", "--model", "llama-3-70b", "--device-memory", "80"]) != 0
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "short resource: weights" in text
+
+
+def test_llama3_70b_on_8_devices_with_tp8_fits_per_device(capsys):
+    code, out = run_plan(capsys, "--model", "llama-3-70b", "--device-memory", "80", "--gpus", "8", "--tp", "8")
+    assert code == 0 and out["fits"] and out["shortage"] is None
+    assert out["layout"] == {"tp": 8, "pp": 1, "replicas": 1, "gpus": 8}
+    device = out["devices"][0]
+    # Per device: an eighth of the weights (norms are replicated, hence approx) and of the KV heads.
+    assert device["weights"] == pytest.approx(out["weight_bytes"] / 8, rel=0.001)
+    assert device["kv_bytes_per_token"] == 2 * 80 * 1 * 128 * 2 == out["kv_bytes_per_token"] // 8
+    assert device["kv_tokens"] >= 8192 and out["max_concurrency"] >= 1
+    compared = {o["name"]: o for o in out["compared"]}
+    assert not compared["replicas"]["fits"] and compared["replicas"]["shortage"]["resource"] == "weights"
+    assert compared["tensor parallel"]["fits"] and compared["tensor parallel"]["comm_bytes_per_token"] > 0
+    assert compared["pipeline parallel"]["fits"]
+    assert {"TP×PP", "prefill/decode split"} <= compared.keys()
+    assert main(["plan", "--model", "llama-3-70b", "--device-memory", "80", "--gpus", "8", "--tp", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "fits                 yes" in text and "8 devices compared" in text
+
+
+def test_tp_and_pp_split_weights_and_kv():
+    spec = load_spec("llama-3-8b")
+    layout = Layout(tp=2, pp=2)
+    per_device = [sum(stage_params(spec, layout, s).values()) for s in range(2)]
+    # Every parameter is held by exactly one of the 2×2 devices, except the replicated norms.
+    norms = (2 * spec.num_layers + 1) * spec.hidden_size
+    assert sum(per_device) * 2 == spec.num_params + norms
+    plan = make_plan(spec, PlanSettings(layout=layout, device_memory=40 * GiB))
+    assert [d.kv_bytes_per_token for d in plan.devices] == [131_072 // 4] * 2
+    assert plan.devices[1].logits > 0 and plan.devices[0].logits == 0  # the head lives on the last stage
+
+
+def test_kv_cache_shortage_names_kv_and_reports_reachable_concurrency(capsys):
+    code, out = run_plan(capsys, "--model", "llama-3-8b", "--device-memory", "24", "--concurrency", "64")
+    assert code != 0 and out["shortage"]["resource"] == "KV cache"
+    assert 0 < out["max_concurrency"] < 64
+    kv_needed = 64 * 8192 * 131_072
+    assert out["shortage"]["short_by"] == kv_needed - out["devices"][0]["kv_bytes"]
+
+
+def test_concurrency_and_context_trade_off():
+    spec = load_spec("smollm2-135m")
+    plan = make_plan(spec, PlanSettings(device_memory=4 * GiB, context=1024, concurrency=8))
+    d = plan.devices[0]
+    assert d.kv_blocks == d.kv_bytes // (16 * 23_040)
+    assert plan.max_concurrency == d.kv_blocks // 64
+    assert plan.max_context == min(8192, d.kv_blocks // 8 * 16)
+
+
+def test_engine_sizes_its_kv_cache_with_the_planner_formula():
+    from lmserve.worker import model_runner
+
+    assert model_runner.kv_bytes_per_block is memory.kv_bytes_per_block
+    assert memory.kv_bytes_per_block(30, 3, 64, 16, 2) == 16 * 23_040
+
+
+def test_configs_ship_as_package_data():
+    for file in memory.SHIPPED_CONFIGS.values():
+        assert (memory.CONFIG_DIR / file).is_file()
+    pyproject = Path(__file__).parents[2] / "pyproject.toml"
+    assert '"plan/configs/*.json"' in pyproject.read_text()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--model", "llama-3-8b", "--tp", "3", "--gpus", "3"], "does not divide"),
+    (["--model", "llama-3-8b", "--tp", "2"], "needs more than --gpus 1"),
+    (["--model", "llama-3-8b", "--context", "100000"], "exceeds max_model_len"),
+    (["--config", "/no/such/config.json"], "no such config file"),
+])  # fmt: skip
+def test_bad_input_is_a_clear_error(capsys, args, message):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmserve: error:") and message in err
