@@ -54,6 +54,10 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        if request.eos_token_id is not None:
+            # The front-end's tokenizer knows the EOS token (a GGUF config may not); the sampler masks it for
+            # min_tokens.
+            self.runner.eos_token_id = request.eos_token_id
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(list(request_ids))
