@@ -545,6 +545,17 @@ class OpenAIServing:
         finally:
             await group.close()
 
+    async def _respond(
+        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str
+    ) -> Response:
+        """The non-streamed answer: every output collected (aborted if the client leaves), then one JSON body."""
+        for prompt_index, out in await until_disconnect(self._collect(group), raw):
+            choices.add(prompt_index, out)
+        response = response_type(
+            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage()
+        )
+        return json_response(response)
+
     # -------------------------------------------------------------------------------------------- completions
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
@@ -557,12 +568,7 @@ class OpenAIServing:
         if req.stream:
             await self._start_streaming(group, raw)
             return EventStreamResponse(self._completion_events(group, choices, response_id, req.include_usage), group)
-        for prompt_index, out in await until_disconnect(self._collect(group), raw):
-            choices.add(prompt_index, out)
-        response = CompletionResponse(
-            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage()
-        )
-        return json_response(response)
+        return await self._respond(group, choices, raw, CompletionResponse, response_id)
 
     async def _completion_events(
         self, group: RequestGroup, choices: CompletionChoices, response_id: str, include_usage: bool
@@ -595,12 +601,7 @@ class OpenAIServing:
         if req.stream:
             await self._start_streaming(group, raw)
             return EventStreamResponse(self._chat_events(group, choices, response_id, req.include_usage), group)
-        for prompt_index, out in await until_disconnect(self._collect(group), raw):
-            choices.add(prompt_index, out)
-        response = ChatCompletionResponse(
-            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage()
-        )
-        return json_response(response)
+        return await self._respond(group, choices, raw, ChatCompletionResponse, response_id)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = req.template_messages()
