@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     return asyncio.run(serve(
         make_engine_config(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
-        served_model_name=args.served_model_name, log_level=args.log_level.lower(),
+        served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
     ))
 
 
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--request-log", default=None, metavar="FILE",
+                     help="append one JSON line per finished request with its whole timeline")
     srv.add_argument("--log-level", default="INFO")
     srv.set_defaults(func=cmd_serve)
 

@@ -24,6 +24,8 @@ from lmserve.api.server import build_app
 from lmserve.engine.outputs import Logprobs
 from lmserve.frontend.errors import EngineDeadError
 from lmserve.frontend.input_processor import PromptTooLongError
+from lmserve.metrics.clock import now
+from lmserve.metrics.stats import RequestTimeline
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -50,6 +52,8 @@ class FakeEngine:
         self.finished: set[str] = set()
         self.closed_early: set[str] = set()  # generator closed before its last output
         self.aborted: set[str] = set()
+        self.on_step = None
+        self.timelines: dict[str, list[RequestTimeline]] = {}
 
     # --------------------------------------------------------------------------- tokenizer side
     def _id(self, word: str) -> int:
@@ -75,7 +79,8 @@ class FakeEngine:
 
     # --------------------------------------------------------------------------- engine side
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         ids = self.prompt_token_ids(prompt, add_special_tokens=True)
         if not ids:
@@ -87,6 +92,8 @@ class FakeEngine:
                 f"plus max_tokens={max_tokens} would need {len(ids) + max_tokens}"
             )
         self.prompts[request_id] = ids
+        timeline = RequestTimeline(request_id, request_id, arrival_time or now(), now(), num_prompt_tokens=len(ids))
+        self.timelines[request_id] = [timeline]
         words = [self.words[t] for t in ids if t != 0]
         if BOOM in words:
             raise RuntimeError("a bug in the engine client")
@@ -106,9 +113,12 @@ class FakeEngine:
                     request_id, prompt if isinstance(prompt, str) else None, ids, outputs, finished=last
                 )
             self.finished.add(request_id)
+            timeline.finished, timeline.finish_reason = now(), finish
+            timeline.num_output_tokens = len(answer) * params.n
         finally:
             if request_id not in self.finished:
                 self.closed_early.add(request_id)
+                timeline.finished, timeline.finish_reason = now(), "abort"
 
     def _child(self, index: int, step: int, word: str, params: SamplingParams, finish: str | None) -> CompletionOutput:
         word = word.upper() if index % 2 else word
@@ -131,6 +141,12 @@ class FakeEngine:
         # Suspends first, as a real client does: an abort awaited in a cancelled scope must still get through.
         await asyncio.sleep(0.001)
         self.aborted.add(request_id)
+
+    def get_timelines(self, request_id: str) -> list[RequestTimeline]:
+        return list(self.timelines.get(request_id, ()))
+
+    def pop_timelines(self, request_id: str) -> list[RequestTimeline]:
+        return self.timelines.pop(request_id, [])
 
     # --------------------------------------------------------------------------- test helpers
     def ids_with_word(self, word: str) -> set[str]:
@@ -472,7 +488,7 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
 def test_models_version_metrics_debug(oai: openai.OpenAI, http: httpx.Client, engine: FakeEngine) -> None:
     models = oai.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
-    assert http.get("/version").json() == {"version": __version__}
+    assert http.get("/version").json() == {"server": "lmserve", "version": __version__}
     assert http.get("/health").status_code == 200
     text = http.get("/metrics").text
     for name in (

@@ -148,7 +148,7 @@ def test_chunked_prefill_matches_alone(chunked_llm: LLM, alone: dict[int, list[i
     assert max(len(out.prompt_token_ids) for out in outputs.values()) > 3 * 8  # several chunks
     check_matches_alone(outputs, alone, "max_num_batched_tokens=8")
     assert chunked_llm.engine.last_step is not None
-    assert chunked_llm.engine.last_step.num_scheduled_tokens <= 8
+    assert chunked_llm.engine.last_step.num_positions <= 8
     assert_idle(chunked_llm)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
+from lmserve.engine.messages import StepRecord
+from lmserve.metrics.stats import RequestTimeline
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -15,9 +17,11 @@ class EngineClient(Protocol):
     max_model_len: int
     is_ready: bool  # engine process up and loaded
     errored: bool  # engine process died
+    on_step: Callable[[StepRecord], None] | None  # set by the server: called with every engine step's record
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields delta RequestOutputs: only the children that changed, with text, token ids and logprobs new since
         the previous yield; the last one has finished=True.
@@ -44,4 +48,12 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Idempotent; unknown or finished ids are ignored."""
+        ...
+
+    def get_timelines(self, request_id: str) -> list[RequestTimeline]:
+        """The request's timelines so far (one per engine request); empty when unknown."""
+        ...
+
+    def pop_timelines(self, request_id: str) -> list[RequestTimeline]:
+        """The request's timelines, forgotten by the client: the server records them once its response is written."""
         ...

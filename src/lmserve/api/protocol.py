@@ -87,6 +87,8 @@ class _SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None
+    # lmserve's: put the request's timeline (lmserve.metrics.stats) in the final response or the last SSE chunk.
+    return_timeline: bool | None = None
 
     @property
     def num_choices(self) -> int:
@@ -269,6 +271,7 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    timelines: list[dict[str, Any]] | None = None  # with return_timeline; left out when None
 
 
 class CompletionStreamResponse(OpenAIModel):
@@ -278,6 +281,7 @@ class CompletionStreamResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timelines: list[dict[str, Any]] | None = None  # with return_timeline; left out when None
 
 
 class ChatTokenLogprob(OpenAIModel):
@@ -314,6 +318,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    timelines: list[dict[str, Any]] | None = None  # with return_timeline; left out when None
 
 
 class DeltaMessage(OpenAIModel):
@@ -341,6 +346,7 @@ class ChatCompletionStreamResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    timelines: list[dict[str, Any]] | None = None  # with return_timeline; left out when None
 
 
 # ------------------------------------------------------------------------------------------------ logprobs

@@ -28,11 +28,12 @@ async def serve(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    request_log: str | None = None,
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
     llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper())
     llm.start()
-    app = build_app(llm, api_key=api_key, served_model_name=served_model_name)
+    app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
     )
@@ -50,6 +51,7 @@ async def serve(
         pass
     finally:
         await llm.shutdown()
+        app.state.recorder.close()
     if exit_code:
         logger.error("exiting because the engine died: %s", llm.dead_reason)
     return exit_code

@@ -20,8 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,6 +55,9 @@ from lmserve.api.protocol import (
 )
 from lmserve.engine.outputs import Logprobs
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
+from lmserve.metrics.clock import now
+from lmserve.metrics.recorder import StatsRecorder
+from lmserve.metrics.stats import RequestTimeline
 from lmserve.outputs import CompletionOutput, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -170,6 +172,22 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class ArrivalStampMiddleware:
+    """Stamps each HTTP request's arrival before anything else runs (body parsing included): the timeline's start."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_time"] = now()
+        await self.app(scope, receive, send)
+
+
+def arrival_time(request: Request) -> float:
+    return getattr(request.state, "arrival_time", None) or now()
+
+
 # ------------------------------------------------------------------------------------------------ engine requests
 
 
@@ -184,6 +202,8 @@ class RequestGroup:
         request_ids: Sequence[str],
         priority: int,
         on_abort: Callable[[], None],
+        arrival: float,
+        recorder: StatsRecorder,
     ) -> None:
         self.client = client
         self.prompts = list(prompts)
@@ -191,6 +211,10 @@ class RequestGroup:
         self.request_ids = list(request_ids)
         self.priority = priority
         self.on_abort = on_abort
+        self.arrival = arrival
+        self.recorder = recorder
+        self.timelines: list[RequestTimeline] | None = None  # taken from the engine client when the group closes
+        self._recorded = False
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._first: list[RequestOutput | None] = []
         # True once a request needs no abort: it finished, its stream ended, or its stream raised.
@@ -201,7 +225,7 @@ class RequestGroup:
     async def start(self) -> None:
         """Waits for each request's first output, so bad input fails before the HTTP response has started."""
         self._streams = [
-            self.client.generate(prompt, self.params, request_id, self.priority)
+            self.client.generate(prompt, self.params, request_id, self.priority, arrival_time=self.arrival)
             for prompt, request_id in zip(self.prompts, self.request_ids, strict=True)
         ]
         if len(self._streams) == 1:
@@ -271,6 +295,24 @@ class RequestGroup:
             for request_id, finished in zip(self.request_ids, self._finished, strict=True):
                 if not finished and self._streams:
                     await self._abort(request_id)
+            self.timelines = [t for rid in self.request_ids for t in self.client.pop_timelines(rid)]
+
+    def timeline_dicts(self) -> list[dict[str, Any]]:
+        """The timelines so far (for return_timeline): what the response carries cannot include its last byte."""
+        if self.timelines is not None:
+            return [t.to_dict() for t in self.timelines]
+        return [t.to_dict() for rid in self.request_ids for t in self.client.get_timelines(rid)]
+
+    def record(self, delivered: bool) -> None:
+        """Once, after close(): stamps the last byte (when the response was written) and records the timelines."""
+        if self._recorded or self.timelines is None:
+            return
+        self._recorded = True
+        stamp = now()
+        for timeline in self.timelines:
+            if delivered and timeline.finish_reason != "abort":
+                timeline.last_byte = stamp
+        self.recorder.record(self.timelines)
 
     async def _close_stream(self, stream: AsyncIterator[RequestOutput]) -> None:
         aclose = getattr(stream, "aclose", None)
@@ -460,8 +502,13 @@ class ChatChoices(Choices):
 # ------------------------------------------------------------------------------------------------ SSE
 
 
-def sse(payload: Any) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+def dump_json(payload: BaseModel) -> str:
+    # `timelines` only appears when the client asked for it; other None fields are OpenAI's and stay.
+    return payload.model_dump_json(exclude={"timelines"} if getattr(payload, "timelines", None) is None else None)
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {dump_json(payload)}\n\n"
 
 
 def sse_error(exc: Exception) -> str:
@@ -470,7 +517,8 @@ def sse_error(exc: Exception) -> str:
 
 
 class EventStreamResponse(StreamingResponse):
-    """An SSE response that closes its event generator and its engine requests when it ends, however it ends.
+    """An SSE response that closes its event generator and its engine requests when it ends, however it ends,
+    then records their timelines.
 
     When the client leaves while a chunk (or the headers) is being sent, the cancellation never reaches the
     generator's own awaits, and a generator that never started has no cleanup to run: without this, the engine
@@ -493,10 +541,27 @@ class EventStreamResponse(StreamingResponse):
                 if aclose is not None:
                     await aclose()
                 await self.group.close()
+                self.group.record(delivered=True)
 
 
 def json_response(payload: BaseModel) -> Response:
-    return Response(payload.model_dump_json(), media_type="application/json")
+    return Response(dump_json(payload), media_type="application/json")
+
+
+class RecordedJSONResponse(Response):
+    """A JSON response that records its requests' timelines once its last byte is written."""
+
+    media_type = "application/json"
+
+    def __init__(self, payload: BaseModel, group: RequestGroup) -> None:
+        super().__init__(dump_json(payload))
+        self.group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.record(delivered=True)
 
 
 # ------------------------------------------------------------------------------------------------ serving
@@ -505,9 +570,10 @@ def json_response(payload: BaseModel) -> Response:
 class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str, recorder: StatsRecorder) -> None:
         self.client = client
         self.model_name = model_name
+        self.recorder = recorder
         self.num_requests_aborted = 0  # by this server (client disconnects, failures); for /metrics
 
     def check_model(self, requested: str | None) -> None:
@@ -519,9 +585,11 @@ class OpenAIServing:
         self.num_requests_aborted += 1
 
     def _group(
-        self, prompts: Sequence[Prompt], params: SamplingParams, request_ids: Sequence[str], priority: int | None
+        self, prompts: Sequence[Prompt], params: SamplingParams, request_ids: Sequence[str], priority: int | None,
+        raw: Request,
     ) -> RequestGroup:
-        return RequestGroup(self.client, prompts, params, request_ids, priority or 0, self._count_abort)
+        return RequestGroup(self.client, prompts, params, request_ids, priority or 0, self._count_abort,
+                            arrival_time(raw), self.recorder)
 
     async def _start(self, group: RequestGroup) -> None:
         try:
@@ -536,6 +604,7 @@ class OpenAIServing:
             await until_disconnect(self._start(group), raw)
         except BaseException:
             await group.close()
+            group.record(delivered=False)
             raise
 
     async def _collect(self, group: RequestGroup) -> list[tuple[int, RequestOutput]]:
@@ -546,15 +615,22 @@ class OpenAIServing:
             await group.close()
 
     async def _respond(
-        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str
+        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str,
+        return_timeline: bool,
     ) -> Response:
         """The non-streamed answer: every output collected (aborted if the client leaves), then one JSON body."""
-        for prompt_index, out in await until_disconnect(self._collect(group), raw):
+        try:
+            collected = await until_disconnect(self._collect(group), raw)
+        except BaseException:
+            group.record(delivered=False)
+            raise
+        for prompt_index, out in collected:
             choices.add(prompt_index, out)
         response = response_type(
-            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage()
+            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage(),
+            timelines=group.timeline_dicts() if return_timeline else None,
         )
-        return json_response(response)
+        return RecordedJSONResponse(response, group)
 
     # -------------------------------------------------------------------------------------------- completions
 
@@ -563,25 +639,30 @@ class OpenAIServing:
         prompts = req.prompts()
         params = req.to_sampling_params()
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        group = self._group(prompts, params, [f"{response_id}-{i}" for i in range(len(prompts))], req.priority)
+        group = self._group(prompts, params, [f"{response_id}-{i}" for i in range(len(prompts))], req.priority, raw)
         choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token)
         if req.stream:
             await self._start_streaming(group, raw)
-            return EventStreamResponse(self._completion_events(group, choices, response_id, req.include_usage), group)
-        return await self._respond(group, choices, raw, CompletionResponse, response_id)
+            events = self._completion_events(group, choices, response_id, req.include_usage, bool(req.return_timeline))
+            return EventStreamResponse(events, group)
+        return await self._respond(group, choices, raw, CompletionResponse, response_id, bool(req.return_timeline))
 
     async def _completion_events(
-        self, group: RequestGroup, choices: CompletionChoices, response_id: str, include_usage: bool
+        self, group: RequestGroup, choices: CompletionChoices, response_id: str, include_usage: bool,
+        return_timeline: bool,
     ) -> AsyncIterator[str]:
-        def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return sse(CompletionStreamResponse(id=response_id, model=self.model_name, choices=items, usage=usage))
+        def chunk(items: list[CompletionChoice], usage: UsageInfo | None = None, timelines: list | None = None) -> str:
+            return sse(CompletionStreamResponse(
+                id=response_id, model=self.model_name, choices=items, usage=usage, timelines=timelines
+            ))
 
         try:
             async for prompt_index, out in group.outputs():
                 for choice in choices.stream_choices(prompt_index, out):
                     yield chunk([choice])  # one choice per chunk, as OpenAI (and clients reading choices[0])
-            if include_usage:
-                yield chunk([], choices.usage())
+            if include_usage or return_timeline:
+                yield chunk([], choices.usage() if include_usage else None,
+                            group.timeline_dicts() if return_timeline else None)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
             yield sse_error(exc)
         finally:
@@ -595,13 +676,14 @@ class OpenAIServing:
         params = req.to_sampling_params()
         prompt_token_ids = self._chat_prompt(req)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = self._group([prompt_token_ids], params, [response_id], req.priority)
+        group = self._group([prompt_token_ids], params, [response_id], req.priority, raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         choices = ChatChoices(req.num_choices, num_top, self.client.decode_token)
         if req.stream:
             await self._start_streaming(group, raw)
-            return EventStreamResponse(self._chat_events(group, choices, response_id, req.include_usage), group)
-        return await self._respond(group, choices, raw, ChatCompletionResponse, response_id)
+            events = self._chat_events(group, choices, response_id, req.include_usage, bool(req.return_timeline))
+            return EventStreamResponse(events, group)
+        return await self._respond(group, choices, raw, ChatCompletionResponse, response_id, bool(req.return_timeline))
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = req.template_messages()
@@ -616,10 +698,15 @@ class OpenAIServing:
             raise RequestError(f"cannot apply the chat template to these messages: {exc}", "messages") from exc
 
     async def _chat_events(
-        self, group: RequestGroup, choices: ChatChoices, response_id: str, include_usage: bool
+        self, group: RequestGroup, choices: ChatChoices, response_id: str, include_usage: bool,
+        return_timeline: bool,
     ) -> AsyncIterator[str]:
-        def chunk(items: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=items, usage=usage))
+        def chunk(
+            items: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None, timelines: list | None = None
+        ) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=response_id, model=self.model_name, choices=items, usage=usage, timelines=timelines
+            ))
 
         try:
             for index in range(choices.n):
@@ -627,59 +714,14 @@ class OpenAIServing:
             async for _, out in group.outputs():
                 for choice in choices.stream_choices(out):
                     yield chunk([choice])
-            if include_usage:
-                yield chunk([], choices.usage())
+            if include_usage or return_timeline:
+                yield chunk([], choices.usage() if include_usage else None,
+                            group.timeline_dicts() if return_timeline else None)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
             yield sse_error(exc)
         finally:
             await group.close()
         yield SSE_DONE
-
-
-# ------------------------------------------------------------------------------------------------ metrics
-
-GAUGES = {
-    "num_requests_running": "Requests in the engine's running set.",
-    "num_requests_waiting": "Requests waiting to be scheduled.",
-    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (1 = full).",
-    "kv_blocks_used": "KV cache blocks held by requests.",
-    "kv_blocks_free": "KV cache blocks free (cached prefixes included).",
-    "kv_blocks_total": "KV cache blocks in the pool.",
-}
-COUNTERS = {
-    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
-    "num_preemptions": "Requests preempted to free KV cache blocks.",
-    "num_requests_aborted": "Requests aborted before they finished.",
-}
-
-
-class EngineStatsCollector:
-    """Exports the engine's stats as of the current scrape; /metrics refreshes `stats` just before rendering.
-
-    A custom collector rather than Gauge objects: the values live in the engine, so there is nothing to keep
-    in sync between scrapes, and each app has its own registry (tests build many apps in one process).
-    """
-
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-        self.stats: dict[str, Any] = {}
-
-    def collect(self) -> Iterator[Metric]:
-        stats = dict(self.stats)
-        # Engine clients that do not count aborts get this server's own count (client disconnects, failures).
-        stats.setdefault("num_requests_aborted", self.serving.num_requests_aborted)
-        labels = ["model_name"]
-        for name, documentation in GAUGES.items():
-            if name in stats:
-                gauge = GaugeMetricFamily(f"lmserve:{name}", documentation, labels=labels)
-                gauge.add_metric([self.serving.model_name], float(stats[name]))
-                yield gauge
-        for name, documentation in COUNTERS.items():
-            if name in stats:
-                counter = CounterMetricFamily(f"lmserve:{name}", documentation, labels=labels)
-                counter.add_metric([self.serving.model_name], float(stats[name]))
-                yield counter
 
 
 # ------------------------------------------------------------------------------------------------ app
@@ -726,18 +768,22 @@ async def health(raw: Request) -> Response:
 
 @plain.get("/version")
 async def version() -> Response:
-    return JSONResponse({"version": __version__})
+    return JSONResponse({"server": "lmserve", "version": __version__})
 
 
 @plain.get("/metrics")
 async def metrics(raw: Request) -> Response:
-    collector: EngineStatsCollector = raw.app.state.stats_collector
+    serving = _serving(raw)
+    prometheus = serving.recorder.prometheus
     try:
-        collector.stats = await _serving(raw).client.get_stats()
+        stats = await serving.client.get_stats()
     except Exception as exc:  # noqa: BLE001 - a dead engine must not break the scrape; /health reports it
         logger.debug("get_stats failed during a scrape: %r", exc)
-        collector.stats = {}
-    return Response(generate_latest(raw.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+        stats = {}
+    # Engine clients that do not count aborts get this server's own count (client disconnects, failures).
+    stats.setdefault("num_requests_aborted", serving.num_requests_aborted)
+    prometheus.engine.stats = stats
+    return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @plain.get("/debug/engine")
@@ -752,17 +798,22 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return exception_to_response(exc)
 
 
-def build_app(client: EngineClient, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+def build_app(
+    client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
+    request_log: str | None = None,
+) -> FastAPI:
     app = FastAPI(title="lmserve", version=__version__)
-    serving = OpenAIServing(client, served_model_name or client.model_name)
+    model_name = served_model_name or client.model_name
+    recorder = StatsRecorder(model_name, request_log)
+    client.on_step = recorder.on_step
+    serving = OpenAIServing(client, model_name, recorder)
     app.state.serving = serving
-    app.state.registry = CollectorRegistry(auto_describe=False)
-    app.state.stats_collector = EngineStatsCollector(serving)
-    app.state.registry.register(app.state.stats_collector)
+    app.state.recorder = recorder
     app.include_router(v1)
     app.include_router(plain)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(RequestValidationError, _http_exception)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ArrivalStampMiddleware)  # added last: the outermost layer, so it runs first
     return app

@@ -6,29 +6,21 @@ The offline `LLM` drives it in-process; the server runs the same class in its ow
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from lmserve.config import EngineConfig
-from lmserve.engine.messages import EngineStats
-from lmserve.engine.outputs import EngineCoreOutput
+from lmserve.engine.messages import EngineStats, StepRecord
+from lmserve.engine.outputs import EngineCoreOutput, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
+from lmserve.metrics.clock import now
 from lmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # How many recent requests keep their position counts for debugging (bounded: the server runs for days).
 TRACKED_REQUESTS = 4096
-
-
-@dataclass
-class StepStats:
-    num_scheduled_tokens: int
-    num_requests: int
-    duration_s: float
 
 
 class EngineCore:
@@ -38,7 +30,7 @@ class EngineCore:
         eos = getattr(self.runner.hf_config, "eos_token_id", None)
         self.runner.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len)
-        self.last_step: StepStats | None = None
+        self.last_step: StepRecord | None = None
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_aborted = 0
@@ -74,9 +66,11 @@ class EngineCore:
     def step(self, after_execute: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """One iteration. `after_execute` runs between the forward pass and the update, so that aborts arriving
         during the step stop their requests before any of their output is processed."""
-        started = time.perf_counter()
+        started = now()
         scheduler_output = self.scheduler.schedule()
+        forward_started = now()
         runner_output = self.runner.execute(scheduler_output)
+        forward_s = now() - forward_started
         if after_execute is not None:
             after_execute()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -87,10 +81,20 @@ class EngineCore:
             self.positions_computed[rid] = self.positions_computed.pop(rid, 0) + scheduled.num_tokens
         while len(self.positions_computed) > TRACKED_REQUESTS:
             self.positions_computed.popitem(last=False)
-        self.last_step = StepStats(
-            scheduler_output.num_batched_tokens, len(scheduler_output.scheduled), time.perf_counter() - started
-        )
+        self.last_step = self._step_record(scheduler_output, started, forward_s)
+        self.last_step.num_sampled = len(runner_output.sampled_token_ids)
         return outputs
+
+    def _step_record(self, scheduler_output: SchedulerOutput, started: float, forward_s: float) -> StepRecord:
+        prefill, decode = {}, {}
+        for s in scheduler_output.scheduled:
+            kind = decode if s.start_position >= len(s.prompt_token_ids) else prefill
+            kind[s.request_id] = s.num_tokens
+        return StepRecord(
+            index=self.num_steps, start=started, end=now(), forward_s=forward_s, prefill=prefill, decode=decode,
+            preempted=sorted(scheduler_output.preempted_request_ids),
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+        )
 
     def stats(self, request_ids: Iterable[str] = ()) -> EngineStats:
         kv = self.scheduler.kv_cache_manager

@@ -30,6 +30,7 @@ from lmserve.engine.messages import (
     StepOutputs,
 )
 from lmserve.engine.request import Request
+from lmserve.metrics.clock import now
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self.parent_pid = os.getppid()
         self.running = True
+        self.queued: dict[str, float] = {}  # received since the last message that reported them
         try:
             self.engine = EngineCore(config)
         except Exception as exc:
@@ -58,11 +60,14 @@ class EngineCoreProc:
                         config.cache.block_size))
 
     def send(self, message: EngineOutput) -> None:
+        if isinstance(message, StepOutputs) and self.queued:
+            message.queued, self.queued = self.queued, {}
         self.output.send(self.encoder.encode(message), copy=False)
 
     def handle(self, message: EngineInput) -> None:
         engine = self.engine
         if isinstance(message, AddRequest):
+            self.queued[message.request_id] = now()
             request = Request(
                 request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                 sampling_params=message.sampling_params, eos_token_id=message.eos_token_id,
@@ -104,8 +109,8 @@ class EngineCoreProc:
             if not self.running or not self.engine.has_unfinished_requests():
                 continue
             outputs = self.engine.step(after_execute=lambda: self.drain(block=False))
-            if outputs:
-                self.send(StepOutputs(outputs))
+            # Sent even without outputs: a prefill chunk's step belongs in the requests' timelines.
+            self.send(StepOutputs(outputs, step=self.engine.last_step))
 
     def close(self) -> None:
         self.input.close(linger=0)

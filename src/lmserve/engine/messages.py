@@ -66,8 +66,29 @@ class Ready(msgspec.Struct, tag="ready"):
     block_size: int
 
 
+class StepRecord(msgspec.Struct):
+    """What one engine step did, stamped with the engine's clock (lmserve.metrics.clock)."""
+
+    index: int
+    start: float
+    end: float
+    forward_s: float  # of end - start, the time inside the model runner (forward + sampling)
+    prefill: dict[str, int]  # request id -> prompt positions computed (recomputation after preemption included)
+    decode: dict[str, int]  # request id -> positions computed while generating (1 each without speculation)
+    preempted: list[str]
+    num_running: int
+    num_waiting: int
+    num_sampled: int = 0  # tokens sampled (one per request whose last scheduled position was its newest token)
+
+    @property
+    def num_positions(self) -> int:
+        return sum(self.prefill.values()) + sum(self.decode.values())
+
+
 class StepOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
+    step: StepRecord | None = None  # None when the outputs come from an abort outside a step
+    queued: dict[str, float] = {}  # requests the engine received since the last message -> when
 
 
 class StatsReply(msgspec.Struct, tag="stats"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,11 +23,15 @@ from lmserve.engine.messages import (
     Ready,
     StatsReply,
     StepOutputs,
+    StepRecord,
 )
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
 from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.llm import child_params
 from lmserve.frontend.output_processor import OutputProcessor
+from lmserve.frontend.timelines import TimelineTracker
+from lmserve.metrics.clock import now
+from lmserve.metrics.stats import RequestTimeline
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.loader import load_tokenizer, resolve_model
@@ -97,6 +100,9 @@ class AsyncLLM:
         self.errored = False
         self.dead_reason = ""
         self.on_engine_dead: Callable[[], None] | None = None
+        # Called with every engine step's record (Prometheus, the dashboard); must be quick.
+        self.on_step: Callable[[StepRecord], None] | None = None
+        self.timelines = TimelineTracker()
         self.max_model_len = 0
         self._ready = asyncio.Event()
         self._calls: dict[int, asyncio.Future] = {}
@@ -133,16 +139,21 @@ class AsyncLLM:
         return self.tokenizer.decode([token_id])
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields delta outputs until the request finishes. Closing the iterator early aborts the request."""
+        """Yields delta outputs until the request finishes. Closing the iterator early aborts the request.
+
+        `arrival_time` (a lmserve.metrics.clock stamp) is when the request reached the caller; default: now.
+        """
         inputs = self._inputs()
-        arrival = time.monotonic()
+        arrival = now() if arrival_time is None else arrival_time
         processed = inputs.tokenize(prompt)
         requests = [inputs.make_request(request_id, processed, p, priority, arrival) for p in child_params(params)]
         child_ids = self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, [r.sampling_params for r in requests]
         )
+        self.timelines.add(request_id, child_ids, arrival, now(), len(processed.token_ids))
         stream = self.streams[request_id] = RequestStream()
         for child_id, request in zip(child_ids, requests, strict=True):
             self.engine.send(AddRequest(child_id, request.prompt_token_ids, request.sampling_params,
@@ -157,11 +168,21 @@ class AsyncLLM:
             # Runs on normal end, on error, and when the consumer goes away (cancel or aclose).
             self.streams.pop(request_id, None)
             if not finished:
+                self.timelines.abort(request_id)
                 self._abort_now(request_id)
             self.output_processor.remove(request_id)
 
     async def abort(self, request_id: str) -> None:
+        self.timelines.abort(request_id)
         self._abort_now(request_id)
+
+    def get_timelines(self, request_id: str) -> list[RequestTimeline]:
+        """The timelines of a request's engine requests (one per choice), finished or not; empty if unknown."""
+        return self.timelines.get(request_id)
+
+    def pop_timelines(self, request_id: str) -> list[RequestTimeline]:
+        """Like get_timelines, and forgets them: the caller records them once its response is written."""
+        return self.timelines.pop(request_id)
 
     async def get_stats(self, request_ids: list[str] | None = None) -> dict:
         stats = await self.engine_stats(request_ids or [])
@@ -211,10 +232,21 @@ class AsyncLLM:
                 self._engine_dead(f"engine failed: {message.message}")
 
     def _deliver(self, message: StepOutputs) -> None:
+        self.timelines.on_engine_message(message)
+        if message.step is not None and self.on_step is not None:
+            try:
+                self.on_step(message.step)
+            except Exception:  # a broken observer must not stop the outputs
+                logger.exception("the step observer failed")
         processed = self.output_processor.process_outputs(message.outputs)
         if processed.requests_to_abort:
             self.engine.send(FinishRequests(processed.requests_to_abort))
         for delta in processed.deltas:
+            parent = self.output_processor.get_parent(delta.request_id)
+            for out in delta.outputs if parent is not None else ():
+                child = parent.children[out.index]
+                self.timelines.on_text(child.request_id, bool(out.text), len(child.output.token_ids),
+                                       out.finish_reason)
             stream = self.streams.get(delta.request_id)
             if stream is not None:
                 stream.put(delta)

@@ -1,0 +1,132 @@
+"""Prometheus export with vLLM's metric names under the `lmserve:` prefix, so dashboards built for vLLM port.
+
+Two kinds of series: the engine's gauges and counters as of the scrape (asked of the engine on each scrape, so
+nothing goes stale), and per-request / per-step histograms and counters observed as requests finish and steps run.
+docs/metrics.md says what each one measures, between which timeline stamps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from lmserve.engine.messages import StepRecord
+from lmserve.metrics.stats import RequestTimeline
+
+ENGINE_GAUGES = {
+    "num_requests_running": "Requests in the engine's running set.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (1 = full).",
+    "kv_blocks_used": "KV cache blocks held by requests.",
+    "kv_blocks_free": "KV cache blocks free (cached prefixes included).",
+    "kv_blocks_total": "KV cache blocks in the pool.",
+}
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "num_preemptions": "Requests preempted to free KV cache blocks.",
+    "num_requests_aborted": "Requests aborted before they finished.",
+}
+
+# vLLM's buckets, so that histogram_quantile over both servers compares like with like.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+INPUT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineStatsCollector:
+    """The engine's gauges and counters as of the current scrape; /metrics refreshes `stats` just before rendering.
+
+    A custom collector rather than Gauge objects: the values live in the engine, so there is nothing to keep in
+    sync between scrapes.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self.stats)
+        for name, documentation in ENGINE_GAUGES.items():
+            if name in stats:
+                gauge = GaugeMetricFamily(f"lmserve:{name}", documentation, labels=["model_name"])
+                gauge.add_metric([self.model_name], float(stats[name]))
+                yield gauge
+        for name, documentation in ENGINE_COUNTERS.items():
+            if name in stats:
+                counter = CounterMetricFamily(f"lmserve:{name}", documentation, labels=["model_name"])
+                counter.add_metric([self.model_name], float(stats[name]))
+                yield counter
+
+
+class PrometheusMetrics:
+    """Every `lmserve:` series, in a registry of its own (tests build many servers in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.engine = EngineStatsCollector(model_name)
+        self.registry.register(self.engine)
+        labels = {"model_name": model_name}
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(f"lmserve:{name}", documentation, ["model_name"], registry=self.registry,
+                               buckets=buckets)
+            return metric.labels(**labels)
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(f"lmserve:{name}", documentation, ["model_name"], registry=self.registry).labels(**labels)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests (once per prompt).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
+        self._success = Counter("lmserve:request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Arrival at the API to the end of the step that sampled the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Gap between consecutive engine steps that produced tokens for a request.", ITL_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Decode time divided by (output tokens - 1), per request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Arrival at the API to the final output processed in the front-end.", REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Taken in by the engine to first scheduled.", REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "First scheduled to the first token sampled.", REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds",
+                                "First token to last token sampled.", REQUEST_BUCKETS)
+        self.input_processing = histogram("request_input_processing_seconds",
+                                          "Arrival at the API to templated and tokenized.", INPUT_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens",
+                                          "Positions computed per engine step (prefill and decode).",
+                                          ITERATION_TOKEN_BUCKETS)
+        self.step_time = histogram("engine_step_seconds", "Duration of one engine step (schedule, forward, update).",
+                                   STEP_BUCKETS)
+
+    def observe_step(self, step: StepRecord) -> None:
+        self.iteration_tokens.observe(step.num_positions)
+        self.step_time.observe(step.end - step.start)
+
+    def observe_request(self, timeline: RequestTimeline) -> None:
+        if timeline.counts_prompt:
+            self.prompt_tokens.inc(timeline.num_prompt_tokens)
+        self.generation_tokens.inc(timeline.num_output_tokens)
+        self._success.labels(self._model_name, timeline.finish_reason or "unknown").inc()
+        for histogram, value in (
+            (self.ttft, timeline.ttft), (self.tpot, timeline.tpot), (self.e2e, timeline.e2e_latency),
+            (self.queue, timeline.queue_time), (self.prefill, timeline.prefill_time),
+            (self.decode, timeline.decode_time), (self.input_processing, timeline.input_processing_time),
+        ):
+            if value is not None:
+                histogram.observe(value)
+        for gap in timeline.inter_token_latencies:
+            self.itl.observe(gap)

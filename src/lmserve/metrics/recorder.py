@@ -1,0 +1,40 @@
+"""Where finished requests and engine steps go: Prometheus, the request log, and a window of recent ones."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from lmserve.engine.messages import StepRecord
+from lmserve.metrics.prometheus import PrometheusMetrics
+from lmserve.metrics.request_log import RequestLog
+from lmserve.metrics.stats import RequestTimeline
+
+RECENT_REQUESTS = 512
+RECENT_STEPS = 2048
+
+
+class StatsRecorder:
+    def __init__(self, model_name: str, request_log: str | None = None) -> None:
+        self.prometheus = PrometheusMetrics(model_name)
+        self.request_log = RequestLog(request_log) if request_log else None
+        self.recent_requests: deque[RequestTimeline] = deque(maxlen=RECENT_REQUESTS)
+        self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
+        self.num_recorded = 0
+
+    def on_step(self, step: StepRecord) -> None:
+        self.prometheus.observe_step(step)
+        self.recent_steps.append(step)
+
+    def record(self, timelines: Iterable[RequestTimeline]) -> None:
+        """Called once per engine request, when its response is done (last byte written, or aborted)."""
+        for timeline in timelines:
+            self.prometheus.observe_request(timeline)
+            if self.request_log is not None:
+                self.request_log.write(timeline)
+            self.recent_requests.append(timeline)
+            self.num_recorded += 1
+
+    def close(self) -> None:
+        if self.request_log is not None:
+            self.request_log.close()

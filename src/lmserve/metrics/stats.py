@@ -1,0 +1,138 @@
+"""Per-request timelines: the stamps of one request's life, and the intervals derived from them.
+
+Stamps are `lmserve.metrics.clock.now()` readings, taken where the event happens:
+  arrival          API: the HTTP request arrived (before the body was parsed)
+  input_processed  front-end: templated and tokenized
+  queued           engine: the engine core took the request in
+  scheduled        engine: start of the first step that computed any of its positions
+  first_token      engine: end of the step that sampled its first token
+  first_chunk      front-end: the first text chunk was ready to send (after the detokenizer's hold-back)
+  finished         front-end: its final output was processed (or it was aborted)
+  last_byte        API: the response's last byte was written (absent for aborted requests)
+`steps` holds every engine step that computed positions for it; `preemptions` the start of each step that
+preempted it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmserve.metrics.clock import wall_time_of
+
+STAMPS = ("arrival", "input_processed", "queued", "scheduled", "first_token", "first_chunk", "finished", "last_byte")
+
+
+@dataclass
+class StepSpan:
+    """One engine step's work on one request."""
+
+    index: int  # the engine's step counter
+    start: float
+    end: float
+    positions: int
+    prefill: bool
+    new_tokens: int = 0  # tokens this step sampled for the request (0 for a non-final prefill chunk)
+
+
+@dataclass
+class RequestTimeline:
+    request_id: str  # the engine request (one per choice when n > 1)
+    parent_id: str  # the front-end request it belongs to
+    arrival: float
+    input_processed: float | None = None
+    queued: float | None = None
+    scheduled: float | None = None
+    first_token: float | None = None
+    first_chunk: float | None = None
+    finished: float | None = None
+    last_byte: float | None = None
+    steps: list[StepSpan] = field(default_factory=list)
+    preemptions: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    counts_prompt: bool = True  # False for the 2nd..nth choice of a prompt: its prompt is counted once
+
+    # ---- derived intervals (seconds; None when a stamp is missing) --------------------------------------------
+    @staticmethod
+    def _between(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else end - start
+
+    @property
+    def input_processing_time(self) -> float | None:
+        return self._between(self.arrival, self.input_processed)
+
+    @property
+    def queue_time(self) -> float | None:
+        return self._between(self.queued, self.scheduled)
+
+    @property
+    def ttft(self) -> float | None:
+        return self._between(self.arrival, self.first_token)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return self._between(self.scheduled, self.first_token)
+
+    @property
+    def decode_time(self) -> float | None:
+        return self._between(self.first_token, self.last_token)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return self._between(self.arrival, self.finished)
+
+    @property
+    def last_token(self) -> float | None:
+        ends = [s.end for s in self.steps if s.new_tokens]
+        return ends[-1] if ends else None
+
+    @property
+    def tpot(self) -> float | None:
+        """Decode time per output token after the first (vLLM's request_time_per_output_token)."""
+        decode = self.decode_time
+        if decode is None or self.num_output_tokens < 2:
+            return None
+        return decode / (self.num_output_tokens - 1)
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Gaps between the steps that produced its tokens (one per step, however many tokens a step gave)."""
+        ends = [s.end for s in self.steps if s.new_tokens]
+        return [b - a for a, b in itertools.pairwise(ends)]
+
+    # ---- export --------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: stamps in seconds since arrival, steps as [index, start, end, positions, prefill, tokens]."""
+
+        def offset(stamp: float | None) -> float | None:
+            return None if stamp is None else round(stamp - self.arrival, 6)
+
+        return {
+            "request_id": self.request_id,
+            "parent_id": self.parent_id,
+            "arrival_unix": round(wall_time_of(self.arrival), 6),
+            "stamps": {name: offset(getattr(self, name)) for name in STAMPS},
+            "steps": [
+                [s.index, offset(s.start), offset(s.end), s.positions, int(s.prefill), s.new_tokens]
+                for s in self.steps
+            ],
+            "preemptions": [offset(t) for t in self.preemptions],
+            "num_preemptions": len(self.preemptions),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "finish_reason": self.finish_reason,
+            "intervals": {
+                "input_processing": self.input_processing_time,
+                "queue": self.queue_time,
+                "prefill": self.prefill_time,
+                "decode": self.decode_time,
+                "ttft": self.ttft,
+                "tpot": self.tpot,
+                "e2e": self.e2e_latency,
+            },
+        }
