@@ -473,7 +473,7 @@ def test_unexpected_error_is_500_and_logged(http: httpx.Client, caplog: pytest.L
         response = http.post("/v1/completions", json={**COMPLETION, "prompt": BOOM, "stream": stream})
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "InternalServerError"
-    assert any(r.name == "lmserve.api.server" and r.exc_info for r in caplog.records)
+    assert any(r.name == "lmserve.api.errors" and r.exc_info for r in caplog.records)
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200
 
 

@@ -37,6 +37,7 @@ async def serve(
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
     )
+    app.state.is_shutting_down = lambda: server.should_exit  # long-lived streams (the dashboard) end on it
     exit_code = 0
 
     def on_engine_dead() -> None:

@@ -11,7 +11,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any, TypeVar
 
 import anyio
@@ -19,16 +18,22 @@ import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmserve import __version__
+from lmserve.api.dashboard import router as dashboard_router
 from lmserve.api.engine_client import EngineClient
+from lmserve.api.errors import (
+    ClientDisconnected,
+    ErrorMappingRoute,
+    ModelNotFoundError,
+    error_response,
+    exception_to_response,
+)
 from lmserve.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -43,8 +48,6 @@ from lmserve.api.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     Prompt,
@@ -67,86 +70,10 @@ T = TypeVar("T")
 
 # How often a non-streamed request checks whether its client is still there (uvicorn never cancels handlers).
 DISCONNECT_POLL_S = 0.2
-# nginx's "client closed request": nobody reads it, but access logs show why the request ended.
-STATUS_CLIENT_CLOSED = 499
 SSE_DONE = "data: [DONE]\n\n"
-# Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers.
-PROTECTED_PREFIXES = ("/v1/", "/debug/")
-
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class ModelNotFoundError(LookupError):
-    pass
-
-
-class ClientDisconnected(Exception):
-    pass
-
-
-# ------------------------------------------------------------------------------------------------ errors
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    where = ".".join(loc)
-    message = f"{where or 'request body'}: {first.get('msg')}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more errors)"
-    return message, (loc[0] if loc else None)
-
-
-def exception_to_response(exc: Exception) -> Response:
-    """The one place that decides what a failure looks like to the client."""
-    if isinstance(exc, RequestError):
-        return error_response(400, str(exc), exc.param)
-    if isinstance(exc, RequestValidationError):
-        return error_response(400, *_validation_message(exc))
-    if isinstance(exc, ModelNotFoundError):
-        return error_response(404, str(exc), "model")
-    if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
-        return error_response(503, str(exc) or type(exc).__name__)
-    if isinstance(exc, (ClientDisconnected, ClientDisconnect)):
-        return Response(status_code=STATUS_CLIENT_CLOSED)
-    if isinstance(exc, StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
-    logger.error("unexpected error while serving a request", exc_info=exc)
-    return error_response(500, f"internal server error ({type(exc).__name__})")
-
-
-class ErrorMappingRoute(APIRoute):
-    """Turns every failure in a handler into an OpenAI error body, without re-raising into the ASGI server."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as exc:  # noqa: BLE001 - the boundary: exception_to_response logs the unexpected
-                return exception_to_response(exc)
-
-        return handle
-
+# Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers,
+# and the dashboard page and its static files load without it (the page then asks for the key).
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/")
 
 # ------------------------------------------------------------------------------------------------ auth
 
@@ -811,6 +738,7 @@ def build_app(
     app.state.recorder = recorder
     app.include_router(v1)
     app.include_router(plain)
+    app.include_router(dashboard_router)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(RequestValidationError, _http_exception)
     if api_key:
