@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     add_schedule_parser(sub)
+
+    # The bench parser imports only argparse; the load generator imports its dependencies when it runs.
+    from lmserve.bench import cli as bench_cli
+
+    bench = sub.add_parser("bench", help=bench_cli.HELP)
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(func=bench_cli.run, log_level="WARNING")
     return parser
 
 
