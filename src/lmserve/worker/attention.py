@@ -61,16 +61,18 @@ class PagedAttention:
                 query_pos = torch.arange(start, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
                 causal = False
+            # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,
+            # which made a 1,500-token prefill 5x slower (benchmarks/prefill_attention.py).
             o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
+                qs.transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
                 is_causal=causal,
                 scale=self.scale,
                 enable_gqa=self.num_heads != kvh,
             )
-            out[row : row + q_len] = o.transpose(0, 1)
+            out[row : row + q_len] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata):
