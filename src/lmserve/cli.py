@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="compute threads of the engine (default: one per CPU it may use)")
+    p.add_argument("--engine-cpus", default=None, help="CPUs the engine runs on, e.g. '1' or '0-3' (default: all)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -30,6 +33,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "long_prefill_token_threshold": args.long_prefill_token_threshold, "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy, "seed": args.seed,
+        "engine_threads": args.engine_threads, "engine_cpus": args.engine_cpus,
     }
 
 
@@ -69,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from lmserve.api.serve import ShutdownRequested, serve
-    from lmserve.config import make_engine_config
+    from lmserve.config import make_engine_config, parse_cpus
 
     def stop(signum: int, _frame: object) -> None:
         raise ShutdownRequested(signum)
@@ -81,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(
         make_engine_config(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
+        api_cpus=parse_cpus(args.api_cpus),
     ))
 
 
@@ -107,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--api-cpus", default=None, help="CPUs the API process runs on, e.g. '0' (default: all)")
     srv.add_argument("--request-log", default=None, metavar="FILE",
                      help="append one JSON line per finished request with its whole timeline")
     srv.add_argument("--log-level", default="INFO")

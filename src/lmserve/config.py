@@ -54,11 +54,37 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
+def parse_cpus(value: str | None) -> list[int] | None:
+    """CPU ids from a list such as '1', '0-3' or '0,2-3' (as taskset -c takes them)."""
+    if value is None or value == "":
+        return None
+    cpus: list[int] = []
+    try:
+        for part in value.split(","):
+            first, dash, last = part.strip().partition("-")
+            cpus.extend(range(int(first), int(last if dash else first) + 1))
+    except ValueError:
+        cpus = []
+    if not cpus:
+        raise ValueError(f"bad CPU list {value!r}: use e.g. '1', '0-3' or '0,2'")
+    return sorted(set(cpus))
+
+
+@dataclass
+class PlacementConfig:
+    """Where the engine's compute runs. On a small CPU machine the API process, the engine loop and the compute
+    threads share a few cores, and busy-waiting BLAS threads fight whatever else runs there."""
+
+    engine_threads: int | None = None  # compute threads in the engine process; None: one per CPU it may use
+    engine_cpus: list[int] | None = None  # CPUs the engine process may run on; None: all
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 def make_engine_config(
@@ -75,6 +101,8 @@ def make_engine_config(
     max_num_seqs: int = 64,
     long_prefill_token_threshold: int = 0,
     scheduling_policy: str = "fcfs",
+    engine_threads: int | None = None,
+    engine_cpus: str | list[int] | None = None,
 ) -> EngineConfig:
     """The flat keyword form that LLM(...) and the command line share."""
     return EngineConfig(
@@ -86,5 +114,9 @@ def make_engine_config(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
+        ),
+        placement=PlacementConfig(
+            engine_threads=engine_threads,
+            engine_cpus=parse_cpus(engine_cpus) if isinstance(engine_cpus, str) else engine_cpus,
         ),
     )

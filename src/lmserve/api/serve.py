@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import uvicorn
 
@@ -29,9 +30,13 @@ async def serve(
     served_model_name: str | None = None,
     log_level: str = "info",
     request_log: str | None = None,
+    api_cpus: list[int] | None = None,
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
     llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper())
+    if api_cpus:
+        # After the engine process has started: it keeps its own placement (config.placement).
+        os.sched_setaffinity(0, api_cpus)
     llm.start()
     app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log)
     server = uvicorn.Server(

@@ -26,7 +26,7 @@ TRACKED_REQUESTS = 4096
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache)
+        self.runner = ModelRunner(config.model, config.cache, config.placement)
         eos = getattr(self.runner.hf_config, "eos_token_id", None)
         self.runner.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len)

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmserve.config import CacheConfig, ModelConfig, parse_memory
+from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memory
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.plan.memory import kv_bytes_per_block  # one formula for the engine and the planner
 from lmserve.worker.attention import AttentionMetadata
 from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
+from lmserve.worker.placement import apply_placement
 from lmserve.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,14 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, placement: PlacementConfig | None = None
+    ) -> None:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
-        if self.device.type == "cpu" and self.dtype == torch.float32 and NUMPY_BLAS:
-            # Matmuls run in OpenBLAS's threads (models/llama.py: blas_matmul); torch's OpenMP workers would spin
-            # against them for every small op in between, which made decode steps 2-3x slower on 2 cores.
-            torch.set_num_threads(1)
+        if self.device.type == "cpu":
+            apply_placement(placement or PlacementConfig(), blas_does_matmuls=self.dtype == torch.float32 and NUMPY_BLAS)
         source = resolve_model(model_config.model)
         self.hf_config = load_hf_config(source)
         native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
