@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import Server, start_server
+from server_process import Server, start_server, wait_for
 
 from lmserve.metrics.stats import STAMPS
 
@@ -66,15 +65,6 @@ def log_lines(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
     return {line["request_id"]: line for line in map(json.loads, path.read_text().splitlines())}
-
-
-def wait_for(predicate, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    return predicate()
 
 
 def assert_ordered(line: dict) -> None:

@@ -11,7 +11,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import Server, start_server
+from server_process import Server, start_server, wait_for
 from test_api_fake_engine import FakeEngine, ServerThread
 
 from lmserve.api.server import build_app
@@ -37,15 +37,6 @@ def chromium_path() -> str:
         pytest.fail("Chromium is not installed: install it with `apt-get install chromium` (the browser tests use "
                     "the system's Chromium and never download one)", pytrace=False)
     return path
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    return predicate()
 
 
 def screenshot(page: Page, name: str) -> None:
