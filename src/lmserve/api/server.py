@@ -491,6 +491,15 @@ class RecordedJSONResponse(Response):
             self.group.record(delivered=True)
 
 
+def _trailer(
+    choices: Choices, group: RequestGroup, include_usage: bool, return_timeline: bool
+) -> tuple[UsageInfo | None, list[dict[str, Any]] | None] | None:
+    """(usage, timelines) for the last chunk before [DONE], or None when the client asked for neither."""
+    if not (include_usage or return_timeline):
+        return None
+    return choices.usage() if include_usage else None, group.timeline_dicts() if return_timeline else None
+
+
 # ------------------------------------------------------------------------------------------------ serving
 
 
@@ -587,9 +596,8 @@ class OpenAIServing:
             async for prompt_index, out in group.outputs():
                 for choice in choices.stream_choices(prompt_index, out):
                     yield chunk([choice])  # one choice per chunk, as OpenAI (and clients reading choices[0])
-            if include_usage or return_timeline:
-                yield chunk([], choices.usage() if include_usage else None,
-                            group.timeline_dicts() if return_timeline else None)
+            if trailer := _trailer(choices, group, include_usage, return_timeline):
+                yield chunk([], *trailer)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
             yield sse_error(exc)
         finally:
@@ -641,9 +649,8 @@ class OpenAIServing:
             async for _, out in group.outputs():
                 for choice in choices.stream_choices(out):
                     yield chunk([choice])
-            if include_usage or return_timeline:
-                yield chunk([], choices.usage() if include_usage else None,
-                            group.timeline_dicts() if return_timeline else None)
+            if trailer := _trailer(choices, group, include_usage, return_timeline):
+                yield chunk([], *trailer)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
             yield sse_error(exc)
         finally:
