@@ -27,6 +27,7 @@ def parse_memory(value: float | str | None) -> int | None:
 class ModelConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "auto"  # auto | none | fp16 (weights after loading; worker/quantization.py)
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
@@ -91,6 +92,7 @@ def make_engine_config(
     model: str = DEFAULT_MODEL,
     *,
     dtype: str = "auto",
+    quantization: str = "auto",
     device: str = "auto",
     max_model_len: int | None = None,
     seed: int = 0,
@@ -106,7 +108,9 @@ def make_engine_config(
 ) -> EngineConfig:
     """The flat keyword form that LLM(...) and the command line share."""
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+        model=ModelConfig(
+            model=model, dtype=dtype, quantization=quantization, device=device, max_model_len=max_model_len, seed=seed
+        ),
         cache=CacheConfig(
             kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,

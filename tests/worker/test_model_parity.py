@@ -10,6 +10,9 @@ compares them with the logits of one full (unpaged) transformers forward over th
 
 The reference for an HF directory comes from `from_pretrained` (independent of our loader). For GGUF files it is
 built from the weights our loader dequantizes, since the point is the model code, not the quantization.
+
+The same checks run with `--quantization fp16` (float16 weights, float32 arithmetic) against a reference whose linear
+weights are rounded to float16: the kernels must compute exactly that model, to float32 rounding.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.loader import DEFAULT_MODEL, load_hf_config, load_weights, resolve_model
 from lmserve.worker.model_runner import ModelRunner
+from lmserve.worker.quantization import FP16_KERNEL_MAX_ROWS, Float16WeightLinear
 
 BLOCK_SIZE = 16
 # Measured max abs error in float32 (printed with -s): tiny models 3e-7 on logits up to ~1; the default model
@@ -40,8 +44,19 @@ DEFAULT_ATOL = 1e-3
 TINY_MODELS = ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf"]
 
 
-def hf_reference(source_path: Path | str) -> transformers.PreTrainedModel:
-    """transformers' implementation in float32 on the same weights as our runner."""
+def hf_reference(source_path: Path | str, fp16_weights: bool = False) -> transformers.PreTrainedModel:
+    """transformers' implementation in float32 on the same weights as our runner (fp16_weights: linear layers' and
+    the output layer's weights rounded to float16, as `--quantization fp16` stores them)."""
+    model = _hf_model(source_path)
+    if fp16_weights:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                # A new Parameter also unties a tied output layer: the embedding lookup stays float32, as ours does.
+                module.weight = torch.nn.Parameter(module.weight.detach().half().float())
+    return model
+
+
+def _hf_model(source_path: Path | str) -> transformers.PreTrainedModel:
     source = resolve_model(str(source_path))
     if source.kind == "hf":
         model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
@@ -61,13 +76,18 @@ def hf_reference(source_path: Path | str) -> transformers.PreTrainedModel:
 class Parity:
     """A ModelRunner and the transformers reference for one model."""
 
-    def __init__(self, path: Path | str, max_model_len: int, num_blocks: int, atol: float) -> None:
+    def __init__(
+        self, path: Path | str, max_model_len: int, num_blocks: int, atol: float, quantization: str = "none"
+    ) -> None:
         self.name = Path(str(path)).name
         self.runner = ModelRunner(
-            ModelConfig(model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len),
+            ModelConfig(
+                model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len, quantization=quantization
+            ),
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         )
-        self.reference = hf_reference(path)
+        assert self.runner.quantization == quantization
+        self.reference = hf_reference(path, fp16_weights=quantization == "fp16")
         self.vocab_size = self.runner.vocab_size
         self.atol = atol
 
@@ -218,3 +238,33 @@ def test_default_model_chunked_prefill_and_decode_match_transformers(default_par
 def test_default_model_mixed_batch_matches_transformers(default_parity: Parity) -> None:
     error, scale = mixed_batch(default_parity, {"a": [5, 0], "b": [14, 9, 3], "c": [10]})
     print(f"\n{DEFAULT_MODEL}: mixed batch, max abs logit error {error:.3g} (max |logit| {scale:.3g})")
+
+
+# --------------------------------------------------------------------------------------------- fp16 weights
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_gguf"])  # qwen2: q/k/v biases
+def tiny_fp16(request: pytest.FixtureRequest) -> Parity:
+    path = request.getfixturevalue(request.param)
+    return Parity(path, max_model_len=256, num_blocks=32, atol=TINY_ATOL, quantization="fp16")
+
+
+def test_fp16_weights_compute_the_rounded_model(tiny_fp16: Parity) -> None:
+    # A 150-row first chunk takes the widened float32 GEMM (over FP16_KERNEL_MAX_ROWS), the rest fbgemm's fp16 kernel.
+    assert isinstance(tiny_fp16.runner.model.layers[0].mlp.gate_up_proj, Float16WeightLinear)
+    assert 150 > FP16_KERNEL_MAX_ROWS
+    seq = tiny_fp16.sequence(176, 0)
+    error, _ = chunked_prefill_then_decode(tiny_fp16, seq, split=150, prompt_len=170, blocks=list(range(3, 14)))
+    error_mixed, _ = mixed_batch(tiny_fp16, {"a": [11, 3], "b": [6, 25, 1], "c": [20]})
+    print(f"\n{tiny_fp16.name} fp16: max abs logit error {max(error, error_mixed):.3g}")
+
+
+def test_default_model_fp16_weights_compute_the_rounded_model() -> None:
+    parity = Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, quantization="fp16")
+    seq = parity.sequence(40, 0)
+    error, _ = chunked_prefill_then_decode(parity, seq, split=19, prompt_len=35, blocks=[7, 2, 12])
+    # Rounding the weights moves the default model's logits by far more than the bound: the reference matters.
+    unrounded = hf_reference(DEFAULT_MODEL)(torch.tensor([seq])).logits[0]
+    moved = (unrounded - parity.reference_logits(seq)).abs().max().item()
+    assert moved > 3 * error, (moved, error)
+    print(f"\n{DEFAULT_MODEL} fp16: max abs logit error {error:.3g}; float16 rounding moves logits by {moved:.3g}")

@@ -22,9 +22,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new position
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: key position < context length
-    # One entry per prefill chunk: (first query row, query length, start position, block ids tensor)
-    prefills: list[tuple[int, int, int, torch.Tensor]]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive: 0 where key < context, -inf past
+    # One entry per prefill chunk: (first query row, query length, start position, block ids tensor, mask). The mask
+    # is None for a first chunk (plain causal); a later chunk's is additive, [query length, start + query length].
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
 
 
 class PagedAttention:
@@ -49,17 +50,15 @@ class PagedAttention:
         out = torch.empty_like(q)
         if md.num_decodes:
             out[: md.num_decodes] = self._decode(q[: md.num_decodes], k_cache, v_cache, md)
-        for row, q_len, start, block_ids in md.prefills:
+        for row, q_len, start, block_ids, mask in md.prefills:
             qs = q[row : row + q_len]
             if start == 0:
                 # A first chunk sees only itself: no gather from the cache needed.
-                keys, values, mask, causal = k[row : row + q_len], v[row : row + q_len], None, True
+                keys, values, causal = k[row : row + q_len], v[row : row + q_len], True
             else:
                 ctx = start + q_len
                 keys = k_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx]
                 values = v_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx]
-                query_pos = torch.arange(start, ctx, device=q.device)
-                mask = torch.arange(ctx, device=q.device)[None, :] <= query_pos[:, None]
                 causal = False
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,
             # which made a 1,500-token prefill 5x slower (benchmarks/prefill_attention.py).

@@ -16,6 +16,7 @@ from lmserve.worker.attention import AttentionMetadata
 from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
+from lmserve.worker.quantization import check_quantization
 from lmserve.worker.sampler import Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,11 @@ class ModelRunner:
     ) -> None:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.quantization = check_quantization(model_config.quantization, self.device, self.dtype)
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
-            apply_placement(placement or PlacementConfig(), blas_does_matmuls=self.dtype == torch.float32 and NUMPY_BLAS)
+            numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
+            apply_placement(placement or PlacementConfig(), blas_does_matmuls=numpy_matmuls)
         source = resolve_model(model_config.model)
         self.hf_config = load_hf_config(source)
         native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
@@ -69,9 +72,14 @@ class ModelRunner:
         with torch.device(self.device):
             model = LlamaForCausalLM(self.hf_config, self.max_model_len).to(self.dtype)
         model.load_weights(load_weights(source, self.dtype))
+        if self.quantization != "none":
+            model.quantize(self.quantization)
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
-        logger.info("loaded %s (%s, %s) in %.1fs", source.name, self.dtype, self.device, time.perf_counter() - started)
+        logger.info(
+            "loaded %s (%s, quantization %s, %s) in %.1fs",
+            source.name, self.dtype, self.quantization, self.device, time.perf_counter() - started,
+        )
 
         num_kv_heads, head_dim = model.kv_shape
         per_block = kv_bytes_per_block(
@@ -108,7 +116,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        prefills: list[tuple[int, int, int, torch.Tensor]] = []
+        prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
         logits_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         row = 0
@@ -120,7 +128,8 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             if r.num_tokens > 1:
                 nblocks = -(-(r.start_position + r.num_tokens) // bs)
-                prefills.append((row, r.num_tokens, r.start_position, torch.as_tensor(table[:nblocks], device=self.device)))
+                block_ids = torch.as_tensor(table[:nblocks], device=self.device)
+                prefills.append((row, r.num_tokens, r.start_position, block_ids, self._chunk_mask(pos)))
             row += r.num_tokens
             if r.samples:
                 logits_rows.append(row - 1)
@@ -132,13 +141,14 @@ class ModelRunner:
             n = -(-(r.start_position + 1) // bs)
             tables[i, :n] = r.block_ids[:n]
             context[i] = r.start_position + 1
-        mask = np.arange(max_blocks * bs)[None, :] < context[:, None]
+        # Additive (0 / -inf) rather than boolean: SDPA would convert a boolean mask again in every layer.
+        mask = np.where(np.arange(max_blocks * bs)[None, :] < context[:, None], 0.0, -np.inf)
         dev = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.as_tensor(np.concatenate(slots), device=dev),
             num_decodes=len(decodes),
             decode_block_tables=torch.as_tensor(tables, device=dev),
-            decode_mask=torch.as_tensor(mask, device=dev).view(len(decodes), 1, 1, max_blocks * bs),
+            decode_mask=torch.as_tensor(mask, dtype=self.dtype, device=dev).view(len(decodes), 1, 1, max_blocks * bs),
             prefills=prefills,
         )
         return BatchInputs(
@@ -148,6 +158,14 @@ class ModelRunner:
             logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
             sampling=sampling,
         )
+
+    def _chunk_mask(self, positions: np.ndarray) -> torch.Tensor | None:
+        """Additive causal mask of a prefill chunk that follows cached positions, built once for all layers."""
+        start = int(positions[0])
+        if start == 0:
+            return None
+        visible = np.arange(positions[-1] + 1)[None, :] <= positions[:, None]
+        return torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs) -> torch.Tensor:

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
+from lmserve.worker.quantization import LAYER_TYPES, quantize_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
@@ -44,15 +45,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x + residual) and the new residual (x + residual), like vLLM's fused add-norm."""
-        dtype = x.dtype
-        x = x.float()
         if residual is not None:
-            x = x + residual.float()
-            residual = x.to(dtype)
-        else:
-            residual = x.to(dtype)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype), residual
+            x = x + residual
+        residual = x
+        if x.dtype == torch.float32:
+            # One op instead of six: on CPU every op costs ~5-10 us of dispatch, and a decode step has 61 norms.
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps), residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype), residual
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -85,20 +86,19 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos() * scaling
         self.sin = freqs.sin() * scaling
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KVH, D]; HF's rotate-half layout."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the batch's positions, [T, 1, D/2]: looked up once per forward, shared by every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] in HF's rotate-half layout; q and k heads go through in one call."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -108,15 +108,12 @@ class Attention(nn.Module):
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -136,16 +133,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, x, residual, kv_cache, md):
+    def forward(self, rope, x, residual, kv_cache, md):
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, md)
+        x = self.self_attn(rope, x, kv_cache, md)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -159,9 +156,9 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -177,13 +174,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, md)
+            x, residual = layer(rope, x, residual, kv_cache, md)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return blas_matmul(hidden, weight).float()
+        if self.lm_head is None:
+            return blas_matmul(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def quantize(self, method: str, output_layer: bool = True) -> None:
+        """Every linear layer to `method` (worker/quantization.py); the output layer too unless output_layer is False.
+        A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer."""
+        quantize_linears(self.layers, method)
+        if output_layer:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head = LAYER_TYPES[method](head, None)
 
     # Hugging Face names → our fused parameters: (our name, shard index in the fused tensor)
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
@@ -201,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding serves as the output layer
             parts = name.split(".")
             fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
