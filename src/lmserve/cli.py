@@ -31,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "device": args.device, "max_model_len": args.max_model_len,
+        "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "device": args.device,
+        "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "long_prefill_token_threshold": args.long_prefill_token_threshold, "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy, "seed": args.seed,
