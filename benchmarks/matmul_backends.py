@@ -9,13 +9,12 @@ Part 2 times whole engine decode steps with each backend (LMSERVE_BLAS=torch|num
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 import torch
+from timing import median_ms
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -33,16 +32,6 @@ for batch in (1, 16):
     llm.output_processor.parents.clear(); llm.output_processor.children.clear()
     print(batch, statistics.median(times))
 """
-
-
-def median_ms(fn, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:

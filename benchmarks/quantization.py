@@ -26,6 +26,7 @@ import warnings
 from importlib import resources
 
 import torch
+from timing import median_ms
 from torch import nn
 
 from lmserve import LLM, SamplingParams
@@ -166,13 +167,7 @@ def layer_speed(rows: int, layers: int = 30) -> dict[str, float]:
                 for (_, k), fn in zip(shapes, layer, strict=True):
                     fn(inputs[k])
 
-        one_pass()
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            one_pass()
-            times.append(time.perf_counter() - started)
-        result[kind] = 1e3 * statistics.median(times)
+        result[kind] = median_ms(one_pass, repeats=5)
     return result
 
 
