@@ -6,6 +6,7 @@
 Each server is started in turn on 127.0.0.1, measured with the same prompts (token ids from the same tokenizer and
 seed), and stopped before the next one starts: nothing else runs during a measurement. Results (every bench JSON)
 go to PEERS_DIR/results/DATE/, and a table replaces the section between the markers in docs/benchmarks.md.
+`lmserve-sdpa` (lmserve with `--attention-backend sdpa`, the portable attention path) can join as a column of its own.
 
 Workloads (issue 6):
   W1 throughput: random 256-token prompts, 128 output tokens (ignore EOS), 64 requests, concurrency 16.
@@ -55,6 +56,8 @@ LMSERVE_VARIANTS = {
     "lmserve-lp64": (["--long-prefill-token-threshold", "64"], "W3", "_lp64"),
     "lmserve-lp32": (["--long-prefill-token-threshold", "32"], "W3", "_lp32"),
 }
+# lmserve with other defaults, measured on every workload in a column of its own.
+LMSERVE_COLUMNS = {"lmserve-sdpa": ["--attention-backend", "sdpa"]}
 W2_RATES = (0.25, 0.5, 1.0, 2.0)  # requests/s, tried upwards
 W2_SLO = "ttft=2000,tpot=100"
 MARKERS = {"main": ("<!-- compare_peers:start -->", "<!-- compare_peers:end -->"),
@@ -101,10 +104,14 @@ def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[S
     specs = []
     for name in names:
         if name.startswith("lmserve"):
-            extra = lmserve_args + (LMSERVE_VARIANTS[name][0] if name in LMSERVE_VARIANTS else [])
+            own = LMSERVE_VARIANTS[name][0] if name in LMSERVE_VARIANTS else LMSERVE_COLUMNS.get(name, [])
+            if name != "lmserve" and name not in LMSERVE_VARIANTS and name not in LMSERVE_COLUMNS:
+                raise SystemExit(f"unknown server {name!r}")
+            extra = lmserve_args + own
+            defaults = "defaults (float32, --quantization auto = fp16 weights, --attention-backend auto = paged-cpu)"
             specs.append(ServerSpec(name, [str(VENV_BIN / "lmserve"), "serve", "--port", str(port),
                                            "--max-model-len", "2048", "--log-level", "WARNING", *extra],
-                                    settings=" ".join(["defaults (float32, --quantization auto = fp16 weights)", *extra])))
+                                    settings=" ".join([defaults, *extra])))
         elif name.startswith("llama-"):
             gguf = bf16_gguf() if name == "llama-bf16" else packaged_gguf()
             # 16 slots x 2,048 tokens: room for W1's 384 tokens per request and W3's 1,500-token prompt.

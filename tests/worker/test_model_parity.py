@@ -6,7 +6,10 @@ compares them with the logits of one full (unpaged) transformers forward over th
 
 - a prompt prefilled in two chunks (the second attends to the first through the cache), then single-token decodes;
 - a mixed batch: one request decoding while another prefills a chunk that starts in the middle of its prompt, and
-  decodes of different context lengths together (padded decode attention).
+  decodes of different context lengths together.
+
+Both attention backends run every check: `paged-cpu` (decodes read the blocks in place, each over its own context)
+and `sdpa` (decodes padded to the longest context).
 
 The reference for an HF directory comes from `from_pretrained` (independent of our loader). For GGUF files it is
 built from the weights our loader dequantizes, since the point is the model code, not the quantization.
@@ -41,6 +44,7 @@ BLOCK_SIZE = 16
 TINY_ATOL = 1e-5
 DEFAULT_ATOL = 1e-3
 
+ATTENTION_BACKENDS = ["paged-cpu", "sdpa"]
 TINY_MODELS = ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf"]
 
 
@@ -77,16 +81,24 @@ class Parity:
     """A ModelRunner and the transformers reference for one model."""
 
     def __init__(
-        self, path: Path | str, max_model_len: int, num_blocks: int, atol: float, quantization: str = "none"
+        self,
+        path: Path | str,
+        max_model_len: int,
+        num_blocks: int,
+        atol: float,
+        quantization: str = "none",
+        attention_backend: str = "paged-cpu",
     ) -> None:
-        self.name = Path(str(path)).name
+        self.name = f"{Path(str(path)).name} ({attention_backend})"
         self.runner = ModelRunner(
             ModelConfig(
-                model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len, quantization=quantization
+                model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
+                quantization=quantization, attention_backend=attention_backend,
             ),
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         )
         assert self.runner.quantization == quantization
+        assert self.runner.attention_backend == attention_backend
         self.reference = hf_reference(path, fp16_weights=quantization == "fp16")
         self.vocab_size = self.runner.vocab_size
         self.atol = atol
@@ -203,9 +215,12 @@ def mixed_batch(p: Parity, blocks: dict[str, list[int]]) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------- tiny models
 
 
-@pytest.fixture(scope="module", params=TINY_MODELS)
+@pytest.fixture(scope="module", params=[(m, b) for b in ATTENTION_BACKENDS for m in TINY_MODELS], ids=str)
 def tiny(request: pytest.FixtureRequest) -> Parity:
-    return Parity(request.getfixturevalue(request.param), max_model_len=256, num_blocks=32, atol=TINY_ATOL)
+    model, backend = request.param
+    return Parity(
+        request.getfixturevalue(model), max_model_len=256, num_blocks=32, atol=TINY_ATOL, attention_backend=backend
+    )
 
 
 def test_tiny_chunked_prefill_and_decode_match_transformers(tiny: Parity) -> None:
@@ -224,9 +239,9 @@ def test_tiny_mixed_batch_matches_transformers(tiny: Parity) -> None:
 # --------------------------------------------------------------------------------------------- default model
 
 
-@pytest.fixture(scope="module")
-def default_parity() -> Parity:
-    return Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL)
+@pytest.fixture(scope="module", params=ATTENTION_BACKENDS)
+def default_parity(request: pytest.FixtureRequest) -> Parity:
+    return Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, attention_backend=request.param)
 
 
 def test_default_model_chunked_prefill_and_decode_match_transformers(default_parity: Parity) -> None:

@@ -1,15 +1,65 @@
 """Paged attention behind one interface: write new K/V into the block cache, attend causally over each request's blocks.
 
-The portable PyTorch version batches every decode (query length 1) into one padded SDPA call and runs one SDPA call
-per prefill chunk; there is no Python loop over the tokens of a sequence. Faster kernels plug in behind `PagedAttention`.
+Two backends (`--attention-backend`):
+- `sdpa`, portable: every decode (query length 1) goes into one SDPA call over K/V gathered from the blocks and padded
+  to the longest context in the batch; each prefill chunk is one SDPA call. No Python loop over a sequence's tokens.
+- `paged-cpu`: decodes go through a C++ kernel (worker/kernels/) that reads the blocks in place, each request over its
+  own context: no gather, no padding. Prefill chunks stay on SDPA, whose flash kernel computes a many-query chunk
+  about twice as fast as the paged kernel (benchmarks/paged_attention.py).
+`auto` picks paged-cpu on CPU with float32 when the kernel builds, sdpa otherwise.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from lmserve.worker.kernels import paged_attention_op
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
+PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
+
+
+def check_attention_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The backend to use; auto falls back to sdpa (with a warning if the kernel failed to build), an explicit choice
+    that cannot run raises."""
+    name = name or "auto"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "sdpa":
+        return name
+    fits = device.type == "cpu" and dtype == torch.float32 and head_dim in PAGED_CPU_HEAD_DIMS
+    if not fits:
+        if name == "auto":
+            return "sdpa"
+        raise ValueError(
+            f"--attention-backend paged-cpu runs on CPU with float32 and a head size in {PAGED_CPU_HEAD_DIMS} "
+            f"(here: {device.type}, {dtype}, head size {head_dim})"
+        )
+    try:
+        paged_attention_op()
+    except RuntimeError as exc:
+        if name != "auto":
+            raise
+        logger.warning("%s; attention falls back to sdpa", exc)
+        return "sdpa"
+    return "paged-cpu"
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of the batch: `num_tokens` new positions from `start_position`, stored in `block_ids`."""
+
+    start_position: int
+    num_tokens: int
+    block_ids: Sequence[int]
 
 
 @dataclass
@@ -21,11 +71,68 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new position
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive: 0 where key < context, -inf past
+    # sdpa: int64 [num_decodes, max_blocks] padded with block 0. paged-cpu: the same in int32.
+    decode_block_tables: torch.Tensor
+    # sdpa only: additive [num_decodes, 1, 1, max_blocks * block_size], 0 where key < context, -inf past it.
+    decode_mask: torch.Tensor | None
+    # paged-cpu only: int64 [num_decodes, 3] of (query row, query length 1, context length).
+    decode_requests: torch.Tensor | None
     # One entry per prefill chunk: (first query row, query length, start position, block ids tensor, mask). The mask
     # is None for a first chunk (plain causal); a later chunk's is additive, [query length, start + query length].
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
+
+
+def build_metadata(
+    chunks: list[ScheduledChunk], block_size: int, backend: str, device: torch.device, dtype: torch.dtype
+) -> AttentionMetadata:
+    """Metadata for a batch whose rows are `chunks` in order; decodes (num_tokens == 1) must come first."""
+    bs = block_size
+    slots: list[np.ndarray] = []
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
+    decodes: list[ScheduledChunk] = []
+    row = 0
+    for c in chunks:
+        pos = np.arange(c.start_position, c.start_position + c.num_tokens)
+        table = np.asarray(c.block_ids, dtype=np.int64)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        if c.num_tokens == 1:
+            assert not prefills, "decodes must come before prefill chunks"
+            decodes.append(c)
+        else:
+            nblocks = -(-(c.start_position + c.num_tokens) // bs)
+            block_ids = torch.as_tensor(table[:nblocks], device=device)
+            prefills.append((row, c.num_tokens, c.start_position, block_ids, _chunk_mask(pos, dtype, device)))
+        row += c.num_tokens
+    context = np.array([c.start_position + 1 for c in decodes], dtype=np.int64)
+    max_blocks = int(-(-context.max() // bs)) if decodes else 0
+    tables = np.zeros((len(decodes), max_blocks), dtype=np.int32 if backend == "paged-cpu" else np.int64)
+    for i, c in enumerate(decodes):
+        n = -(-int(context[i]) // bs)
+        tables[i, :n] = c.block_ids[:n]
+    mask = requests = None
+    if backend == "paged-cpu":
+        requests = torch.as_tensor(np.stack([np.arange(len(decodes)), np.ones_like(context), context], axis=1))
+    else:
+        # Additive (0 / -inf) rather than boolean: SDPA would convert a boolean mask again in every layer.
+        visible = np.arange(max_blocks * bs)[None, :] < context[:, None]
+        mask = torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
+        mask = mask.view(len(decodes), 1, 1, max_blocks * bs)
+    return AttentionMetadata(
+        slot_mapping=torch.as_tensor(np.concatenate(slots), device=device),
+        num_decodes=len(decodes),
+        decode_block_tables=torch.as_tensor(tables, device=device),
+        decode_mask=mask,
+        decode_requests=requests,
+        prefills=prefills,
+    )
+
+
+def _chunk_mask(positions: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive causal mask of a prefill chunk that follows cached positions, built once for all layers."""
+    if positions[0] == 0:
+        return None
+    visible = np.arange(positions[-1] + 1)[None, :] <= positions[:, None]
+    return torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
 
 
 class PagedAttention:
@@ -48,7 +155,10 @@ class PagedAttention:
         k_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, v)
         out = torch.empty_like(q)
-        if md.num_decodes:
+        if md.decode_requests is not None:
+            if md.num_decodes:
+                paged_attention_op()(out, q, k_cache, v_cache, md.decode_block_tables, md.decode_requests, self.scale)
+        elif md.num_decodes:
             out[: md.num_decodes] = self._decode(q[: md.num_decodes], k_cache, v_cache, md)
         for row, q_len, start, block_ids, mask in md.prefills:
             qs = q[row : row + q_len]

@@ -12,7 +12,12 @@ import torch
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memory
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.plan.memory import kv_bytes_per_block  # one formula for the engine and the planner
-from lmserve.worker.attention import AttentionMetadata
+from lmserve.worker.attention import (
+    AttentionMetadata,
+    ScheduledChunk,
+    build_metadata,
+    check_attention_backend,
+)
 from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
@@ -82,6 +87,10 @@ class ModelRunner:
         )
 
         num_kv_heads, head_dim = model.kv_shape
+        self.attention_backend = check_attention_backend(
+            model_config.attention_backend, self.device, self.dtype, head_dim
+        )
+        logger.info("attention backend: %s", self.attention_backend)
         per_block = kv_bytes_per_block(
             model.num_layers, num_kv_heads, head_dim, self.block_size, self.dtype.itemsize
         )
@@ -109,63 +118,28 @@ class ModelRunner:
         self.eos_token_id: int | None = None
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
-        bs = self.block_size
         # Decodes first so their queries form one contiguous, batched attention call.
         order = sorted(scheduled, key=lambda r: r.num_tokens != 1)
-        decodes = [r for r in order if r.num_tokens == 1]
         input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
         logits_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         row = 0
         for r in order:
-            pos = np.arange(r.start_position, r.start_position + r.num_tokens)
-            table = np.asarray(r.block_ids, dtype=np.int64)
             input_ids.extend(r.token_ids)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if r.num_tokens > 1:
-                nblocks = -(-(r.start_position + r.num_tokens) // bs)
-                block_ids = torch.as_tensor(table[:nblocks], device=self.device)
-                prefills.append((row, r.num_tokens, r.start_position, block_ids, self._chunk_mask(pos)))
             row += r.num_tokens
             if r.samples:
                 logits_rows.append(row - 1)
                 sampling.append(r)
-        max_blocks = max((-(-(r.start_position + 1) // bs) for r in decodes), default=0)
-        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-        context = np.zeros(len(decodes), dtype=np.int64)
-        for i, r in enumerate(decodes):
-            n = -(-(r.start_position + 1) // bs)
-            tables[i, :n] = r.block_ids[:n]
-            context[i] = r.start_position + 1
-        # Additive (0 / -inf) rather than boolean: SDPA would convert a boolean mask again in every layer.
-        mask = np.where(np.arange(max_blocks * bs)[None, :] < context[:, None], 0.0, -np.inf)
+        positions = np.concatenate([np.arange(r.start_position, r.start_position + r.num_tokens) for r in order])
+        chunks = [ScheduledChunk(r.start_position, r.num_tokens, r.block_ids) for r in order]
         dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.as_tensor(np.concatenate(slots), device=dev),
-            num_decodes=len(decodes),
-            decode_block_tables=torch.as_tensor(tables, device=dev),
-            decode_mask=torch.as_tensor(mask, dtype=self.dtype, device=dev).view(len(decodes), 1, 1, max_blocks * bs),
-            prefills=prefills,
-        )
         return BatchInputs(
             input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.as_tensor(np.concatenate(positions), device=dev),
-            attn=attn,
+            positions=torch.as_tensor(positions, device=dev),
+            attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype),
             logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
             sampling=sampling,
         )
-
-    def _chunk_mask(self, positions: np.ndarray) -> torch.Tensor | None:
-        """Additive causal mask of a prefill chunk that follows cached positions, built once for all layers."""
-        start = int(positions[0])
-        if start == 0:
-            return None
-        visible = np.arange(positions[-1] + 1)[None, :] <= positions[:, None]
-        return torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs) -> torch.Tensor:

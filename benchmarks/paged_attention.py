@@ -1,0 +1,117 @@
+"""The two attention backends side by side: one attention layer, then the whole engine.
+
+Layer: SmolLM2's attention shape (9 query heads over 3 KV heads of 64), a 4,096-block cache with each request's
+blocks scattered through it, one `PagedAttention.forward` per call (K/V write included), median of 30 calls. Also
+the paged kernel on prefill chunks against SDPA, the measurement behind sending chunks to SDPA.
+
+Engine: `LLM` on the default model with each backend in turn: 64 requests of 256 random tokens / 128 output tokens
+at 16 concurrent sequences (W1's shape), and one stream of 256 decode tokens after a 128-token prompt (W4's shape).
+
+    .venv/bin/python benchmarks/paged_attention.py [--skip-engine] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from timing import median_ms
+
+from lmserve import LLM, SamplingParams
+from lmserve.worker.attention import PagedAttention, ScheduledChunk, build_metadata
+from lmserve.worker.kernels import paged_attention_op
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+NUM_BLOCKS = 4096
+# (label, [(query length, context length)]), decodes first as the runner orders them
+LAYER_CASES = [
+    ("1 decode at 400", [(1, 400)]),
+    ("16 decodes at 300-375", [(1, 300 + 5 * i) for i in range(16)]),
+    ("16 decodes at 1000-1075", [(1, 1000 + 5 * i) for i in range(16)]),
+    ("4 decodes at 200 + 1 at 1500 (W3)", [(1, 200)] * 4 + [(1, 1500)]),
+    ("4 decodes at 200 + 32-token chunk at 1450", [(1, 200)] * 4 + [(32, 1450)]),
+]
+CHUNK_CASES = [(32, 1450), (64, 1088), (256, 1280), (512, 2048)]
+
+
+def layer_case(requests: list[tuple[int, int]], backend: str, caches) -> float:
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    chunks, used = [], 0
+    for q_len, ctx in requests:
+        n = -(-ctx // BLOCK)
+        chunks.append(ScheduledChunk(ctx - q_len, q_len, order[used : used + n]))
+        used += n
+    rows = sum(q for q, _ in requests)
+    q, k, v = (torch.randn(rows, h, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    attn = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    md = build_metadata(chunks, BLOCK, backend, torch.device("cpu"), torch.float32)
+    return median_ms(lambda: attn.forward(q, k, v, *caches, md), 30)
+
+
+def kernel_on_chunk(q_len: int, ctx: int, caches) -> tuple[float, float]:
+    """One chunk over a cached prefix: the paged kernel against block gather + SDPA (what the backends do)."""
+    k_cache, v_cache = caches
+    blocks = torch.randperm(NUM_BLOCKS)[: -(-ctx // BLOCK)]
+    q = torch.randn(q_len, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    table, info = blocks.int()[None], torch.tensor([[0, q_len, ctx]])
+    positions = torch.arange(ctx - q_len, ctx)[:, None]
+    mask = torch.where(torch.arange(ctx)[None, :] <= positions, 0.0, float("-inf"))
+
+    def sdpa() -> None:
+        keys = k_cache.index_select(0, blocks).view(-1, KV_HEADS, HEAD_DIM)[:ctx]
+        values = v_cache.index_select(0, blocks).view(-1, KV_HEADS, HEAD_DIM)[:ctx]
+        F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                       values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+
+    kernel = paged_attention_op()
+    return median_ms(lambda: kernel(out, q, k_cache, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
+
+
+def engine(backend: str, repeats: int) -> dict[str, float]:
+    llm = LLM(attention_backend=backend, max_num_seqs=16, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1000, llm.input_processor.vocab_size, (64, 256), generator=gen).tolist()
+    single = torch.randint(1000, llm.input_processor.vocab_size, (128,), generator=gen).tolist()
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    batch, stream = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+        batch.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started))
+        times = [time.perf_counter() for _ in llm.stream(single, SamplingParams(max_tokens=256, temperature=0,
+                                                                                ignore_eos=True))]
+        stream.append((len(times) - 1) / (times[-1] - times[0]))
+    return {"batch": statistics.median(batch), "single": statistics.median(stream)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = (torch.randn(shape), torch.randn(shape))
+    print("\n| one attention layer (ms) | sdpa | paged-cpu | ratio |\n|---|---|---|---|")
+    for label, requests in LAYER_CASES:
+        sdpa, paged = layer_case(requests, "sdpa", caches), layer_case(requests, "paged-cpu", caches)
+        print(f"| {label} | {sdpa:.3f} | {paged:.3f} | {sdpa / paged:.2f}x |")
+    print("\n| prefill chunk over a cached prefix (ms) | gather + SDPA | paged kernel | kernel / SDPA |\n|---|---|---|---|")
+    for q_len, ctx in CHUNK_CASES:
+        kernel, sdpa = kernel_on_chunk(q_len, ctx, caches)
+        print(f"| {q_len} queries at context {ctx} | {sdpa:.2f} | {kernel:.2f} | {kernel / sdpa:.2f}x |")
+    if args.skip_engine:
+        return
+    print("\n| engine, default model | W1 shape output tok/s | W4 shape decode tok/s |\n|---|---|---|")
+    for backend in ("sdpa", "paged-cpu"):
+        found = engine(backend, args.repeats)
+        print(f"| {backend} | {found['batch']:.1f} | {found['single']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

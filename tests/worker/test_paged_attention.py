@@ -1,0 +1,156 @@
+"""The paged-cpu attention kernel against float64 math, and how a backend is chosen and its metadata built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lmserve.worker import attention
+from lmserve.worker.attention import ScheduledChunk, build_metadata, check_attention_backend
+from lmserve.worker.kernels import paged_attention_op
+
+CPU = torch.device("cpu")
+
+
+def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int) -> torch.Tensor:
+    """Causal attention in float64 for queries at the last q.shape[0] positions of a `context`-long sequence."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    keys = k_cache[block_ids].reshape(-1, k_cache.shape[2], head_dim)[:context].double()
+    values = v_cache[block_ids].reshape(-1, v_cache.shape[2], head_dim)[:context].double()
+    group = num_heads // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
+    positions = torch.arange(context - q.shape[0], context)[:, None]
+    scores = scores.masked_fill(torch.arange(context)[None, :] > positions, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 16, 16), (8, 2, 128, 32), (2, 1, 8, 4), (6, 3, 32, 16)],
+)
+def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 96
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    # (query length, context): one-token decodes at block edges, a whole first chunk, chunks over a cached prefix
+    # that cross the kernel's 16-query tiles and start mid-block.
+    requests = [(1, 1), (1, block_size), (1, block_size + 1), (5, 5), (17, 3 * block_size + 21), (40, 130), (1, 77)]
+    tables = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(-(-ctx // block_size) for _, ctx in requests)
+    block_tables = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
+    rows, used, first_rows = 1, 0, []  # row 0 belongs to no request: the kernel must leave it alone
+    for i, (q_len, ctx) in enumerate(requests):
+        n = -(-ctx // block_size)
+        block_tables[i, :n] = tables[used : used + n].int()
+        used += n
+        first_rows.append(rows)
+        rows += q_len
+    # q as the rotary code hands it over: a view into a wider fused tensor, rows not contiguous.
+    fused = torch.randn(rows, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    q = fused[:, :num_heads]
+    out = torch.full((rows, num_heads, head_dim), 7.0)
+    info = torch.tensor([(r, q_len, ctx) for r, (q_len, ctx) in zip(first_rows, requests, strict=True)])
+    paged_attention_op()(out, q, k_cache, v_cache, block_tables, info, head_dim**-0.5)
+
+    assert (out[0] == 7.0).all()
+    for i, (q_len, ctx) in enumerate(requests):
+        r = first_rows[i]
+        expected = reference(q[r : r + q_len], k_cache, v_cache, block_tables[i].long().tolist(), ctx)
+        torch.testing.assert_close(out[r : r + q_len].double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context", [1, 33, 300])
+def test_kernel_splits_a_single_stream_by_kv_head_with_the_same_result(context: int) -> None:
+    # One decode is too few work items for every thread, so the kernel gives each kv head its own item.
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 20, 16, 3, 64, generator=gen)
+    blocks = torch.randperm(20, generator=gen)[: -(-context // 16)]
+    q = torch.randn(1, 9, 64, generator=gen)
+    out = torch.empty_like(q)
+    table = blocks.int()[None]
+    paged_attention_op()(out, q, k_cache, v_cache, table, torch.tensor([[0, 1, context]]), 64**-0.5)
+    expected = reference(q, k_cache, v_cache, blocks.tolist(), context)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_shares_torchs_openmp_runtime() -> None:
+    """A second OpenMP runtime would start its own threads and fight torch's for the cores."""
+    paged_attention_op()
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_kernel_refuses_what_it_cannot_compute() -> None:
+    op = paged_attention_op()
+    cache = torch.zeros(4, 16, 1, 64)
+    q, out = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(out, q.double(), cache, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
+    with pytest.raises(RuntimeError, match="context 40"):  # longer than its two blocks of 16
+        op(out, q, cache, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
+    with pytest.raises(RuntimeError, match="head_dim 24"):
+        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), torch.zeros(4, 16, 1, 24), torch.zeros(4, 16, 1, 24),
+           tables, torch.tensor([[0, 1, 5]]), 1.0)
+
+
+def test_auto_picks_the_kernel_only_where_it_runs() -> None:
+    assert check_attention_backend("auto", CPU, torch.float32, 64) == "paged-cpu"
+    assert check_attention_backend(None, CPU, torch.float32, 64) == "paged-cpu"
+    assert check_attention_backend("auto", CPU, torch.bfloat16, 64) == "sdpa"
+    assert check_attention_backend("auto", CPU, torch.float32, 80) == "sdpa"
+    assert check_attention_backend("auto", torch.device("cuda"), torch.float32, 64) == "sdpa"
+    assert check_attention_backend("sdpa", CPU, torch.float32, 64) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "head_dim", "message"),
+    [("paged-cpu", torch.bfloat16, 64, "float32"), ("paged-cpu", torch.float32, 80, "head size 80"),
+     ("flash", torch.float32, 64, "unknown attention backend")],
+)
+def test_a_backend_that_cannot_run_is_refused(name: str, dtype: torch.dtype, head_dim: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_attention_backend(name, CPU, dtype, head_dim)
+
+
+def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch, caplog) -> None:
+    def no_compiler():
+        raise RuntimeError("could not build the CPU paged-attention kernel: no c++ compiler")
+
+    monkeypatch.setattr(attention, "paged_attention_op", no_compiler)
+    with caplog.at_level(logging.WARNING):
+        assert check_attention_backend("auto", CPU, torch.float32, 64) == "sdpa"
+    assert "falls back to sdpa" in caplog.text
+    with pytest.raises(RuntimeError, match="no c\\+\\+ compiler"):
+        check_attention_backend("paged-cpu", CPU, torch.float32, 64)
+
+
+def test_metadata_of_each_backend() -> None:
+    chunks = [
+        ScheduledChunk(start_position=20, num_tokens=1, block_ids=[5, 9]),
+        ScheduledChunk(start_position=3, num_tokens=1, block_ids=[2]),
+        ScheduledChunk(start_position=16, num_tokens=4, block_ids=[7, 1]),
+    ]
+    paged = build_metadata(chunks, 16, "paged-cpu", CPU, torch.float32)
+    assert paged.num_decodes == 2 and paged.decode_mask is None
+    assert paged.decode_block_tables.dtype == torch.int32
+    assert paged.decode_block_tables.tolist() == [[5, 9], [2, 0]]
+    assert paged.decode_requests.tolist() == [[0, 1, 21], [1, 1, 4]]  # (row, query length, context)
+    assert paged.slot_mapping.tolist() == [9 * 16 + 4, 2 * 16 + 3, 16, 17, 18, 19]
+    (row, q_len, start, block_ids, mask), = paged.prefills
+    assert (row, q_len, start, block_ids.tolist()) == (2, 4, 16, [7, 1])
+    assert mask.shape == (4, 20) and mask[0, 16].item() == 0 and mask[0, 17].item() == float("-inf")
+
+    sdpa = build_metadata(chunks, 16, "sdpa", CPU, torch.float32)
+    assert sdpa.decode_requests is None and sdpa.decode_block_tables.dtype == torch.int64
+    assert sdpa.decode_mask.shape == (2, 1, 1, 32)
+    visible = (sdpa.decode_mask == 0).view(2, 32).sum(-1).tolist()
+    assert visible == [21, 4]
+
+    with pytest.raises(AssertionError, match="decodes must come before"):
+        build_metadata(chunks[2:] + chunks[:1], 16, "paged-cpu", CPU, torch.float32)
