@@ -53,7 +53,6 @@ MODEL_NAME = "smollm2-135m-instruct"
 # lmserve run again with one setting changed, for one workload; its results join lmserve's column with a suffix.
 LMSERVE_VARIANTS = {
     "lmserve-nocache": (["--no-enable-prefix-caching"], "W5", "_nocache"),
-    "lmserve-lp64": (["--long-prefill-token-threshold", "64"], "W3", "_lp64"),
     "lmserve-lp32": (["--long-prefill-token-threshold", "32"], "W3", "_lp32"),
     "lmserve-lp16": (["--long-prefill-token-threshold", "16"], "W3", "_lp16"),
 }
@@ -287,9 +286,6 @@ def render(results: dict[str, dict], settings: dict[str, str], bound: dict, info
         ("W3 streams' ITL p50 / max while a 1,500-token prompt is prefilled (ms)", ("w3_itl_p50_ms", "w3_max_itl_ms"),
          "{:.0f} / {:.0f}"),
         ("W3 long prompt TTFT (ms)", "w3_long_ttft_ms", "{:.0f}"),
-        ("W3 ITL p50 / max with --long-prefill-token-threshold 64 (ms)", ("w3_itl_p50_ms_lp64", "w3_max_itl_ms_lp64"),
-         "{:.0f} / {:.0f}"),
-        ("W3 long prompt TTFT with --long-prefill-token-threshold 64 (ms)", "w3_long_ttft_ms_lp64", "{:.0f}"),
         ("W3 ITL p50 / max with --long-prefill-token-threshold 32 (ms)", ("w3_itl_p50_ms_lp32", "w3_max_itl_ms_lp32"),
          "{:.0f} / {:.0f}"),
         ("W3 long prompt TTFT with --long-prefill-token-threshold 32 (ms)", "w3_long_ttft_ms_lp32", "{:.0f}"),

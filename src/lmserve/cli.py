@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp16: float16 weights, float32 arithmetic (CPU, float32 only); auto: fp16 where it runs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged-cpu"],
                    help="paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs")
+    p.add_argument("--fused-ops", default="auto", choices=["auto", "none", "cpu"],
+                   help="cpu: RMSNorm+residual, SiLU-and-mul and RoPE as one C++ op each (CPU, float32); auto: where it runs")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -34,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-        "attention_backend": args.attention_backend, "device": args.device,
+        "attention_backend": args.attention_backend, "fused_ops": args.fused_ops, "device": args.device,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "long_prefill_token_threshold": args.long_prefill_token_threshold, "kv_cache_memory": args.kv_cache_memory,

@@ -29,6 +29,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto | none | fp16 (weights after loading; worker/quantization.py)
     attention_backend: str = "auto"  # auto | sdpa | paged-cpu (worker/attention.py)
+    fused_ops: str = "auto"  # auto | none | cpu (worker/kernels/fused_ops.cpp)
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
@@ -95,6 +96,7 @@ def make_engine_config(
     dtype: str = "auto",
     quantization: str = "auto",
     attention_backend: str = "auto",
+    fused_ops: str = "auto",
     device: str = "auto",
     max_model_len: int | None = None,
     seed: int = 0,
@@ -111,8 +113,8 @@ def make_engine_config(
     """The flat keyword form that LLM(...) and the command line share."""
     return EngineConfig(
         model=ModelConfig(
-            model=model, dtype=dtype, quantization=quantization, attention_backend=attention_backend, device=device,
-            max_model_len=max_model_len, seed=seed,
+            model=model, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
+            fused_ops=fused_ops, device=device, max_model_len=max_model_len, seed=seed,
         ),
         cache=CacheConfig(
             kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,

@@ -8,8 +8,9 @@ compares them with the logits of one full (unpaged) transformers forward over th
 - a mixed batch: one request decoding while another prefills a chunk that starts in the middle of its prompt, and
   decodes of different context lengths together.
 
-Both attention backends run every check: `paged-cpu` (decodes read the blocks in place, each over its own context)
-and `sdpa` (decodes padded to the longest context).
+Every check runs twice: with our C++ CPU kernels (`paged-cpu` attention, where decodes read the blocks in place,
+each over its own context, and the fused RMSNorm/SiLU/RoPE ops) and with PyTorch's ops only (`sdpa` attention with
+decodes padded to the longest context).
 
 The reference for an HF directory comes from `from_pretrained` (independent of our loader). For GGUF files it is
 built from the weights our loader dequantizes, since the point is the model code, not the quantization.
@@ -44,7 +45,8 @@ BLOCK_SIZE = 16
 TINY_ATOL = 1e-5
 DEFAULT_ATOL = 1e-3
 
-ATTENTION_BACKENDS = ["paged-cpu", "sdpa"]
+# Our C++ CPU kernels (paged attention and fused ops) or PyTorch's ops only: (attention backend, fused ops).
+KERNELS = {"cpp": ("paged-cpu", "cpu"), "torch": ("sdpa", "none")}
 TINY_MODELS = ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf"]
 
 
@@ -87,18 +89,19 @@ class Parity:
         num_blocks: int,
         atol: float,
         quantization: str = "none",
-        attention_backend: str = "paged-cpu",
+        kernels: str = "cpp",
     ) -> None:
-        self.name = f"{Path(str(path)).name} ({attention_backend})"
+        attention_backend, fused_ops = KERNELS[kernels]
+        self.name = f"{Path(str(path)).name} ({kernels})"
         self.runner = ModelRunner(
             ModelConfig(
                 model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
-                quantization=quantization, attention_backend=attention_backend,
+                quantization=quantization, attention_backend=attention_backend, fused_ops=fused_ops,
             ),
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         )
         assert self.runner.quantization == quantization
-        assert self.runner.attention_backend == attention_backend
+        assert (self.runner.attention_backend, self.runner.fused_ops) == KERNELS[kernels]
         self.reference = hf_reference(path, fp16_weights=quantization == "fp16")
         self.vocab_size = self.runner.vocab_size
         self.atol = atol
@@ -215,12 +218,10 @@ def mixed_batch(p: Parity, blocks: dict[str, list[int]]) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------- tiny models
 
 
-@pytest.fixture(scope="module", params=[(m, b) for b in ATTENTION_BACKENDS for m in TINY_MODELS], ids=str)
+@pytest.fixture(scope="module", params=[(m, k) for k in KERNELS for m in TINY_MODELS], ids=str)
 def tiny(request: pytest.FixtureRequest) -> Parity:
-    model, backend = request.param
-    return Parity(
-        request.getfixturevalue(model), max_model_len=256, num_blocks=32, atol=TINY_ATOL, attention_backend=backend
-    )
+    model, kernels = request.param
+    return Parity(request.getfixturevalue(model), max_model_len=256, num_blocks=32, atol=TINY_ATOL, kernels=kernels)
 
 
 def test_tiny_chunked_prefill_and_decode_match_transformers(tiny: Parity) -> None:
@@ -239,9 +240,9 @@ def test_tiny_mixed_batch_matches_transformers(tiny: Parity) -> None:
 # --------------------------------------------------------------------------------------------- default model
 
 
-@pytest.fixture(scope="module", params=ATTENTION_BACKENDS)
+@pytest.fixture(scope="module", params=list(KERNELS))
 def default_parity(request: pytest.FixtureRequest) -> Parity:
-    return Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, attention_backend=request.param)
+    return Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, kernels=request.param)
 
 
 def test_default_model_chunked_prefill_and_decode_match_transformers(default_parity: Parity) -> None:

@@ -18,6 +18,7 @@ from lmserve.worker.attention import (
     build_metadata,
     check_attention_backend,
 )
+from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
@@ -79,11 +80,14 @@ class ModelRunner:
         model.load_weights(load_weights(source, self.dtype))
         if self.quantization != "none":
             model.quantize(self.quantization)
+        self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
+        if self.fused_ops == "cpu":
+            model.use_fused_ops(cpu_kernels())
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         logger.info(
-            "loaded %s (%s, quantization %s, %s) in %.1fs",
-            source.name, self.dtype, self.quantization, self.device, time.perf_counter() - started,
+            "loaded %s (%s, quantization %s, fused ops %s, %s) in %.1fs",
+            source.name, self.dtype, self.quantization, self.fused_ops, self.device, time.perf_counter() - started,
         )
 
         num_kv_heads, head_dim = model.kv_shape

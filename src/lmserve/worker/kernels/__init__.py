@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the
 # kernel ran on one thread). The link names libgomp.so.1, the same soname as the runtime torch already loaded, so the
-# kernel joins torch's thread pool rather than starting a second one. Infinities are real values in the softmax.
-BUILD_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+# kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
+# vector versions; the kernels never compute with infinities (a softmax's running max starts at the lowest float).
+BUILD_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def cpu_signature() -> str:
@@ -44,15 +45,16 @@ def build_directory() -> Path:
 
 
 @functools.cache
-def paged_attention_op():
-    """`torch.ops.lmserve.paged_attention`, building it if needed; raises RuntimeError when it cannot be built."""
+def cpu_kernels():
+    """The `torch.ops.lmserve` namespace with every CPU kernel, building them if needed (paged_attention.cpp,
+    fused_ops.cpp); raises RuntimeError when they cannot be built."""
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
     try:
         cpp_extension.load(
-            name="lmserve_paged_attention",
-            sources=[str(SOURCE_DIR / "paged_attention.cpp")],
+            name="lmserve_cpu_kernels",
+            sources=[str(SOURCE_DIR / "paged_attention.cpp"), str(SOURCE_DIR / "fused_ops.cpp")],
             extra_cflags=BUILD_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_directory()),
@@ -60,7 +62,36 @@ def paged_attention_op():
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja shows up as one of several exception types
-        raise RuntimeError(f"could not build the CPU paged-attention kernel: {exc}") from exc
-    logger.debug("paged-attention kernel ready in %.1fs", time.perf_counter() - started)
-    return torch.ops.lmserve.paged_attention
+        raise RuntimeError(f"could not build lmserve's CPU kernels: {exc}") from exc
+    logger.debug("CPU kernels ready in %.1fs", time.perf_counter() - started)
+    return torch.ops.lmserve
 
+
+def paged_attention_op():
+    """`torch.ops.lmserve.paged_attention` (worker/kernels/paged_attention.cpp)."""
+    return cpu_kernels().paged_attention
+
+
+FUSED_OPS = ("auto", "none", "cpu")
+
+
+def check_fused_ops(name: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """`cpu` (fused_ops.cpp for RMSNorm + residual, SiLU-and-multiply and RoPE) or `none` (PyTorch ops). auto picks
+    cpu on CPU with float32 when the kernels build; an explicit cpu that cannot run raises."""
+    name = name or "auto"
+    if name not in FUSED_OPS:
+        raise ValueError(f"unknown fused ops {name!r}: use one of {', '.join(FUSED_OPS)}")
+    if name == "none":
+        return name
+    if device.type != "cpu" or dtype != torch.float32:
+        if name == "auto":
+            return "none"
+        raise ValueError(f"--fused-ops cpu runs on CPU with float32 (here: {device.type}, {dtype})")
+    try:
+        cpu_kernels()
+    except RuntimeError as exc:
+        if name != "auto":
+            raise
+        logger.warning("%s; the model runs PyTorch's ops instead of the fused ones", exc)
+        return "none"
+    return "cpu"

@@ -1,6 +1,6 @@
 """Build the CPU kernels ahead of time: `python -m lmserve.worker.kernels`."""
 
-from lmserve.worker.kernels import build_directory, paged_attention_op
+from lmserve.worker.kernels import build_directory, cpu_kernels
 
-paged_attention_op()
-print(f"paged-attention kernel ready in {build_directory()}")
+cpu_kernels()
+print(f"lmserve's CPU kernels ready in {build_directory()}")

@@ -42,7 +42,7 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
                const float* k_block, const float* v_block, int64_t key_stride, int64_t block_size) {
   constexpr int kVecs = kDim / 8;
   float block_max[kRows];
-  for (int r = 0; r < kRows; ++r) block_max[r] = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < kRows; ++r) block_max[r] = std::numeric_limits<float>::lowest();
   for (int64_t j = 0; j < n; ++j) {
     const float* k = k_block + j * key_stride;
     Vec8 dot[kRows] = {};
@@ -57,7 +57,7 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
   }
   for (int r = 0; r < kRows; ++r) {
     if (block_max[r] > row_max[r]) {
-      const float rescale = std::exp(row_max[r] - block_max[r]);  // exp(-inf) = 0 on the first block
+      const float rescale = std::exp(row_max[r] - block_max[r]);  // exp(lowest - max) = 0 on the first block
       row_sum[r] *= rescale;
       for (int d = 0; d < kDim; ++d) acc[r * kDim + d] *= rescale;
       row_max[r] = block_max[r];
@@ -168,7 +168,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         row_position[i] = context_len - query_len + query;
         row_head[i] = head;
         kv_offset[i] = head / group * kDim;
-        row_max[i] = -std::numeric_limits<float>::infinity();
+        row_max[i] = std::numeric_limits<float>::lowest();
         row_sum[i] = 0.f;
       }
       std::fill(acc.begin(), acc.begin() + rows * kDim, 0.f);

@@ -42,9 +42,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = None  # torch.ops.lmserve once LlamaForCausalLM.use_fused_ops() ran
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x + residual) and the new residual (x + residual), like vLLM's fused add-norm."""
+        if self.fused is not None and residual is not None:
+            self.fused.fused_add_rms_norm(x, residual, self.weight, self.eps)  # both in place
+            return x, residual
         if residual is not None:
             x = x + residual
         residual = x
@@ -109,11 +113,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.fused = None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.fused is not None:
+            self.fused.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads)  # q and k, in place
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        else:
+            qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -126,9 +135,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU)")
+        self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            out = gate_up.new_empty(gate_up.shape[0], self.intermediate)
+            self.fused.silu_and_mul(out, gate_up)
+            return self.down_proj(out)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -183,6 +198,13 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return blas_matmul(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def use_fused_ops(self, ops) -> None:
+        """Run RMSNorm + residual, SiLU-and-multiply and RoPE through `ops` (torch.ops.lmserve: kernels/fused_ops.cpp)
+        instead of several PyTorch ops each. Float32 on CPU only."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | MLP | Attention):
+                module.fused = ops
 
     def quantize(self, method: str, output_layer: bool = True) -> None:
         """Every linear layer to `method` (worker/quantization.py); the output layer too unless output_layer is False.

@@ -1,0 +1,118 @@
+// Float32 CPU versions of the small per-layer steps of a Llama layer, each one op instead of several.
+//
+// A decode step of a small model runs ~40 PyTorch ops per layer, and on CPU each costs its dispatch (a few
+// microseconds), an output allocation and a pass over memory. These three replace ten or so of them per layer:
+//   fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight (in place, vLLM's fused add-norm)
+//   silu_and_mul:       out = silu(x[:, :I]) * x[:, I:]
+//   rotary_embedding:   rotate-half RoPE of the first num_heads heads of a [T, heads, D] view, in place
+// Rows are split over torch's intra-op threads only when there is enough work to pay for waking them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kFloatsPerTask = 1 << 16;  // below this much work per thread, stay on the calling thread
+
+int64_t grain(int64_t floats_per_row) { return std::max<int64_t>(1, kFloatsPerTask / std::max<int64_t>(1, floats_per_row)); }
+
+void check_float_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": float32 only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": a 2-D tensor with contiguous rows");
+}
+
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_float_rows(x, "fused_add_rms_norm x");
+  check_float_rows(residual, "fused_add_rms_norm residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "fused_add_rms_norm: shapes");
+  const int64_t hidden = x.size(1);
+  float* xs = x.data_ptr<float>();
+  float* rs = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t x_row = x.stride(0), r_row = residual.stride(0);
+  at::parallel_for(0, x.size(0), grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xs + t * x_row;
+      float* rr = rs + t * r_row;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float v = rr[i] + xr[i];
+        rr[i] = v;
+        squares += v * v;
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) xr[i] = rr[i] * inv * w[i];
+    }
+  });
+}
+
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  check_float_rows(x, "silu_and_mul x");
+  check_float_rows(out, "silu_and_mul out");
+  const int64_t inner = out.size(1);
+  TORCH_CHECK(x.size(1) == 2 * inner && x.size(0) == out.size(0), "silu_and_mul: x must be [T, 2 * out width]");
+  const float* xs = x.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t x_row = x.stride(0), o_row = out.stride(0);
+  at::parallel_for(0, x.size(0), grain(2 * inner), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = xs + t * x_row;
+      const float* up = gate + inner;
+      float* o = os + t * o_row;
+#pragma omp simd
+      for (int64_t i = 0; i < inner; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: float32 [T, heads, D]");
+  const int64_t tokens = x.size(0), half = x.size(2) / 2;
+  TORCH_CHECK(num_heads >= 0 && num_heads <= x.size(1) && x.size(2) % 2 == 0, "rotary_embedding: heads");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == tokens * half && sin.numel() == tokens * half,
+              "rotary_embedding: cos and sin must be contiguous float32 with T * D/2 values");
+  float* xs = x.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* ss = sin.data_ptr<float>();
+  const int64_t row = x.stride(0), head = x.stride(1);
+  at::parallel_for(0, tokens, grain(num_heads * 2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cs + t * half;
+      const float* s = ss + t * half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x1 = xs + t * row + h * head;
+        float* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmserve, m) {
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
