@@ -6,7 +6,8 @@
 Each server is started in turn on 127.0.0.1, measured with the same prompts (token ids from the same tokenizer and
 seed), and stopped before the next one starts: nothing else runs during a measurement. Results (every bench JSON)
 go to PEERS_DIR/results/DATE/, and a table replaces the section between the markers in docs/benchmarks.md.
-`lmserve-sdpa` (lmserve with `--attention-backend sdpa`, the portable attention path) can join as a column of its own.
+`lmserve-torch-ops` (lmserve without its C++ CPU kernels: `--attention-backend sdpa --fused-ops none`) can join as a
+column of its own.
 
 Workloads (issue 6):
   W1 throughput: random 256-token prompts, 128 output tokens (ignore EOS), 64 requests, concurrency 16.
@@ -57,7 +58,7 @@ LMSERVE_VARIANTS = {
     "lmserve-lp16": (["--long-prefill-token-threshold", "16"], "W3", "_lp16"),
 }
 # lmserve with other defaults, measured on every workload in a column of its own.
-LMSERVE_COLUMNS = {"lmserve-sdpa": ["--attention-backend", "sdpa"]}
+LMSERVE_COLUMNS = {"lmserve-torch-ops": ["--attention-backend", "sdpa", "--fused-ops", "none"]}
 W2_RATES = (0.25, 0.5, 1.0, 2.0)  # requests/s, tried upwards
 W2_SLO = "ttft=2000,tpot=100"
 MARKERS = {"main": ("<!-- compare_peers:start -->", "<!-- compare_peers:end -->"),
@@ -108,7 +109,8 @@ def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[S
             if name != "lmserve" and name not in LMSERVE_VARIANTS and name not in LMSERVE_COLUMNS:
                 raise SystemExit(f"unknown server {name!r}")
             extra = lmserve_args + own
-            defaults = "defaults (float32, --quantization auto = fp16 weights, --attention-backend auto = paged-cpu)"
+            defaults = ("defaults (float32; auto: fp16 weights, paged-cpu attention, fused CPU ops)" if not own
+                        else "float32, fp16 weights")
             specs.append(ServerSpec(name, [str(VENV_BIN / "lmserve"), "serve", "--port", str(port),
                                            "--max-model-len", "2048", "--log-level", "WARNING", *extra],
                                     settings=" ".join([defaults, *extra])))
