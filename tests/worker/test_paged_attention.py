@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from lmserve.worker import attention
+from lmserve.worker import kernels
 from lmserve.worker.attention import ScheduledChunk, build_metadata, check_attention_backend
 from lmserve.worker.kernels import paged_attention_op
 
@@ -120,9 +120,9 @@ def test_a_backend_that_cannot_run_is_refused(name: str, dtype: torch.dtype, hea
 
 def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch, caplog) -> None:
     def no_compiler():
-        raise RuntimeError("could not build the CPU paged-attention kernel: no c++ compiler")
+        raise RuntimeError("could not build lmserve's CPU kernels: no c++ compiler")
 
-    monkeypatch.setattr(attention, "paged_attention_op", no_compiler)
+    monkeypatch.setattr(kernels, "cpu_kernels", no_compiler)
     with caplog.at_level(logging.WARNING):
         assert check_attention_backend("auto", CPU, torch.float32, 64) == "sdpa"
     assert "falls back to sdpa" in caplog.text

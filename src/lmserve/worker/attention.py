@@ -11,7 +11,6 @@ Two backends (`--attention-backend`):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lmserve.worker.kernels import paged_attention_op
-
-logger = logging.getLogger(__name__)
+from lmserve.worker.kernels import cpu_kernels_load, paged_attention_op
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
 PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
@@ -43,14 +40,7 @@ def check_attention_backend(name: str | None, device: torch.device, dtype: torch
             f"--attention-backend paged-cpu runs on CPU with float32 and a head size in {PAGED_CPU_HEAD_DIMS} "
             f"(here: {device.type}, {dtype}, head size {head_dim})"
         )
-    try:
-        paged_attention_op()
-    except RuntimeError as exc:
-        if name != "auto":
-            raise
-        logger.warning("%s; attention falls back to sdpa", exc)
-        return "sdpa"
-    return "paged-cpu"
+    return "paged-cpu" if cpu_kernels_load(name != "auto", "attention falls back to sdpa") else "sdpa"
 
 
 @dataclass(frozen=True)

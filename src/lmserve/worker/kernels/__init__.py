@@ -87,11 +87,17 @@ def check_fused_ops(name: str | None, device: torch.device, dtype: torch.dtype) 
         if name == "auto":
             return "none"
         raise ValueError(f"--fused-ops cpu runs on CPU with float32 (here: {device.type}, {dtype})")
+    return "cpu" if cpu_kernels_load(name != "auto", "the model runs PyTorch's ops instead of the fused ones") else "none"
+
+
+def cpu_kernels_load(explicit: bool, fallback: str) -> bool:
+    """Whether the kernels build and load. When the user asked for them (`explicit`) a failure raises; under auto it is
+    logged with what happens instead (`fallback`)."""
     try:
         cpu_kernels()
     except RuntimeError as exc:
-        if name != "auto":
+        if explicit:
             raise
-        logger.warning("%s; the model runs PyTorch's ops instead of the fused ones", exc)
-        return "none"
-    return "cpu"
+        logger.warning("%s; %s", exc, fallback)
+        return False
+    return True
