@@ -4,10 +4,13 @@ Layer: SmolLM2's attention shape (9 query heads over 3 KV heads of 64), a 4,096-
 blocks scattered through it, one `PagedAttention.forward` per call (K/V write included), median of 30 calls. Also
 the paged kernel on prefill chunks against SDPA, the measurement behind sending chunks to SDPA.
 
+Steps: `ModelRunner.execute` on the default model for a fixed batch (decodes at a given context, or decodes beside a
+prefill chunk), median of 10, for each pair of settings: sdpa without fused ops, paged-cpu, paged-cpu with fused ops.
+
 Engine: `LLM` on the default model with each backend in turn: 64 requests of 256 random tokens / 128 output tokens
 at 16 concurrent sequences (W1's shape), and one stream of 256 decode tokens after a 128-token prompt (W4's shape).
 
-    .venv/bin/python benchmarks/paged_attention.py [--skip-engine] [--repeats 3]
+    .venv/bin/python benchmarks/paged_attention.py [--skip-steps] [--skip-engine] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -72,6 +75,43 @@ def kernel_on_chunk(q_len: int, ctx: int, caches) -> tuple[float, float]:
     return median_ms(lambda: kernel(out, q, k_cache, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
 
 
+STEP_CASES = [  # (label, decodes, their context, prefill chunk length, chunk's context)
+    ("16 decodes at 320", 16, 320, 0, 0),
+    ("1 decode at 200", 1, 200, 0, 0),
+    ("4 decodes at 200 + 32-token chunk at 1450", 4, 200, 32, 1450),
+]
+STEP_SETTINGS = [("sdpa", "none"), ("paged-cpu", "none"), ("paged-cpu", "cpu")]
+
+
+def step_ms(runner, decodes: int, context: int, chunk: int, chunk_context: int) -> float:
+    from lmserve.engine.outputs import ScheduledRequest, SchedulerOutput
+
+    def request(rid: str, start: int, length: int, first_block: int) -> ScheduledRequest:
+        blocks = list(range(first_block, first_block + -(-(start + length) // runner.block_size)))
+        return ScheduledRequest(request_id=rid, token_ids=[1000] * length, start_position=start, block_ids=blocks,
+                                samples=True, sampling_params=SamplingParams(temperature=0),
+                                prompt_token_ids=[1000] * (start + length), output_token_ids=[])
+
+    span = -(-(max(context, chunk_context) + 1) // runner.block_size)
+    batch = [request(str(i), context, 1, i * span) for i in range(decodes)]
+    if chunk:
+        batch.append(request("chunk", chunk_context - chunk, chunk, decodes * span))
+    step = SchedulerOutput(scheduled=batch)
+    return median_ms(lambda: runner.execute(step), 10)
+
+
+def steps() -> None:
+    from lmserve.config import CacheConfig, ModelConfig
+    from lmserve.worker.model_runner import ModelRunner
+
+    print("\n| engine step (ms) | " + " | ".join(f"{a}, fused ops {f}" for a, f in STEP_SETTINGS) + " |")
+    print("|---|" + "---|" * len(STEP_SETTINGS))
+    runners = [ModelRunner(ModelConfig(attention_backend=a, fused_ops=f), CacheConfig(num_blocks=2048))
+               for a, f in STEP_SETTINGS]
+    for label, *case in STEP_CASES:
+        print(f"| {label} | " + " | ".join(f"{step_ms(r, *case):.0f}" for r in runners) + " |", flush=True)
+
+
 def engine(backend: str, repeats: int) -> dict[str, float]:
     llm = LLM(attention_backend=backend, max_num_seqs=16, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(0)
@@ -91,6 +131,7 @@ def engine(backend: str, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -105,6 +146,8 @@ def main() -> None:
     for q_len, ctx in CHUNK_CASES:
         kernel, sdpa = kernel_on_chunk(q_len, ctx, caches)
         print(f"| {q_len} queries at context {ctx} | {sdpa:.2f} | {kernel:.2f} | {kernel / sdpa:.2f}x |")
+    if not args.skip_steps:
+        steps()
     if args.skip_engine:
         return
     print("\n| engine, default model | W1 shape output tok/s | W4 shape decode tok/s |\n|---|---|---|")
