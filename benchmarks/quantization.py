@@ -1,8 +1,11 @@
 """`--quantization` against the float32 model: accuracy first, then speed.
 
-Settings: float32 (`--quantization none`), fp16 (float16 weights, the CPU default) and int8: dynamic W8A8 through
-fbgemm (per-channel int8 weights, activations quantized per call), which lmserve does not offer because of what this
-script measures; its layer is defined here so the measurement can be repeated.
+Settings: float32 (`--quantization none`), fp16 (float16 weights), q8_0 and q4_1 (llama.cpp's blocks through
+lmserve's kernels; q4_1 is the default model's own format, so `auto` picks it), and int8: dynamic W8A8 through fbgemm
+(per-channel int8 weights, activations quantized per call), which lmserve does not offer because of what this
+script measures; its layer is defined here so the measurement can be repeated. The block formats hand batches above
+8 rows (every scored window here) to a float16 copy of their weights, so "q4_1 kernel" scores with the block kernel
+at every batch size as well.
 
 Accuracy (llama.cpp's `llama-perplexity --kl-divergence` measures the same things): the shipped prose
 (lmserve/bench/data/passages.txt) is scored in windows by both models through lmserve's own forward pass; reported are
@@ -33,10 +36,20 @@ from lmserve import LLM, SamplingParams
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams as Params
+from lmserve.worker import quantization
+from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import LAYER_TYPES, Float16WeightLinear
+from lmserve.worker.quantization import LAYER_TYPES, Float16WeightLinear, pack_q4_1, pack_q8_0
 
-SETTINGS = {"float32": {"quantization": "none"}, "fp16": {"quantization": "fp16"}, "int8": {"quantization": "int8"}}
+SETTINGS = {
+    "float32": {"quantization": "none"},
+    "fp16": {"quantization": "fp16"},
+    "q8_0": {"quantization": "q8_0"},
+    "q4_1": {"quantization": "q4_1"},
+    "q4_1 kernel": {"quantization": "q4_1"},
+    "int8": {"quantization": "int8"},
+}
+ENGINE_SETTINGS = ("float32", "fp16", "q8_0", "q4_1")  # int8 is not an engine option; "q4_1 kernel" is q4_1
 
 
 class DynamicInt8Linear(nn.Module):
@@ -115,10 +128,13 @@ def accuracy(window: int) -> dict:
     eos = processor.tokenizer.eos_token_id
     del llm
     logprobs, answers = {}, {}
+    default_rows = quantization.BLOCK_KERNEL_MAX_ROWS
     for name, kwargs in SETTINGS.items():
         runner = make_runner(kwargs)
+        quantization.BLOCK_KERNEL_MAX_ROWS = 1 << 30 if name == "q4_1 kernel" else default_rows
         logprobs[name] = [window_logprobs(runner, w) for w in windows]
         answers[name] = [greedy(runner, chat, eos) for chat in chats]
+    quantization.BLOCK_KERNEL_MAX_ROWS = default_rows
     base = logprobs["float32"]
     report = {"positions": sum(len(w) - 1 for w in windows)}
     for name, lps in logprobs.items():
@@ -152,9 +168,19 @@ def layer_speed(rows: int, layers: int = 30) -> dict[str, float]:
         wn = w.numpy()
         return lambda x: torch.from_numpy(x.numpy() @ wn.T)
 
+    def block_kernel(pack, op):
+        def make(w: torch.Tensor):
+            blocks = pack(w)
+            return lambda x: op(x, blocks, w.shape[0], None)
+
+        return make
+
+    ops = cpu_kernels()
     kinds = {
         "float32 (OpenBLAS)": float32_openblas,
         "fp16 weights (fbgemm)": lambda w: Float16WeightLinear(w, None),
+        "q8_0 blocks (lmserve kernel)": block_kernel(pack_q8_0, ops.q8_0_linear),
+        "q4_1 blocks (lmserve kernel)": block_kernel(pack_q4_1, ops.q4_1_linear),
         "int8 W8A8 (fbgemm)": lambda w: DynamicInt8Linear(w, None),
         "int8 weight-only (_weight_int8pack_mm)": int8_weight_only,
     }
@@ -206,15 +232,15 @@ def main() -> None:
     if args.skip_speed:
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    speeds = {rows: layer_speed(rows) for rows in (1, 16, 64, 256)}
+    speeds = {rows: layer_speed(rows) for rows in (1, 4, 8, 16, 64, 256)}
     print("\n| linear layers, 30 layers of distinct weights, ms | " + " | ".join(f"{r} rows" for r in speeds) + " |")
     print("|---" * (len(speeds) + 1) + "|")
     for kind in speeds[1]:
         print(f"| {kind} | " + " | ".join(f"{speeds[r][kind]:.1f}" for r in speeds) + " |")
     print("\n| setting | 64×(256 in, 128 out) output tok/s | single stream decode tok/s (1 / median gap) |")
     print("|---|---|---|")
-    for name, kwargs in list(SETTINGS.items())[:2]:  # int8 is not an engine option
-        r = speed(kwargs)
+    for name in ENGINE_SETTINGS:
+        r = speed(SETTINGS[name])
         print(f"| {name} | {r['throughput']:.1f} | {r['single']:.1f} |", flush=True)
 
 

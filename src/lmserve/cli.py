@@ -13,8 +13,9 @@ from lmserve.config import DEFAULT_MODEL
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, HF directory or GGUF file")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "fp16"],
-                   help="fp16: float16 weights, float32 arithmetic (CPU, float32 only); auto: fp16 where it runs")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "fp16", "q8_0", "q4_1"],
+                   help="weights in fewer bytes, float32 arithmetic (CPU, float32 only): fp16, or llama.cpp's q8_0 / "
+                        "q4_1 blocks; auto: the GGUF's own block format where it is one of those, else fp16")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged-cpu"],
                    help="paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs")
     p.add_argument("--fused-ops", default="auto", choices=["auto", "none", "cpu"],

@@ -27,7 +27,7 @@ def parse_memory(value: float | str | None) -> int | None:
 class ModelConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto | none | fp16 (weights after loading; worker/quantization.py)
+    quantization: str = "auto"  # auto | none | fp16 | q8_0 | q4_1 (weights after loading; worker/quantization.py)
     attention_backend: str = "auto"  # auto | sdpa | paged-cpu (worker/attention.py)
     fused_ops: str = "auto"  # auto | none | cpu (worker/kernels/fused_ops.cpp)
     device: str = "auto"  # auto | cpu | cuda

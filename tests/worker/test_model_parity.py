@@ -16,7 +16,9 @@ The reference for an HF directory comes from `from_pretrained` (independent of o
 built from the weights our loader dequantizes, since the point is the model code, not the quantization.
 
 The same checks run with `--quantization fp16` (float16 weights, float32 arithmetic) against a reference whose linear
-weights are rounded to float16: the kernels must compute exactly that model, to float32 rounding.
+weights are rounded to float16: the kernels must compute exactly that model, to float32 rounding. The default model
+runs once more with `--quantization q4_1` (its own format, what `auto` picks) against the unrounded reference, the block
+kernel taking every row: the file's blocks hold exactly the weights the reference is built from.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import transformers
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams
+from lmserve.worker import quantization
 from lmserve.worker.loader import DEFAULT_MODEL, load_hf_config, load_weights, resolve_model
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import FP16_KERNEL_MAX_ROWS, Float16WeightLinear
+from lmserve.worker.quantization import FP16_KERNEL_MAX_ROWS, Float16WeightLinear, Q4_1Linear, Q8_0Linear
 
 BLOCK_SIZE = 16
 # Measured max abs error in float32 (printed with -s): tiny models 3e-7 on logits up to ~1; the default model
@@ -284,3 +287,14 @@ def test_default_model_fp16_weights_compute_the_rounded_model() -> None:
     moved = (unrounded - parity.reference_logits(seq)).abs().max().item()
     assert moved > 3 * error, (moved, error)
     print(f"\n{DEFAULT_MODEL} fp16: max abs logit error {error:.3g}; float16 rounding moves logits by {moved:.3g}")
+
+
+def test_default_model_q4_1_blocks_compute_the_files_own_model(monkeypatch) -> None:
+    parity = Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, quantization="q4_1")
+    assert isinstance(parity.runner.model.layers[0].self_attn.qkv_proj, Q4_1Linear)
+    assert isinstance(parity.runner.model.lm_head, Q8_0Linear)  # the tied embedding's own format in the file
+    monkeypatch.setattr(quantization, "BLOCK_KERNEL_MAX_ROWS", 1 << 20)  # chunks too, not only decodes
+    seq = parity.sequence(40, 0)
+    error, _ = chunked_prefill_then_decode(parity, seq, split=19, prompt_len=35, blocks=[7, 2, 12])
+    error_mixed, _ = mixed_batch(parity, {"a": [5, 0], "b": [14, 9, 3], "c": [10]})
+    print(f"\n{DEFAULT_MODEL} q4_1: max abs logit error {max(error, error_mixed):.3g}")

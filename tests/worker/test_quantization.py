@@ -1,15 +1,26 @@
-"""`--quantization`: which method runs where, and the fp16-weight layer on both of its paths."""
+"""`--quantization`: which method runs where, the fp16-weight layer on both of its paths, and the block formats
+(q4_1, q8_0): packing, the C++ kernel against float64 products of the same weights, and the layer's two paths."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from torch import nn
 
+from lmserve.worker import kernels
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.loader import DEFAULT_MODEL, load_weights, resolve_model, stored_linear_format
 from lmserve.worker.quantization import (
+    BLOCK_KERNEL_MAX_ROWS,
     FP16_KERNEL_MAX_ROWS,
     Float16WeightLinear,
+    Q4_1Linear,
+    Q8_0Linear,
     check_quantization,
+    pack_q4_1,
+    pack_q8_0,
     quantize_linears,
 )
 
@@ -29,6 +40,8 @@ def test_auto_picks_fp16_only_where_it_runs() -> None:
     ("fp16", CPU, torch.bfloat16, "float32 activations only"),
     ("fp16", CUDA, torch.float32, "runs on CPU"),
     ("int4", CPU, torch.float32, "unknown quantization 'int4'"),
+    ("q4_1", CPU, torch.bfloat16, "float32 activations only"),
+    ("q8_0", CUDA, torch.float32, "runs on CPU"),
 ])
 def test_a_method_that_cannot_run_is_refused(method: str, device: torch.device, dtype: torch.dtype, message: str):
     with pytest.raises(ValueError, match=message):
@@ -62,3 +75,141 @@ def test_quantize_linears_replaces_every_linear_and_nothing_else() -> None:
     assert isinstance(model[0], Float16WeightLinear) and isinstance(model[2][0], Float16WeightLinear)
     assert isinstance(model[1], nn.ReLU) and isinstance(model[2][1], nn.LayerNorm)
     assert torch.allclose(model(x), before, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------------ block formats
+
+BLOCK_LAYERS = {"q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
+
+
+def test_auto_keeps_the_files_block_format() -> None:
+    assert check_quantization("auto", CPU, torch.float32, "q4_1") == "q4_1"
+    assert check_quantization("auto", CPU, torch.float32, "q8_0") == "q8_0"
+    assert check_quantization("auto", CPU, torch.float32, "q4_k") == "fp16"  # a format without a kernel here
+    assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
+    assert check_quantization("auto", CUDA, torch.float32, "q4_1") == "none"
+    assert check_quantization("q8_0", CPU, torch.float32, "q4_1") == "q8_0"
+
+
+def test_auto_falls_back_to_fp16_without_the_kernels(monkeypatch, caplog) -> None:
+    def no_compiler():
+        raise RuntimeError("could not build lmserve's CPU kernels: no c++ compiler")
+
+    monkeypatch.setattr(kernels, "cpu_kernels", no_compiler)
+    with caplog.at_level(logging.WARNING):
+        assert check_quantization("auto", CPU, torch.float32, "q4_1") == "fp16"
+    assert "keep float16 weights" in caplog.text
+    with pytest.raises(RuntimeError, match="no c\\+\\+ compiler"):
+        check_quantization("q4_1", CPU, torch.float32)
+
+
+def test_the_default_model_stores_its_linear_layers_in_q4_1(tiny_llama_dir) -> None:
+    assert stored_linear_format(resolve_model(DEFAULT_MODEL)) == "q4_1"
+    assert stored_linear_format(resolve_model(str(tiny_llama_dir))) is None  # safetensors: no block format
+
+
+def random_blocks(method: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Weights that are exactly representable in `method`'s blocks: float16 scales (and minimums), integer q."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (rows, cols // 32, 1)
+    scale = (torch.rand(shape, generator=gen) * 0.01 + 1e-3).half().float()
+    if method == "q4_1":
+        minimum = (-torch.rand(shape, generator=gen) * 0.1).half().float()
+        q = torch.randint(0, 16, (rows, cols // 32, 32), generator=gen)
+        q[..., 0], q[..., 1] = 0, 15  # each block spans its full range, as a quantizer's output does
+        return (scale * q + minimum).reshape(rows, cols)
+    q = torch.randint(-127, 128, (rows, cols // 32, 32), generator=gen)
+    q[..., 0] = 127
+    return (scale * q).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_weights_that_came_from_blocks_pack_back_to_the_same_blocks(method: str) -> None:
+    weight = random_blocks(method, 48, 96, seed=1)
+    layer = BLOCK_LAYERS[method](weight, None)
+    assert layer.blocks.dtype == torch.uint8
+    assert layer.blocks.shape == (48, 3 * {"q4_1": 20, "q8_0": 34}[method])
+    torch.testing.assert_close(layer.dequantized(), weight, atol=0, rtol=0)
+
+
+def test_the_default_models_weights_pack_back_exactly() -> None:
+    """The default GGUF's layers are q4_1 and its (tied) embedding q8_0: packing what the loader dequantized gives
+    back the file's own weights, so `auto` computes with exactly the model that shipped."""
+    weights = dict(load_weights(resolve_model(DEFAULT_MODEL), torch.float32))
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        torch.testing.assert_close(Q4_1Linear(weights[name], None).dequantized(), weights[name], atol=0, rtol=0)
+    head = weights["model.embed_tokens.weight"][:4096]
+    torch.testing.assert_close(Q8_0Linear(head, None).dequantized(), head, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_any_weights_round_to_within_half_a_step(method: str) -> None:
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    error = (BLOCK_LAYERS[method](weight, None).dequantized() - weight).reshape(64, 4, 32).abs().amax(-1)
+    blocks = weight.reshape(64, 4, 32)
+    if method == "q4_1":
+        step = (blocks.amax(-1) - blocks.amin(-1)) / 15
+    else:
+        step = blocks.abs().amax(-1) / 127
+    # Half a step, plus the float16 rounding of the scale and minimum.
+    assert (error <= step * 0.5 * 1.01 + 1e-3 * blocks.abs().amax(-1)).all()
+    assert error.max() > 0  # random weights do get rounded
+
+
+# rows: tiles of 8, 4, 2 and 1 and their remainders; out_features: odd, so the threads get uneven shares.
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 15, 17, 40])
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 32), (101, 576), (33, 1536)])
+def test_block_kernel_matches_float64_on_the_same_weights(method: str, rows: int, out_features: int, in_features: int):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight = random_blocks(method, out_features, in_features, seed=rows)
+    blocks = {"q4_1": pack_q4_1, "q8_0": pack_q8_0}[method](weight)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    op = getattr(cpu_kernels(), f"{method}_linear")
+    expected = x.double() @ weight.double().T
+    torch.testing.assert_close(op(x, blocks, out_features, None).double(), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(op(x, blocks, out_features, bias).double(), expected + bias, atol=1e-4, rtol=1e-5)
+
+
+def test_block_kernel_keeps_leading_dimensions_and_reads_strided_inputs() -> None:
+    weight = random_blocks("q4_1", 16, 64, seed=3)
+    blocks = pack_q4_1(weight)
+    x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
+    y = cpu_kernels().q4_1_linear(x, blocks, 16, None)
+    assert y.shape == (2, 3, 16)
+    torch.testing.assert_close(y.double(), x.double() @ weight.double().T, atol=1e-5, rtol=1e-5)
+    assert cpu_kernels().q4_1_linear(torch.zeros(0, 64), blocks, 16, None).shape == (0, 16)
+
+
+def test_block_kernel_refuses_inputs_that_do_not_fit() -> None:
+    ops = cpu_kernels()
+    blocks = pack_q4_1(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.q4_1_linear(torch.zeros(1, 48), blocks, 8, None)
+    with pytest.raises(RuntimeError, match="has 320 bytes, expected 480"):  # blocks for 64 features, not 96
+        ops.q4_1_linear(torch.zeros(1, 96), blocks, 8, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.q4_1_linear(torch.zeros(1, 64, dtype=torch.bfloat16), blocks, 8, None)
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.q4_1_linear(torch.zeros(1, 64), blocks.float(), 8, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.q4_1_linear(torch.zeros(1, 64), blocks, 8, torch.zeros(7))
+    with pytest.raises(ValueError, match="multiple of 32; a layer has 40"):
+        Q4_1Linear(torch.randn(8, 40), None)
+
+
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_block_layer_runs_the_kernel_for_few_rows_and_its_fp16_copy_for_more(method: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = random_blocks(method, 40, 64, seed=4)
+    bias = torch.randn(40, generator=gen)
+    layer = BLOCK_LAYERS[method](weight, bias)
+    op = getattr(cpu_kernels(), f"{method}_linear")
+    few = torch.randn(BLOCK_KERNEL_MAX_ROWS, 64, generator=gen)
+    torch.testing.assert_close(layer(few), op(few, layer.blocks, 40, layer.bias), atol=0, rtol=0)
+    many = torch.randn(BLOCK_KERNEL_MAX_ROWS + 1, 64, generator=gen)
+    torch.testing.assert_close(layer(many), layer.batched(many), atol=0, rtol=0)
+    rounded = Float16WeightLinear(weight, bias)  # the copy holds the blocks' weights rounded to float16
+    torch.testing.assert_close(layer(many), rounded(many), atol=1e-5, rtol=1e-5)
+

@@ -312,6 +312,18 @@ def _gguf_weights(path: Path, config: transformers.PretrainedConfig) -> Iterator
         yield name, tensor
 
 
+def stored_linear_format(source: ModelSource) -> str | None:
+    """The format every linear layer's weight is stored in, in llama.cpp's lower-case name (q4_1, q8_0, f16...), when
+    the file is a GGUF whose layers all share one; else None. `--quantization auto` uses it to keep a file's blocks."""
+    if source.kind != "gguf":
+        return None
+    types = {
+        t.ggml_type for t in read_gguf_header(source.path).tensors
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+    }
+    return _ggml_type_name(types.pop()).lower() if len(types) == 1 else None
+
+
 def _ggml_type_name(ggml_type: int) -> str:
     try:
         return GGMLType(ggml_type).name

@@ -19,7 +19,7 @@ from lmserve.worker.attention import (
     check_attention_backend,
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
-from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
+from lmserve.worker.loader import load_hf_config, load_weights, resolve_model, stored_linear_format
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.quantization import check_quantization
@@ -62,12 +62,14 @@ class ModelRunner:
     ) -> None:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
-        self.quantization = check_quantization(model_config.quantization, self.device, self.dtype)
+        source = resolve_model(model_config.model)
+        self.quantization = check_quantization(
+            model_config.quantization, self.device, self.dtype, stored_linear_format(source)
+        )
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
             numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
             apply_placement(placement or PlacementConfig(), blas_does_matmuls=numpy_matmuls)
-        source = resolve_model(model_config.model)
         self.hf_config = load_hf_config(source)
         native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = model_config.max_model_len or native_len

@@ -1,10 +1,18 @@
-"""Weights stored in fewer bytes than the activations, applied after loading: `--quantization fp16`.
+"""Weights stored in fewer bytes than the activations, applied after loading: `--quantization fp16|q8_0|q4_1`.
 
 Decoding a small model on a CPU is bound by the bytes of weights read per step. fp16 keeps every weight in float16
 (half of float32's bytes) and computes in float32: fbgemm, PyTorch's x86 GEMM library, widens the weights inside its
 kernel, which on this project's AVX2 machines also beats float32 OpenBLAS at the few-row products of decoding.
 Against the float32 model the output distribution is unchanged to within rounding (benchmarks/quantization.py:
-perplexity 63.080 vs 63.075, 99.6% same top token), so `auto` picks fp16 wherever it runs: CPU with float32.
+perplexity 63.080 vs 63.075, 99.6% same top token), so `auto` picks fp16 on CPU with float32 for models whose file
+holds no block format below.
+
+q4_1 and q8_0 are llama.cpp's block formats (0.625 and 1.0625 bytes per weight). The C++ kernels in
+kernels/quantized_linear.cpp widen them in registers and multiply in float32, so only the weights are rounded, never
+the activations. Where a GGUF file stores its linear layers in one of them, re-packing the loaded weights gives back
+the file's own blocks, so `auto` picks that format: the model computes with exactly the weights it shipped with, in
+fewer bytes per decode step. The kernels win while few rows share each weight block (decoding: ≤ 8 rows); larger
+batches go through a float16 copy of the same weights and fbgemm (benchmarks/quantization.py).
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× their median), and int8 weight-only
@@ -13,27 +21,63 @@ but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× the
 
 from __future__ import annotations
 
+import logging
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-QUANTIZATION_METHODS = ("auto", "none", "fp16")
+from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
+BLOCK_METHODS = ("q8_0", "q4_1")
+BLOCK_SIZE = 32
 # Above this many rows a float32 GEMM of the weights widened on the fly beats fbgemm's fp16 kernel (prefill chunks).
 FP16_KERNEL_MAX_ROWS = 128
+# Up to this many rows the block kernels beat fbgemm's fp16 GEMM; above it the layer uses its fp16 copy.
+BLOCK_KERNEL_MAX_ROWS = 8
 
 
-def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """The method to apply: auto becomes fp16 on CPU with float32, none elsewhere; a method that cannot run raises."""
+def check_quantization(
+    method: str | None, device: torch.device, dtype: torch.dtype, stored_as: str | None = None
+) -> str:
+    """The method to apply; a method that cannot run raises. auto, on CPU with float32: the block format the model file
+    stores its linear layers in (`stored_as`, e.g. q4_1 for the default GGUF) when the kernels load, else fp16;
+    elsewhere none."""
     method = method or "auto"
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
     supported = device.type == "cpu" and dtype == torch.float32
     if method == "auto":
-        return "fp16" if supported else "none"
+        if not supported:
+            return "none"
+        if stored_as in BLOCK_METHODS and block_kernels_load(stored_as, explicit=False):
+            return stored_as
+        return "fp16"
     if method != "none" and not supported:
         raise ValueError(
             f"--quantization {method} runs on CPU with float32 activations only (--device cpu --dtype float32)"
         )
+    if method in BLOCK_METHODS:
+        block_kernels_load(method, explicit=True)
     return method
+
+
+def block_kernels_load(method: str, explicit: bool) -> bool:
+    """Whether the C++ kernel for a block format loads (it needs a compiler and, being AVX2 code, an x86 CPU with
+    AVX2, FMA and F16C). An explicit request that cannot be met raises; auto logs and falls back to fp16."""
+    fallback = "the linear layers keep float16 weights"
+    if not cpu_kernels_load(explicit, fallback):
+        return False
+    if not hasattr(cpu_kernels(), f"{method}_linear"):
+        message = f"--quantization {method} needs a CPU with AVX2, FMA and F16C"
+        if explicit:
+            raise ValueError(message)
+        logger.warning("%s; %s", message, fallback)
+        return False
+    return True
 
 
 class Float16WeightLinear(nn.Module):
@@ -56,7 +100,89 @@ class Float16WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"
 
 
-LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear}
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    if in_features % BLOCK_SIZE:
+        raise ValueError(
+            f"block quantization needs in_features that are a multiple of {BLOCK_SIZE}; a layer has {in_features}"
+        )
+    return weight.detach().float().reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def _half_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks] float16 as [rows, blocks, 2] little-endian bytes."""
+    return values.contiguous().view(torch.uint8).reshape(*values.shape, 2)
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+
+
+def pack_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weights as llama.cpp's block_q4_1 bytes, [N, K / 32 * 20]: per 32 weights a float16 scale d and minimum m,
+    then 16 bytes whose low nibbles are q[0:16] and high nibbles q[16:32], with w ≈ d * q + m. Rounding uses the
+    float16 d and m, so weights that came out of q4_1 blocks pack back to the same blocks."""
+    blocks = _blocks(weight)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scale, minimum = ((high - low) / 15).half(), low.half()
+    q = ((blocks - minimum.float()[..., None]) * _reciprocal(scale.float())[..., None]).round().clamp(0, 15)
+    q = q.to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat([_half_bytes(scale), _half_bytes(minimum), nibbles], -1).reshape(weight.shape[0], -1)
+
+
+def pack_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weights as llama.cpp's block_q8_0 bytes, [N, K / 32 * 34]: per 32 weights a float16 scale d, then 32
+    int8 q, with w ≈ d * q."""
+    blocks = _blocks(weight)
+    scale = (blocks.abs().amax(-1) / 127).half()
+    q = (blocks * _reciprocal(scale.float())[..., None]).round().clamp(-128, 127).to(torch.int8)
+    return torch.cat([_half_bytes(scale), q.view(torch.uint8)], -1).reshape(weight.shape[0], -1)
+
+
+class BlockQuantizedLinear(nn.Module):
+    """y = x @ W.T + b with W in one of llama.cpp's block formats, computed in float32. Batches of up to
+    BLOCK_KERNEL_MAX_ROWS rows run the block kernel; larger ones a float16 copy of the same rounded weights."""
+
+    method: ClassVar[str]
+    PACKERS: ClassVar = {"q4_1": pack_q4_1, "q8_0": pack_q8_0}
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.blocks = self.PACKERS[self.method](weight).contiguous()
+        ops = cpu_kernels()
+        self.linear_op = getattr(ops, f"{self.method}_linear")
+        self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
+        self.batched = Float16WeightLinear(self.dequantized(), bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights these blocks hold."""
+        out = torch.empty(self.out_features, self.in_features)
+        self.dequantize_op(self.blocks, out)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= BLOCK_KERNEL_MAX_ROWS * self.in_features:
+            return self.linear_op(x, self.blocks, self.out_features, self.bias)
+        return self.batched(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights"
+
+
+class Q4_1Linear(BlockQuantizedLinear):
+    method = "q4_1"
+
+
+class Q8_0Linear(BlockQuantizedLinear):
+    method = "q8_0"
+
+
+LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "q8_0": Q8_0Linear, "q4_1": Q4_1Linear}
+# The output layer is the most sensitive to rounding; llama.cpp's q4 files keep it (or the tied embedding) in q8_0.
+OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
 
 
 def quantize_linears(module: nn.Module, method: str) -> int:

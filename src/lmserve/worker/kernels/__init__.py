@@ -19,6 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp")
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the
 # kernel ran on one thread). The link names libgomp.so.1, the same soname as the runtime torch already loaded, so the
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
@@ -46,15 +47,15 @@ def build_directory() -> Path:
 
 @functools.cache
 def cpu_kernels():
-    """The `torch.ops.lmserve` namespace with every CPU kernel, building them if needed (paged_attention.cpp,
-    fused_ops.cpp); raises RuntimeError when they cannot be built."""
+    """The `torch.ops.lmserve` namespace with every CPU kernel (SOURCES), building them if needed; raises
+    RuntimeError when they cannot be built."""
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
     try:
         cpp_extension.load(
             name="lmserve_cpu_kernels",
-            sources=[str(SOURCE_DIR / "paged_attention.cpp"), str(SOURCE_DIR / "fused_ops.cpp")],
+            sources=[str(SOURCE_DIR / name) for name in SOURCES],
             extra_cflags=BUILD_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_directory()),

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
-from lmserve.worker.quantization import LAYER_TYPES, quantize_linears
+from lmserve.worker.quantization import LAYER_TYPES, OUTPUT_LAYER_METHOD, quantize_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
@@ -208,11 +208,12 @@ class LlamaForCausalLM(nn.Module):
 
     def quantize(self, method: str, output_layer: bool = True) -> None:
         """Every linear layer to `method` (worker/quantization.py); the output layer too unless output_layer is False.
-        A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer."""
+        A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer, in
+        OUTPUT_LAYER_METHOD's format where the method names one."""
         quantize_linears(self.layers, method)
         if output_layer:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            self.lm_head = LAYER_TYPES[method](head, None)
+            self.lm_head = LAYER_TYPES[OUTPUT_LAYER_METHOD.get(method, method)](head, None)
 
     # Hugging Face names → our fused parameters: (our name, shard index in the fused tensor)
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
