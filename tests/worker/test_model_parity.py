@@ -36,7 +36,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.worker import quantization
 from lmserve.worker.loader import DEFAULT_MODEL, load_hf_config, load_weights, resolve_model
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import FP16_KERNEL_MAX_ROWS, Float16WeightLinear, Q4_1Linear, Q8_0Linear
+from lmserve.worker.quantization import Float16WeightLinear, Q4_1Linear, Q8_0Linear
 
 BLOCK_SIZE = 16
 # Measured max abs error in float32 (printed with -s): tiny models 3e-7 on logits up to ~1; the default model
@@ -269,9 +269,7 @@ def tiny_fp16(request: pytest.FixtureRequest) -> Parity:
 
 
 def test_fp16_weights_compute_the_rounded_model(tiny_fp16: Parity) -> None:
-    # A 150-row first chunk takes the widened float32 GEMM (over FP16_KERNEL_MAX_ROWS), the rest fbgemm's fp16 kernel.
     assert isinstance(tiny_fp16.runner.model.layers[0].mlp.gate_up_proj, Float16WeightLinear)
-    assert 150 > FP16_KERNEL_MAX_ROWS
     seq = tiny_fp16.sequence(176, 0)
     error, _ = chunked_prefill_then_decode(tiny_fp16, seq, split=150, prompt_len=170, blocks=list(range(3, 14)))
     error_mixed, _ = mixed_batch(tiny_fp16, {"a": [11, 3], "b": [6, 25, 1], "c": [20]})

@@ -14,7 +14,6 @@ from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.loader import DEFAULT_MODEL, load_weights, resolve_model, stored_linear_format
 from lmserve.worker.quantization import (
     BLOCK_KERNEL_MAX_ROWS,
-    FP16_KERNEL_MAX_ROWS,
     Float16WeightLinear,
     Q4_1Linear,
     Q8_0Linear,
@@ -48,7 +47,7 @@ def test_a_method_that_cannot_run_is_refused(method: str, device: torch.device, 
         check_quantization(method, device, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 7, FP16_KERNEL_MAX_ROWS, FP16_KERNEL_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 7, 128, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp16_layer_computes_the_rounded_weights_in_float32(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -56,7 +55,6 @@ def test_fp16_layer_computes_the_rounded_weights_in_float32(rows: int, with_bias
     bias = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 64, generator=gen)
     layer = Float16WeightLinear(weight, bias)
-    assert layer.weight.dtype == torch.float16
     got = layer(x)
     rounded = nn.functional.linear(x.double(), weight.half().double(), None if bias is None else bias.double())
     exact = nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())

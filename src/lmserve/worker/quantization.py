@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
 BLOCK_SIZE = 32
-# Above this many rows a float32 GEMM of the weights widened on the fly beats fbgemm's fp16 kernel (prefill chunks).
-FP16_KERNEL_MAX_ROWS = 128
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM; above it the layer uses its fp16 copy.
 BLOCK_KERNEL_MAX_ROWS = 8
 
@@ -81,20 +79,19 @@ def block_kernels_load(method: str, explicit: bool) -> bool:
 
 
 class Float16WeightLinear(nn.Module):
-    """y = x @ W.T + b with W stored in float16 and the arithmetic in float32."""
+    """y = x @ W.T + b with W stored in float16 and the arithmetic in float32, through fbgemm at every batch size:
+    it beats a float32 GEMM of the weights widened per call (MKL, 62-102 GFLOP/s) and OpenBLAS float32 (86-134) at
+    64 to 2,048 rows as well, at 108-130 GFLOP/s on this project's 2-core AVX2 machine."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().float()
-        self.weight = weight.detach().to(torch.float16)
-        self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), self.bias)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FP16_KERNEL_MAX_ROWS:
-            return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
-        return nn.functional.linear(x, self.weight.float(), self.bias)
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"
