@@ -6,8 +6,8 @@
 Each server is started in turn on 127.0.0.1, measured with the same prompts (token ids from the same tokenizer and
 seed), and stopped before the next one starts: nothing else runs during a measurement. Results (every bench JSON)
 go to PEERS_DIR/results/DATE/, and a table replaces the section between the markers in docs/benchmarks.md.
-`lmserve-torch-ops` (lmserve without its C++ CPU kernels: `--attention-backend sdpa --fused-ops none`) can join as a
-column of its own.
+`lmserve-torch-ops` (lmserve without its C++ CPU kernels: `--attention-backend sdpa --fused-ops none`) and
+`lmserve-fp16` (float16 weights instead of the file's q4_1 blocks) can join as columns of their own.
 
 Workloads (issue 6):
   W1 throughput: random 256-token prompts, 128 output tokens (ignore EOS), 64 requests, concurrency 16.
@@ -58,7 +58,10 @@ LMSERVE_VARIANTS = {
     "lmserve-lp16": (["--long-prefill-token-threshold", "16"], "W3", "_lp16"),
 }
 # lmserve with other defaults, measured on every workload in a column of its own.
-LMSERVE_COLUMNS = {"lmserve-torch-ops": ["--attention-backend", "sdpa", "--fused-ops", "none"]}
+LMSERVE_COLUMNS = {
+    "lmserve-torch-ops": ["--attention-backend", "sdpa", "--fused-ops", "none"],
+    "lmserve-fp16": ["--quantization", "fp16"],  # the default before q4_1 blocks
+}
 W2_RATES = (0.25, 0.5, 1.0, 2.0)  # requests/s, tried upwards
 W2_SLO = "ttft=2000,tpot=100"
 MARKERS = {"main": ("<!-- compare_peers:start -->", "<!-- compare_peers:end -->"),
@@ -109,8 +112,8 @@ def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[S
             if name != "lmserve" and name not in LMSERVE_VARIANTS and name not in LMSERVE_COLUMNS:
                 raise SystemExit(f"unknown server {name!r}")
             extra = lmserve_args + own
-            defaults = ("defaults (float32; auto: fp16 weights, paged-cpu attention, fused CPU ops)" if not own
-                        else "float32, fp16 weights")
+            defaults = ("defaults (float32; auto: the GGUF's q4_1 blocks, paged-cpu attention, fused CPU ops)"
+                        if not own else "float32, defaults but")
             specs.append(ServerSpec(name, [str(VENV_BIN / "lmserve"), "serve", "--port", str(port),
                                            "--max-model-len", "2048", "--log-level", "WARNING", *extra],
                                     settings=" ".join([defaults, *extra])))
@@ -312,7 +315,9 @@ def render(results: dict[str, dict], settings: dict[str, str], bound: dict, info
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     bound_line = (f"Bandwidth bound for W4: copy bandwidth {bound['copy_gbs']:.1f} GB/s, {bound['params'] / 1e6:.1f} M "
                   f"parameters → {bound['bf16_tok_s']:.0f} tok/s with 2 bytes per parameter, "
-                  f"{bound['fp32_tok_s']:.0f} tok/s with 4.")
+                  f"{bound['fp32_tok_s']:.0f} tok/s with 4"
+                  + (f"; the default GGUF's own blocks (q4_1 layers, q8_0 output layer), {bound['q4_1_bytes'] / 1e6:.0f} MB"
+                     f" → {bound['q4_1_tok_s']:.0f} tok/s." if "q4_1_bytes" in bound else "."))
     failures = [f"**{n}** did not run: {results[n]['error']}" for n in names if "error" in results[n]]
     lines += ["", "Settings: " + "; ".join(f"**{n}**: {settings[n]}" for n in names), "", *failures,
               "" if failures else None, bound_line, MARK_END]
@@ -421,8 +426,11 @@ def main() -> None:
             results[spec.name], settings[spec.name] = found, spec.settings
     bw = copy_bandwidth_gbs()
     params = weight_parameters()
+    # The packaged GGUF is its weights (q4_1 layers, q8_0 embedding = output layer) plus a ~2 MB header and
+    # vocabulary: the bytes a decode step reads with lmserve's default q4_1 blocks, to within ~2%.
+    q4_bytes = packaged_gguf().stat().st_size
     bound = {"copy_gbs": bw, "params": params, "bf16_tok_s": bw * 1e9 / (2 * params),
-             "fp32_tok_s": bw * 1e9 / (4 * params)}
+             "fp32_tok_s": bw * 1e9 / (4 * params), "q4_1_bytes": q4_bytes, "q4_1_tok_s": bw * 1e9 / q4_bytes}
     info = {"date": stamp, "machine": machine(), "versions": versions(),
             "command": "python benchmarks/compare_peers.py " + " ".join(sys.argv[1:])}
     (out_root / "summary.json").write_text(json.dumps({"results": results, "settings": settings, "bound": bound,

@@ -15,7 +15,7 @@ where both pick the same top token, and how many of a few chat prompts give the 
 Speed: the offline engine, 64 prompts of 256 random tokens with 128 output tokens each, and one stream
 (128-token prompt, 256 output tokens), for each setting in one run.
 
-    .venv/bin/python benchmarks/quantization.py [--skip-speed]
+    .venv/bin/python benchmarks/quantization.py [--skip-speed] [--skip-accuracy] [--skip-engine]
 """
 
 from __future__ import annotations
@@ -176,9 +176,14 @@ def layer_speed(rows: int, layers: int = 30) -> dict[str, float]:
         return make
 
     ops = cpu_kernels()
+    def fp16_widened_per_call(w: torch.Tensor):
+        half = w.half()
+        return lambda x: nn.functional.linear(x, half.float())
+
     kinds = {
         "float32 (OpenBLAS)": float32_openblas,
         "fp16 weights (fbgemm)": lambda w: Float16WeightLinear(w, None),
+        "fp16 weights widened to float32 per call (MKL; the old path above 128 rows)": fp16_widened_per_call,
         "q8_0 blocks (lmserve kernel)": block_kernel(pack_q8_0, ops.q8_0_linear),
         "q4_1 blocks (lmserve kernel)": block_kernel(pack_q4_1, ops.q4_1_linear),
         "int8 W8A8 (fbgemm)": lambda w: DynamicInt8Linear(w, None),
@@ -218,25 +223,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true", help="linear layers only, not the offline engine")
     args = parser.parse_args()
-    acc = accuracy(args.window)
-    print(f"Accuracy over {acc['positions']} positions of passages.txt ({args.window}-token windows)\n")
-    print("| setting | perplexity | KL from float32 | same top token | same greedy answer (64 tokens) |")
-    print("|---|---|---|---|---|")
-    for name in SETTINGS:
-        r = acc[name]
-        print(
-            f"| {name} | {r['perplexity']:.3f} | {r['kl']:.5f} | {100 * r['top1_same']:.1f}% "
-            f"| {r['greedy_same']}/{len(CHAT_PROMPTS)} |"
-        )
+    if not args.skip_accuracy:
+        acc = accuracy(args.window)
+        print(f"Accuracy over {acc['positions']} positions of passages.txt ({args.window}-token windows)\n")
+        print("| setting | perplexity | KL from float32 | same top token | same greedy answer (64 tokens) |")
+        print("|---|---|---|---|---|")
+        for name in SETTINGS:
+            r = acc[name]
+            print(
+                f"| {name} | {r['perplexity']:.3f} | {r['kl']:.5f} | {100 * r['top1_same']:.1f}% "
+                f"| {r['greedy_same']}/{len(CHAT_PROMPTS)} |", flush=True,
+            )
     if args.skip_speed:
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    speeds = {rows: layer_speed(rows) for rows in (1, 4, 8, 16, 64, 256)}
+    speeds = {rows: layer_speed(rows) for rows in (1, 4, 8, 16, 64, 256, 1024)}
     print("\n| linear layers, 30 layers of distinct weights, ms | " + " | ".join(f"{r} rows" for r in speeds) + " |")
     print("|---" * (len(speeds) + 1) + "|")
     for kind in speeds[1]:
-        print(f"| {kind} | " + " | ".join(f"{speeds[r][kind]:.1f}" for r in speeds) + " |")
+        print(f"| {kind} | " + " | ".join(f"{speeds[r][kind]:.1f}" for r in speeds) + " |", flush=True)
+    if args.skip_engine:
+        return
     print("\n| setting | 64×(256 in, 128 out) output tok/s | single stream decode tok/s (1 / median gap) |")
     print("|---|---|---|")
     for name in ENGINE_SETTINGS:
