@@ -79,9 +79,8 @@ def block_kernels_load(method: str, explicit: bool) -> bool:
 
 
 class Float16WeightLinear(nn.Module):
-    """y = x @ W.T + b with W stored in float16 and the arithmetic in float32, through fbgemm at every batch size:
-    it beats a float32 GEMM of the weights widened per call (MKL, 62-102 GFLOP/s) and OpenBLAS float32 (86-134) at
-    64 to 2,048 rows as well, at 108-130 GFLOP/s on this project's 2-core AVX2 machine."""
+    """y = x @ W.T + b with W stored in float16 and the arithmetic in float32, through fbgemm at every batch size: it
+    also beats a float32 GEMM of the weights widened per call at 256 and 1,024 rows (benchmarks/quantization.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
