@@ -105,9 +105,27 @@ def _blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().float().reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
 
 
-def _half_bytes(values: torch.Tensor) -> torch.Tensor:
-    """[rows, blocks] float16 as [rows, blocks, 2] little-endian bytes."""
-    return values.contiguous().view(torch.uint8).reshape(*values.shape, 2)
+PANEL_ROWS = 8  # output rows whose blocks the kernels read together (kernels/quantized_linear.cpp)
+
+
+def _panels(values: torch.Tensor) -> torch.Tensor:
+    """[N, blocks, ...] per-row block values as [panels, blocks, 8 rows, ...], N padded to whole panels with zeros."""
+    rows = values.shape[0]
+    padded = -(-rows // PANEL_ROWS) * PANEL_ROWS
+    if padded != rows:
+        values = torch.cat([values, values.new_zeros(padded - rows, *values.shape[1:])])
+    return values.reshape(padded // PANEL_ROWS, PANEL_ROWS, *values.shape[1:]).transpose(1, 2)
+
+
+def _bytes(values: torch.Tensor) -> torch.Tensor:
+    """[panels, blocks, ...] as [panels, blocks, bytes]."""
+    return values.contiguous().view(torch.uint8).reshape(*values.shape[:2], -1)
+
+
+def _packed(panels: list[torch.Tensor]) -> torch.Tensor:
+    """Each panel's blocks one after another, as [N rounded up to whole panels, bytes per row]."""
+    packed = torch.cat(panels, -1)
+    return packed.reshape(packed.shape[0] * PANEL_ROWS, -1)
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -115,25 +133,28 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weights as llama.cpp's block_q4_1 bytes, [N, K / 32 * 20]: per 32 weights a float16 scale d and minimum m,
-    then 16 bytes whose low nibbles are q[0:16] and high nibbles q[16:32], with w ≈ d * q + m. Rounding uses the
-    float16 d and m, so weights that came out of q4_1 blocks pack back to the same blocks."""
+    """[N, K] weights as llama.cpp's block_q4_1 values: per 32 weights of a row a float16 scale d and minimum m and
+    integers q in 0..15 with w ≈ d * q + m, 20 bytes. The bytes are grouped in panels of 8 rows: per block, the 8 d's,
+    the 8 m's, then for each column j < 16 one byte per row holding q[j] (low nibble) and q[j + 16]; N is padded to a
+    multiple of 8. Rounding uses the float16 d and m, so weights that came out of q4_1 blocks pack back to the same
+    values."""
     blocks = _blocks(weight)
     low, high = blocks.amin(-1), blocks.amax(-1)
     scale, minimum = ((high - low) / 15).half(), low.half()
     q = ((blocks - minimum.float()[..., None]) * _reciprocal(scale.float())[..., None]).round().clamp(0, 15)
     q = q.to(torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)
-    return torch.cat([_half_bytes(scale), _half_bytes(minimum), nibbles], -1).reshape(weight.shape[0], -1)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # [N, blocks, 16 columns]
+    return _packed([_bytes(_panels(scale)), _bytes(_panels(minimum)), _bytes(_panels(nibbles).transpose(2, 3))])
 
 
 def pack_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weights as llama.cpp's block_q8_0 bytes, [N, K / 32 * 34]: per 32 weights a float16 scale d, then 32
-    int8 q, with w ≈ d * q."""
+    """[N, K] weights as llama.cpp's block_q8_0 values: per 32 weights of a row a float16 scale d and 32 int8 q with
+    w ≈ d * q, 34 bytes, grouped in panels of 8 rows like pack_q4_1's: per block the 8 d's, then column by column
+    one byte per row."""
     blocks = _blocks(weight)
     scale = (blocks.abs().amax(-1) / 127).half()
     q = (blocks * _reciprocal(scale.float())[..., None]).round().clamp(-128, 127).to(torch.int8)
-    return torch.cat([_half_bytes(scale), q.view(torch.uint8)], -1).reshape(weight.shape[0], -1)
+    return _packed([_bytes(_panels(scale)), _bytes(_panels(q).transpose(2, 3))])
 
 
 class BlockQuantizedLinear(nn.Module):

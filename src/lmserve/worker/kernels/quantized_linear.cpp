@@ -1,15 +1,21 @@
 // Linear layers over llama.cpp's block-quantized weights with float32 activations: y = x @ W.T (+ bias).
 //
 // Decoding a small model on a CPU reads every weight once per step, so bytes per weight set the speed. Two of
-// GGUF's block formats, byte for byte as llama.cpp stores them (32 weights per block, row-major blocks):
-//   q4_1: {fp16 d, fp16 m, 16 bytes}: w = d * q + m, q in 0..15; byte j holds weight j (low nibble) and j + 16.
-//         20 bytes per 32 weights (0.625 bytes per weight).
-//   q8_0: {fp16 d, 32 int8}: w = d * q. 34 bytes per 32 weights (1.0625 bytes per weight).
-// The weights are widened to float32 in registers, a block at a time, and multiplied in float32: the activations are
-// never quantized (llama.cpp quantizes them to 8 bits; this model's MLP inputs carry outliers that int8 activations
-// ruin, docs/benchmarks.md).
+// GGUF's block formats (32 weights of a row per block), with llama.cpp's values:
+//   q4_1: a float16 scale d and minimum m, and 32 integers q in 0..15: w = d * q + m (0.625 bytes per weight).
+//   q8_0: a float16 scale d and 32 int8 q: w = d * q (1.0625 bytes per weight).
+// Their bytes are regrouped into panels of 8 output rows (as llama.cpp's own CPU repacks do): for each block of 32
+// columns, a panel holds the 8 rows' d, then (q4_1) their m, then the quants column by column, 8 rows at a time:
+//   q4_1: 16 + 16 + 128 bytes; the 8 bytes of column j hold row r's q[j] in the low and q[j + 16] in the high nibble.
+//   q8_0: 16 + 256 bytes; the 8 bytes of column j hold row r's q[j].
+// A column of a panel widens to one vector of 8 floats, one per output row, which is multiplied by one input value
+// broadcast to all lanes: the 8 rows' outputs build up in one vector, and the scales of 8 rows widen with one
+// instruction. Laid out row by row, the per-row work (scales widened one by one, a horizontal sum per row) took
+// as long as the products on this model's 576-wide rows.
+// The activations are never quantized (llama.cpp quantizes them to 8 bits; this model's MLP inputs carry outliers
+// that int8 activations ruin, docs/benchmarks.md).
 //
-// Work is split over output rows on torch's OpenMP threads.
+// Work is split over panels on torch's OpenMP threads.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,143 +24,169 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kPanel = 8;       // output rows per panel: one vector of float32
+constexpr int kMaxTileRows = 8;     // input rows that share one pass over the weights
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _cvtsh_ss(bits);
+inline __m256 widen_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// decode(block, scale, w): the block's 32 weights as four vectors of 8 floats, in order. The row's scales (and
-// minimums) are widened to float32 beforehand (widen_scales), so that each block broadcasts them from memory rather
-// than spending shuffle slots on them.
+// step(quants, j, c0, c1): two of a block's 32 columns (8 rows each) as floats of the integers q; kColumn0(j) and
+// kColumn1(j) say which. 16 steps cover a block.
 struct Q4_1 {
-  static constexpr int64_t kBytes = 20;
-  static constexpr int kScales = 2;  // d, m
-  static inline void decode(const uint8_t* block, const float* scale, __m256 w[4]) {
-    const __m256 d = _mm256_broadcast_ss(scale), m = _mm256_broadcast_ss(scale + 1);
-    // Each byte widened to 32 bits once; its low nibble is weight j, its high nibble weight j + 16.
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), d, m);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), d, m);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d, m);
+  static constexpr int64_t kBytes = 20;  // per block of one row
+  static constexpr int64_t kPanelBytes = 16 + 16 + 128;
+  static constexpr int64_t kQuants = 32;  // offset of the quants in a panel's block
+  static constexpr bool kMinimum = true;
+  static constexpr int column0(int j) { return j; }
+  static constexpr int column1(int j) { return j + 16; }
+  static inline void step(const uint8_t* quants, int j, __m256& c0, __m256& c1) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(quants + 8 * j)));
+    c0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   }
 };
 
 struct Q8_0 {
   static constexpr int64_t kBytes = 34;
-  static constexpr int kScales = 1;  // d
-  static inline void decode(const uint8_t* block, const float* scale, __m256 w[4]) {
-    const __m256 d = _mm256_broadcast_ss(scale);
-    for (int i = 0; i < 4; ++i) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+  static constexpr int64_t kPanelBytes = 16 + 256;
+  static constexpr int64_t kQuants = 16;
+  static constexpr bool kMinimum = false;
+  static constexpr int column0(int j) { return 2 * j; }
+  static constexpr int column1(int j) { return 2 * j + 1; }
+  static inline void step(const uint8_t* quants, int j, __m256& c0, __m256& c1) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16 * j));
+    c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  }
+};
+
+inline __m256 broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+
+// One panel against T ≤ 2 input rows. Per block and input row, the integers q are multiplied with the inputs
+// (four independent chains) and the sum scaled by the panel's 8 d's once; the minimums join as m * (the input's block
+// sum). That is one FMA per column and row, where widening q to weights first costs one more per column.
+template <class Format, int T>
+inline void panel_folded(const uint8_t* panel, int64_t blocks, const float* x, int64_t K, const float* sums,
+                         __m256 out[T]) {
+  // Separate accumulators for the scaled products and the minimums: one chain through both would add an FMA's latency
+  // to every block.
+  constexpr int kChains = 4;  // independent FMA chains per input row within a block
+  __m256 acc[T], acc_minimum[T];
+  for (int t = 0; t < T; ++t) acc[t] = acc_minimum[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, panel += Format::kPanelBytes) {
+    const uint8_t* quants = panel + Format::kQuants;
+    const float* xb = x + b * kBlock;
+    __m256 p[T][kChains];
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < kChains; ++c) p[t][c] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j += kChains / 2) {
+#pragma GCC unroll 8
+      for (int u = 0; u < kChains / 2; ++u) {
+        __m256 c0, c1;
+        Format::step(quants, j + u, c0, c1);
+        for (int t = 0; t < T; ++t) {
+          const float* xt = xb + t * K;
+          p[t][2 * u] = _mm256_fmadd_ps(c0, broadcast(xt + Format::column0(j + u)), p[t][2 * u]);
+          p[t][2 * u + 1] = _mm256_fmadd_ps(c1, broadcast(xt + Format::column1(j + u)), p[t][2 * u + 1]);
+        }
+      }
+    }
+    const __m256 d = widen_halves(panel);
+    for (int t = 0; t < T; ++t) {
+      __m256 s = p[t][0];
+      for (int c = 1; c < kChains; ++c) s = _mm256_add_ps(s, p[t][c]);
+      acc[t] = _mm256_fmadd_ps(s, d, acc[t]);
+    }
+    if constexpr (Format::kMinimum) {
+      const __m256 m = widen_halves(panel + 16);
+      for (int t = 0; t < T; ++t) acc_minimum[t] = _mm256_fmadd_ps(m, broadcast(sums + t * blocks + b), acc_minimum[t]);
     }
   }
-};
-
-// The float16 scale (and minimum) at the start of each of a row's blocks, as float32: [blocks][kScales].
-template <class Format>
-inline void widen_scales(const uint8_t* row, int64_t blocks, float* scales) {
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int i = 0; i < Format::kScales; ++i) scales[b * Format::kScales + i] = half_to_float(row + b * Format::kBytes + 2 * i);
+  for (int t = 0; t < T; ++t) out[t] = _mm256_add_ps(acc[t], acc_minimum[t]);
 }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Input rows are copied once per call into tiles of up to 8 rows laid out block by block ([block][row][32]), so the
-// inner loop reads all of a tile's inputs from one pointer and a tile stays in L1 while the weight rows pass over it.
-struct Tile {
-  int64_t first_row, rows;
-  const float* data;
-};
-
-inline int tile_rows(int64_t remaining) { return remaining >= 8 ? 8 : remaining >= 4 ? 4 : remaining >= 2 ? 2 : 1; }
-
-std::vector<Tile> pack_tiles(const float* x, int64_t M, int64_t K, float* packed) {
-  std::vector<Tile> tiles;
-  const int64_t blocks = K / kBlock;
-  for (int64_t t0 = 0; t0 < M;) {
-    const int rows = tile_rows(M - t0);
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int t = 0; t < rows; ++t)
-        std::memcpy(packed + (b * rows + t) * kBlock, x + (t0 + t) * K + b * kBlock, kBlock * sizeof(float));
-    tiles.push_back({t0, rows, packed});
-    packed += rows * K;
-    t0 += rows;
-  }
-  return tiles;
-}
-
-// One output row against a tile of T input rows, with T * S independent accumulators so that the FMAs' latency is
-// hidden even when T is small (each takes one of the block's four weight vectors in turn).
+// One panel against 3 ≤ T ≤ 8 input rows: each column widened once to the 8 rows' weights (one FMA) and shared by
+// the T rows (one FMA each), with two accumulators per row while there are registers for them.
 template <class Format, int T>
-inline void row_tile(const float* tile, int64_t blocks, const uint8_t* row, const float* scales, float* out,
-                     int64_t out_stride) {
-  constexpr int S = T >= 8 ? 1 : (T >= 4 ? 2 : 4);
+inline void panel_widened(const uint8_t* panel, int64_t blocks, const float* x, int64_t K, const float*,
+                          __m256 out[T]) {
+  constexpr int S = T <= 4 ? 2 : 1;
   __m256 acc[T][S];
   for (int t = 0; t < T; ++t)
     for (int s = 0; s < S; ++s) acc[t][s] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, tile += T * kBlock) {
-    __m256 w[4];
-    Format::decode(row + b * Format::kBytes, scales + b * Format::kScales, w);
-    for (int t = 0; t < T; ++t)
-      for (int j = 0; j < 4; ++j)
-        acc[t][j % S] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(tile + t * kBlock + 8 * j), acc[t][j % S]);
+  for (int64_t b = 0; b < blocks; ++b, panel += Format::kPanelBytes) {
+    const uint8_t* quants = panel + Format::kQuants;
+    const float* xb = x + b * kBlock;
+    const __m256 d = widen_halves(panel);
+    const __m256 m = Format::kMinimum ? widen_halves(panel + 16) : _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      __m256 c0, c1;
+      Format::step(quants, j, c0, c1);
+      const __m256 w0 = Format::kMinimum ? _mm256_fmadd_ps(c0, d, m) : _mm256_mul_ps(c0, d);
+      const __m256 w1 = Format::kMinimum ? _mm256_fmadd_ps(c1, d, m) : _mm256_mul_ps(c1, d);
+      for (int t = 0; t < T; ++t) {
+        acc[t][0] = _mm256_fmadd_ps(w0, broadcast(xb + t * K + Format::column0(j)), acc[t][0]);
+        acc[t][S - 1] = _mm256_fmadd_ps(w1, broadcast(xb + t * K + Format::column1(j)), acc[t][S - 1]);
+      }
+    }
   }
-  for (int t = 0; t < T; ++t) {
-    __m256 sum = acc[t][0];
-    for (int s = 1; s < S; ++s) sum = _mm256_add_ps(sum, acc[t][s]);
-    out[t * out_stride] = horizontal_sum(sum);
-  }
+  for (int t = 0; t < T; ++t) out[t] = S > 1 ? _mm256_add_ps(acc[t][0], acc[t][S - 1]) : acc[t][0];
 }
 
-// Output rows [row_begin, row_end) for every tile of inputs.
-template <class Format>
-void rows_product(const std::vector<Tile>& tiles, int64_t K, const uint8_t* weight, int64_t row_begin,
-                  int64_t row_end, const float* bias, float* y, int64_t N) {
+// Panels [begin, end) against a tile of T input rows (x: [T, K], sums: [T, blocks]); y rows are N apart.
+template <class Format, int T>
+void panels_product(const uint8_t* weight, int64_t begin, int64_t end, int64_t K, const float* x, const float* sums,
+                    const float* bias, float* y, int64_t N) {
   const int64_t blocks = K / kBlock;
-  const int64_t row_bytes = blocks * Format::kBytes;
-  std::vector<float> scales(blocks * Format::kScales);
-  for (const Tile& tile : tiles) {
-    float* out = y + tile.first_row * N;
-    for (int64_t n = row_begin; n < row_end; ++n) {
-      const uint8_t* row = weight + n * row_bytes;
-      widen_scales<Format>(row, blocks, scales.data());
-      const float* s = scales.data();
-      switch (tile.rows) {
-        case 8: row_tile<Format, 8>(tile.data, blocks, row, s, out + n, N); break;
-        case 4: row_tile<Format, 4>(tile.data, blocks, row, s, out + n, N); break;
-        case 2: row_tile<Format, 2>(tile.data, blocks, row, s, out + n, N); break;
-        default: row_tile<Format, 1>(tile.data, blocks, row, s, out + n, N);
-      }
-      if (bias)
-        for (int64_t t = 0; t < tile.rows; ++t) out[t * N + n] += bias[n];
+  for (int64_t p = begin; p < end; ++p) {
+    __m256 out[T];
+    const uint8_t* panel = weight + p * blocks * Format::kPanelBytes;
+    if constexpr (T <= 2) panel_folded<Format, T>(panel, blocks, x, K, sums, out);
+    else panel_widened<Format, T>(panel, blocks, x, K, sums, out);
+    const int64_t row = p * kPanel, rows = std::min<int64_t>(kPanel, N - row);
+    for (int t = 0; t < T; ++t) {
+      alignas(32) float values[kPanel];
+      _mm256_store_ps(values, out[t]);
+      float* dst = y + t * N + row;
+      for (int64_t r = 0; r < rows; ++r) dst[r] = values[r] + (bias ? bias[row + r] : 0.0f);
     }
   }
 }
+
+template <class Format>
+void tile_product(int T, const uint8_t* weight, int64_t begin, int64_t end, int64_t K, const float* x,
+                  const float* sums, const float* bias, float* y, int64_t N) {
+  switch (T) {
+    case 1: panels_product<Format, 1>(weight, begin, end, K, x, sums, bias, y, N); break;
+    case 2: panels_product<Format, 2>(weight, begin, end, K, x, sums, bias, y, N); break;
+    case 3: panels_product<Format, 3>(weight, begin, end, K, x, sums, bias, y, N); break;
+    case 4: panels_product<Format, 4>(weight, begin, end, K, x, sums, bias, y, N); break;
+    case 5: panels_product<Format, 5>(weight, begin, end, K, x, sums, bias, y, N); break;
+    case 6: panels_product<Format, 6>(weight, begin, end, K, x, sums, bias, y, N); break;
+    case 7: panels_product<Format, 7>(weight, begin, end, K, x, sums, bias, y, N); break;
+    default: panels_product<Format, 8>(weight, begin, end, K, x, sums, bias, y, N);
+  }
+}
+
+inline int64_t num_panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
 
 void check_inputs(const torch::Tensor& weight, int64_t N, int64_t K, int64_t block_bytes) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
               "packed weight must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features must be a positive multiple of 32, got ", K);
-  TORCH_CHECK(weight.numel() == N * (K / kBlock) * block_bytes, "packed weight has ", weight.numel(),
-              " bytes, expected ", N * (K / kBlock) * block_bytes, " for ", N, " x ", K);
+  const int64_t expected = num_panels(N) * kPanel * (K / kBlock) * block_bytes;
+  TORCH_CHECK(weight.numel() == expected, "packed weight has ", weight.numel(), " bytes, expected ", expected, " for ",
+              N, " x ", K);
 }
 
 template <class Format>
@@ -176,20 +208,33 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
   out_shape.back() = N;
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y.view(out_shape);
+  const int64_t blocks = K / kBlock;
   const float* xp = x.data_ptr<float>();
+  // Each input row's block sums, for the minimums' share of the product.
+  std::vector<float> sums(Format::kMinimum ? M * blocks : 0);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    const float* src = xp + i * kBlock;
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(src + 16), _mm256_loadu_ps(src + 24)));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sums[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // torch's allocator aligns to 64 bytes, so no 32-byte load of a tile straddles two cache lines.
-  torch::Tensor packed = torch::empty({M * K}, x.options());
-  const std::vector<Tile> tiles = pack_tiles(xp, M, K, packed.data_ptr<float>());
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    rows_product<Format>(tiles, K, wp, begin, end, bias_data, yp, N);
+  at::parallel_for(0, num_panels(N), 4, [&](int64_t begin, int64_t end) {
+    // Tiles of up to kMaxTileRows input rows, each over a stretch of panels that stays in L2 between tiles.
+    constexpr int64_t kStretch = 64;
+    for (int64_t p0 = begin; p0 < end; p0 += kStretch)
+      for (int64_t t0 = 0; t0 < M; t0 += kMaxTileRows)
+        tile_product<Format>(static_cast<int>(std::min<int64_t>(kMaxTileRows, M - t0)), wp, p0,
+                             std::min(end, p0 + kStretch), K, xp + t0 * K, sums.data() + t0 * blocks, bias_data,
+                             yp + t0 * N, N);
   });
   return y.view(out_shape);
 }
 
-// The float32 weight matrix [N, K] into out, for products with many input rows, where a float32 GEMM beats
-// widening each block once per pair of rows.
+// The float32 weight matrix [N, K] into out: the float16 copy for larger batches, and tests.
 template <class Format>
 void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2, "out must be [N, K] float32");
@@ -198,14 +243,23 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
   const int64_t blocks = K / kBlock;
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N * blocks, 256, [&](int64_t begin, int64_t end) {
-    float scales[Format::kScales];
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* block = wp + i * Format::kBytes;
-      widen_scales<Format>(block, 1, scales);
-      __m256 w[4];
-      Format::decode(block, scales, w);
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(op + i * kBlock + 8 * j, w[j]);
+  at::parallel_for(0, num_panels(N), 4, [&](int64_t begin, int64_t end) {
+    alignas(32) float columns[kBlock][kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t row = p * kPanel, rows = std::min<int64_t>(kPanel, N - row);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel = wp + (p * blocks + b) * Format::kPanelBytes;
+        const __m256 d = widen_halves(panel);
+        const __m256 m = Format::kMinimum ? widen_halves(panel + 16) : _mm256_setzero_ps();
+        for (int j = 0; j < 16; ++j) {
+          __m256 c0, c1;
+          Format::step(panel + Format::kQuants, j, c0, c1);
+          _mm256_store_ps(columns[Format::column0(j)], Format::kMinimum ? _mm256_fmadd_ps(c0, d, m) : _mm256_mul_ps(c0, d));
+          _mm256_store_ps(columns[Format::column1(j)], Format::kMinimum ? _mm256_fmadd_ps(c1, d, m) : _mm256_mul_ps(c1, d));
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < kBlock; ++k) op[(row + r) * K + b * kBlock + k] = columns[k][r];
+      }
     }
   });
 }
