@@ -2,7 +2,8 @@
 
 Layer: SmolLM2's attention shape (9 query heads over 3 KV heads of 64), a 4,096-block cache with each request's
 blocks scattered through it, one `PagedAttention.forward` per call (K/V write included), median of 30 calls. Also
-the paged kernel on prefill chunks against SDPA, the measurement behind sending chunks to SDPA.
+the paged kernel on prefill chunks against SDPA: the measurement behind sending short chunks after cached positions
+to the kernel (attention.PAGED_CHUNK_MAX_QUERIES) and longer ones to SDPA.
 
 Steps: `ModelRunner.execute` on the default model for a fixed batch (decodes at a given context, or decodes beside a
 prefill chunk), median of 10, for each pair of settings: sdpa without fused ops, paged-cpu, paged-cpu with fused ops.
@@ -36,8 +37,9 @@ LAYER_CASES = [
     ("16 decodes at 1000-1075", [(1, 1000 + 5 * i) for i in range(16)]),
     ("4 decodes at 200 + 1 at 1500 (W3)", [(1, 200)] * 4 + [(1, 1500)]),
     ("4 decodes at 200 + 32-token chunk at 1450", [(1, 200)] * 4 + [(32, 1450)]),
+    ("4 decodes at 330 + 16-token chunk at 1484 (W3, threshold 16)", [(1, 330)] * 4 + [(16, 1484)]),
 ]
-CHUNK_CASES = [(32, 1450), (64, 1088), (256, 1280), (512, 2048)]
+CHUNK_CASES = [(8, 1484), (16, 1484), (16, 400), (32, 1450), (64, 1088), (256, 1280), (512, 2048)]
 
 
 def layer_case(requests: list[tuple[int, int]], backend: str, caches) -> float:

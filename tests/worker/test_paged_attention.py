@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from lmserve.worker import kernels
-from lmserve.worker.attention import ScheduledChunk, build_metadata, check_attention_backend
+from lmserve.worker.attention import (
+    PAGED_CHUNK_MAX_QUERIES,
+    PagedAttention,
+    ScheduledChunk,
+    build_metadata,
+    check_attention_backend,
+)
 from lmserve.worker.kernels import paged_attention_op
 
 CPU = torch.device("cpu")
@@ -139,14 +145,19 @@ def test_metadata_of_each_backend() -> None:
     paged = build_metadata(chunks, 16, "paged-cpu", CPU, torch.float32)
     assert paged.num_decodes == 2 and paged.decode_mask is None
     assert paged.decode_block_tables.dtype == torch.int32
-    assert paged.decode_block_tables.tolist() == [[5, 9], [2, 0]]
-    assert paged.decode_requests.tolist() == [[0, 1, 21], [1, 1, 4]]  # (row, query length, context)
+    # (row, query length, context) of the decodes, then of the short chunk after cached positions.
+    assert paged.decode_requests.tolist() == [[0, 1, 21], [1, 1, 4], [2, 4, 20]]
+    assert paged.decode_block_tables.tolist() == [[5, 9], [2, 0], [7, 1]]
     assert paged.slot_mapping.tolist() == [9 * 16 + 4, 2 * 16 + 3, 16, 17, 18, 19]
-    (row, q_len, start, block_ids, mask), = paged.prefills
-    assert (row, q_len, start, block_ids.tolist()) == (2, 4, 16, [7, 1])
-    assert mask.shape == (4, 20) and mask[0, 16].item() == 0 and mask[0, 17].item() == float("-inf")
+    assert paged.prefills == []
 
     sdpa = build_metadata(chunks, 16, "sdpa", CPU, torch.float32)
+    (row, q_len, start, block_ids, mask), = sdpa.prefills
+    assert (row, q_len, start, block_ids.tolist()) == (2, 4, 16, [7, 1])
+    assert mask.shape == (4, 20) and mask[0, 16].item() == 0 and mask[0, 17].item() == float("-inf")
+    first_and_long = [ScheduledChunk(0, 5, [3]), ScheduledChunk(16, PAGED_CHUNK_MAX_QUERIES + 1, [4, 6, 8])]
+    assert [p[:3] for p in build_metadata(first_and_long, 16, "paged-cpu", CPU, torch.float32).prefills] == [
+        (0, 5, 0), (5, PAGED_CHUNK_MAX_QUERIES + 1, 16)]
     assert sdpa.decode_requests is None and sdpa.decode_block_tables.dtype == torch.int64
     assert sdpa.decode_mask.shape == (2, 1, 1, 32)
     visible = (sdpa.decode_mask == 0).view(2, 32).sum(-1).tolist()
@@ -154,3 +165,29 @@ def test_metadata_of_each_backend() -> None:
 
     with pytest.raises(AssertionError, match="decodes must come before"):
         build_metadata(chunks[2:] + chunks[:1], 16, "paged-cpu", CPU, torch.float32)
+
+
+def test_both_backends_attend_alike_over_a_mixed_batch() -> None:
+    """Decodes, a short chunk after cached positions (paged kernel under paged-cpu), a long one and a first chunk
+    (SDPA under both): the same output from either backend's metadata."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen)
+    chunks = [
+        ScheduledChunk(37, 1, [0, 1, 2]),
+        ScheduledChunk(5, 1, [3]),
+        ScheduledChunk(40, 12, [4, 5, 6, 7]),  # short, after cached positions, crossing a block edge
+        ScheduledChunk(33, PAGED_CHUNK_MAX_QUERIES + 7, [8, 9, 10, 11]),
+        ScheduledChunk(0, 9, [12]),
+    ]
+    rows = sum(c.num_tokens for c in chunks)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    k, v = torch.randn(rows, kv_heads, dim, generator=gen), torch.randn(rows, kv_heads, dim, generator=gen)
+    attention = PagedAttention(heads, kv_heads, dim, dim**-0.5)
+    outs = {}
+    for backend in ("paged-cpu", "sdpa"):
+        md = build_metadata(chunks, bs, backend, CPU, torch.float32)
+        outs[backend] = attention.forward(q, k, v, k_cache.clone(), v_cache.clone(), md)
+    assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 3
+    torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)

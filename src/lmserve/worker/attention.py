@@ -4,8 +4,10 @@ Two backends (`--attention-backend`):
 - `sdpa`, portable: every decode (query length 1) goes into one SDPA call over K/V gathered from the blocks and padded
   to the longest context in the batch; each prefill chunk is one SDPA call. No Python loop over a sequence's tokens.
 - `paged-cpu`: decodes go through a C++ kernel (worker/kernels/) that reads the blocks in place, each request over its
-  own context: no gather, no padding. Prefill chunks stay on SDPA, whose flash kernel computes a many-query chunk
-  about twice as fast as the paged kernel (benchmarks/paged_attention.py).
+  own context: no gather, no padding. So do short chunks that follow cached positions (up to
+  PAGED_CHUNK_MAX_QUERIES queries: the small chunks of `--long-prefill-token-threshold`), where SDPA would first
+  gather the whole context and apply a mask: 2x faster at 1,500 tokens of context (benchmarks/paged_attention.py).
+  Longer chunks stay on SDPA, whose flash kernel computes a many-query chunk faster than the paged kernel.
 `auto` picks paged-cpu on CPU with float32 when the kernel builds, sdpa otherwise.
 """
 
@@ -22,6 +24,8 @@ from lmserve.worker.kernels import cpu_kernels_load, paged_attention_op
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
 PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
+# A chunk after cached positions with up to this many queries runs the paged kernel (its query tile); longer ones SDPA.
+PAGED_CHUNK_MAX_QUERIES = 16
 
 
 def check_attention_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -61,11 +65,13 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new position
     num_decodes: int
-    # sdpa: int64 [num_decodes, max_blocks] padded with block 0. paged-cpu: the same in int32.
+    # sdpa: int64 [num_decodes, max_blocks] padded with block 0. paged-cpu: int32, one row per entry of
+    # decode_requests.
     decode_block_tables: torch.Tensor
     # sdpa only: additive [num_decodes, 1, 1, max_blocks * block_size], 0 where key < context, -inf past it.
     decode_mask: torch.Tensor | None
-    # paged-cpu only: int64 [num_decodes, 3] of (query row, query length 1, context length).
+    # paged-cpu only: int64 [entries, 3] of (first query row, query length, context length): the decodes, then the
+    # short chunks that follow cached positions.
     decode_requests: torch.Tensor | None
     # One entry per prefill chunk: (first query row, query length, start position, block ids tensor, mask). The mask
     # is None for a first chunk (plain causal); a later chunk's is additive, [query length, start + query length].
@@ -79,37 +85,41 @@ def build_metadata(
     bs = block_size
     slots: list[np.ndarray] = []
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
-    decodes: list[ScheduledChunk] = []
-    row = 0
+    paged: list[tuple[int, ScheduledChunk]] = []  # (first query row, chunk): the decodes, then short later chunks
+    num_decodes = row = 0
     for c in chunks:
         pos = np.arange(c.start_position, c.start_position + c.num_tokens)
         table = np.asarray(c.block_ids, dtype=np.int64)
         slots.append(table[pos // bs] * bs + pos % bs)
         if c.num_tokens == 1:
-            assert not prefills, "decodes must come before prefill chunks"
-            decodes.append(c)
+            assert not prefills and num_decodes == len(paged), "decodes must come before prefill chunks"
+            paged.append((row, c))
+            num_decodes += 1
+        elif backend == "paged-cpu" and c.start_position > 0 and c.num_tokens <= PAGED_CHUNK_MAX_QUERIES:
+            paged.append((row, c))
         else:
             nblocks = -(-(c.start_position + c.num_tokens) // bs)
             block_ids = torch.as_tensor(table[:nblocks], device=device)
             prefills.append((row, c.num_tokens, c.start_position, block_ids, _chunk_mask(pos, dtype, device)))
         row += c.num_tokens
-    context = np.array([c.start_position + 1 for c in decodes], dtype=np.int64)
-    max_blocks = int(-(-context.max() // bs)) if decodes else 0
-    tables = np.zeros((len(decodes), max_blocks), dtype=np.int32 if backend == "paged-cpu" else np.int64)
-    for i, c in enumerate(decodes):
+    context = np.array([c.start_position + c.num_tokens for _, c in paged], dtype=np.int64)
+    max_blocks = int(-(-context.max() // bs)) if paged else 0
+    tables = np.zeros((len(paged), max_blocks), dtype=np.int32 if backend == "paged-cpu" else np.int64)
+    for i, (_, c) in enumerate(paged):
         n = -(-int(context[i]) // bs)
         tables[i, :n] = c.block_ids[:n]
     mask = requests = None
     if backend == "paged-cpu":
-        requests = torch.as_tensor(np.stack([np.arange(len(decodes)), np.ones_like(context), context], axis=1))
+        rows = np.array([[first, c.num_tokens] for first, c in paged], dtype=np.int64).reshape(-1, 2)
+        requests = torch.as_tensor(np.concatenate([rows, context[:, None]], axis=1))
     else:
         # Additive (0 / -inf) rather than boolean: SDPA would convert a boolean mask again in every layer.
         visible = np.arange(max_blocks * bs)[None, :] < context[:, None]
         mask = torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
-        mask = mask.view(len(decodes), 1, 1, max_blocks * bs)
+        mask = mask.view(len(paged), 1, 1, max_blocks * bs)
     return AttentionMetadata(
         slot_mapping=torch.as_tensor(np.concatenate(slots), device=device),
-        num_decodes=len(decodes),
+        num_decodes=num_decodes,
         decode_block_tables=torch.as_tensor(tables, device=device),
         decode_mask=mask,
         decode_requests=requests,
@@ -146,7 +156,7 @@ class PagedAttention:
         v_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, v)
         out = torch.empty_like(q)
         if md.decode_requests is not None:
-            if md.num_decodes:
+            if len(md.decode_requests):
                 paged_attention_op()(out, q, k_cache, v_cache, md.decode_block_tables, md.decode_requests, self.scale)
         elif md.num_decodes:
             out[: md.num_decodes] = self._decode(q[: md.num_decodes], k_cache, v_cache, md)

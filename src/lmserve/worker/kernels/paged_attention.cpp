@@ -151,7 +151,27 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t key_stride = num_kv_heads * kDim, block_stride = block_size * key_stride;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes a contiguous run of items of about equal cost (queries x keys x heads), so that one long chunk
+  // next to short decodes does not leave a thread idle while the other computes the chunk.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(items.size()));
+  {
+    auto cost = [&](const WorkItem& it) {
+      const int64_t last_key = req[3 * it.request + 2] - req[3 * it.request + 1] + it.first_query + it.num_queries;
+      return it.num_queries * last_key * it.num_heads;
+    };
+    int64_t total = 0, done = 0;
+    for (const WorkItem& it : items) total += cost(it);
+    bounds[0] = 0;
+    int64_t t = 1;
+    for (int64_t w = 0; w < static_cast<int64_t>(items.size()) && t < threads; ++w) {
+      done += cost(items[w]);
+      // Thread t - 1's run ends once the items so far hold t shares of the total.
+      while (t < threads && done * threads >= total * t) bounds[t++] = w + 1;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
+    const int64_t begin = bounds[first_thread], end = bounds[last_thread];
     const int64_t max_rows = kQueryTile * q.size(1);
     std::vector<float> queries(max_rows * kDim), acc(max_rows * kDim), scores(max_rows * block_size);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
@@ -225,13 +245,22 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     tiles += (query_len + kQueryTile - 1) / kQueryTile;
   }
   // With enough tiles to keep every thread busy, one work item takes all heads: it then reads each cache block as
-  // one contiguous run, once. With fewer (a single stream), items split by kv head so that all threads work.
-  const int64_t heads_per_item = tiles >= 2 * at::get_num_threads() ? num_heads : group;
+  // one contiguous run, once. With fewer (a single stream), items split by kv head so that all threads work. So does
+  // a request that alone costs more than a thread's share (a prefill chunk over a long context among decodes), with
+  // half tiles of queries, so that its pieces spread evenly over the threads.
+  const int64_t threads = at::get_num_threads();
+  int64_t total_cost = 0;
+  for (int64_t r = 0; r < num_requests; ++r) total_cost += req[3 * r + 1] * req[3 * r + 2];
   std::vector<WorkItem> items;
-  for (int64_t r = 0; r < num_requests; ++r)
+  for (int64_t r = 0; r < num_requests; ++r) {
+    const int64_t query_len = req[3 * r + 1];
+    const bool dominant = threads > 1 && query_len > 1 && query_len * req[3 * r + 2] * threads > total_cost;
+    const int64_t heads_per_item = tiles >= 2 * threads && !dominant ? num_heads : group;
+    const int64_t query_tile = dominant ? kQueryTile / 2 : kQueryTile;
     for (int64_t head = 0; head < num_heads; head += heads_per_item)
-      for (int64_t first = 0; first < req[3 * r + 1]; first += kQueryTile)
-        items.push_back({r, head, heads_per_item, first, std::min(kQueryTile, req[3 * r + 1] - first)});
+      for (int64_t first = 0; first < query_len; first += query_tile)
+        items.push_back({r, head, heads_per_item, first, std::min(query_tile, query_len - first)});
+  }
 
   switch (head_dim) {
     case 8: return run<8>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
