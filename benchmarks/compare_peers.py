@@ -56,6 +56,7 @@ LMSERVE_VARIANTS = {
     "lmserve-nocache": (["--no-enable-prefix-caching"], "W5", "_nocache"),
     "lmserve-lp32": (["--long-prefill-token-threshold", "32"], "W3", "_lp32"),
     "lmserve-lp16": (["--long-prefill-token-threshold", "16"], "W3", "_lp16"),
+    "lmserve-lp8": (["--long-prefill-token-threshold", "8"], "W3", "_lp8"),
 }
 # lmserve with other defaults, measured on every workload in a column of its own.
 LMSERVE_COLUMNS = {
@@ -297,6 +298,9 @@ def render(results: dict[str, dict], settings: dict[str, str], bound: dict, info
         ("W3 ITL p50 / max with --long-prefill-token-threshold 16 (ms)", ("w3_itl_p50_ms_lp16", "w3_max_itl_ms_lp16"),
          "{:.0f} / {:.0f}"),
         ("W3 long prompt TTFT with --long-prefill-token-threshold 16 (ms)", "w3_long_ttft_ms_lp16", "{:.0f}"),
+        ("W3 ITL p50 / max with --long-prefill-token-threshold 8 (ms)", ("w3_itl_p50_ms_lp8", "w3_max_itl_ms_lp8"),
+         "{:.0f} / {:.0f}"),
+        ("W3 long prompt TTFT with --long-prefill-token-threshold 8 (ms)", "w3_long_ttft_ms_lp8", "{:.0f}"),
         ("W4 single-stream decode tok/s (1 / TPOT)", "w4_decode_tok_s", "{:.1f}"),
         ("W5 TTFT p50, 1,024-token shared prefix (ms)", "w5_ttft_p50_ms", "{:.0f}"),
         ("W5 TTFT p50 without prefix caching (ms)", "w5_ttft_p50_ms_nocache", "{:.0f}"),
