@@ -1,7 +1,8 @@
 """The two attention backends side by side: one attention layer, then the whole engine.
 
 Layer: SmolLM2's attention shape (9 query heads over 3 KV heads of 64), a 4,096-block cache with each request's
-blocks scattered through it, one `PagedAttention.forward` per call (K/V write included), median of 30 calls. Also
+blocks scattered through it, one `PagedAttention.forward` per call (K/V write included), median of 30 calls; the
+paged kernel also over a float16 copy of the cache (`--kv-cache-dtype float16`). Also
 the paged kernel on prefill chunks against SDPA: the measurement behind sending short chunks after cached positions
 to the kernel (attention.PAGED_CHUNK_MAX_QUERIES) and longer ones to SDPA.
 
@@ -140,10 +141,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     caches = (torch.randn(shape), torch.randn(shape))
-    print("\n| one attention layer (ms) | sdpa | paged-cpu | ratio |\n|---|---|---|---|")
+    half_caches = (caches[0].half(), caches[1].half())  # --kv-cache-dtype float16
+    print("\n| one attention layer (ms) | sdpa | paged-cpu | ratio | paged-cpu, float16 cache | float32 / float16 |"
+          "\n|---|---|---|---|---|---|")
     for label, requests in LAYER_CASES:
         sdpa, paged = layer_case(requests, "sdpa", caches), layer_case(requests, "paged-cpu", caches)
-        print(f"| {label} | {sdpa:.3f} | {paged:.3f} | {sdpa / paged:.2f}x |")
+        half = layer_case(requests, "paged-cpu", half_caches)
+        print(f"| {label} | {sdpa:.3f} | {paged:.3f} | {sdpa / paged:.2f}x | {half:.3f} | {paged / half:.2f}x |")
     print("\n| prefill chunk over a cached prefix (ms) | gather + SDPA | paged kernel | kernel / SDPA |\n|---|---|---|---|")
     for q_len, ctx in CHUNK_CASES:
         kernel, sdpa = kernel_on_chunk(q_len, ctx, caches)

@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--kv-cache-memory", default=None, help="bytes, or with a unit: 2GiB, 512MiB")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="element type of the KV cache; auto: the model's dtype. float16 halves its bytes per token")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
@@ -41,6 +43,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "long_prefill_token_threshold": args.long_prefill_token_threshold, "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy, "seed": args.seed,
         "engine_threads": args.engine_threads, "engine_cpus": args.engine_cpus,
     }

@@ -41,6 +41,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None: a default sized for the machine
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | float16 (worker/attention.py)
 
 
 @dataclass
@@ -101,6 +102,7 @@ def make_engine_config(
     max_model_len: int | None = None,
     seed: int = 0,
     kv_cache_memory: float | str | None = None,
+    kv_cache_dtype: str = "auto",
     num_blocks: int | None = None,
     enable_prefix_caching: bool = True,
     max_num_batched_tokens: int = 2048,
@@ -118,7 +120,7 @@ def make_engine_config(
         ),
         cache=CacheConfig(
             kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

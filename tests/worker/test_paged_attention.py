@@ -7,13 +7,14 @@ import logging
 import pytest
 import torch
 
-from lmserve.worker import kernels
+from lmserve.worker import attention, kernels
 from lmserve.worker.attention import (
     PAGED_CHUNK_MAX_QUERIES,
     PagedAttention,
     ScheduledChunk,
     build_metadata,
     check_attention_backend,
+    check_kv_cache_dtype,
 )
 from lmserve.worker.kernels import paged_attention_op
 
@@ -96,8 +97,12 @@ def test_kernel_refuses_what_it_cannot_compute() -> None:
     cache = torch.zeros(4, 16, 1, 64)
     q, out = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
     tables = torch.zeros(1, 2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 queries"):
         op(out, q.double(), cache, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or float16 caches"):
+        op(out, q, cache.bfloat16(), cache.bfloat16(), tables, torch.tensor([[0, 1, 5]]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or float16 caches"):  # K and V of different types
+        op(out, q, cache, cache.half(), tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="context 40"):  # longer than its two blocks of 16
         op(out, q, cache, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim 24"):
@@ -167,13 +172,14 @@ def test_metadata_of_each_backend() -> None:
         build_metadata(chunks[2:] + chunks[:1], 16, "paged-cpu", CPU, torch.float32)
 
 
-def test_both_backends_attend_alike_over_a_mixed_batch() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) -> None:
     """Decodes, a short chunk after cached positions (paged kernel under paged-cpu), a long one and a first chunk
-    (SDPA under both): the same output from either backend's metadata."""
+    (SDPA under both): the same output from either backend's metadata, with a float32 or a float16 cache."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
-    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen)
+    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(kv_dtype)
     chunks = [
         ScheduledChunk(37, 1, [0, 1, 2]),
         ScheduledChunk(5, 1, [3]),
@@ -191,3 +197,31 @@ def test_both_backends_attend_alike_over_a_mixed_batch() -> None:
         outs[backend] = attention.forward(q, k, v, k_cache.clone(), v_cache.clone(), md)
     assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 3
     torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
+    """A float16 cache gives what the float32 kernel gives on the same (float16-rounded) values."""
+    gen = torch.Generator().manual_seed(6)
+    k_half = torch.randn(32, 16, 3, 64, generator=gen).half()
+    v_half = torch.randn(32, 16, 3, 64, generator=gen).half()
+    requests = torch.tensor([[0, 1, 37], [1, 1, 5], [2, 12, 60]])  # two decodes and a chunk after cached positions
+    tables = torch.tensor([[3, 7, 1, 0], [9, 0, 0, 0], [4, 5, 6, 8]], dtype=torch.int32)
+    q = torch.randn(14, 9, 64, generator=gen)
+    out_half, out_float = torch.empty_like(q), torch.empty_like(q)
+    paged_attention_op()(out_half, q, k_half, v_half, tables, requests, 0.125)
+    paged_attention_op()(out_float, q, k_half.float(), v_half.float(), tables, requests, 0.125)
+    torch.testing.assert_close(out_half, out_float, atol=1e-6, rtol=1e-6)
+    expected = reference(q[2:], k_half.float(), v_half.float(), [4, 5, 6, 8], 60).float()
+    torch.testing.assert_close(out_half[2:], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_dtype_choice(monkeypatch) -> None:
+    assert check_kv_cache_dtype("auto", torch.float32, "paged-cpu") == torch.float32  # the model's, as in vLLM
+    assert check_kv_cache_dtype("auto", torch.bfloat16, "sdpa") == torch.bfloat16
+    assert check_kv_cache_dtype("float16", torch.float32, "sdpa") == torch.float16
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int8'"):
+        check_kv_cache_dtype("int8", torch.float32, "sdpa")
+    monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"avx2"}))
+    with pytest.raises(ValueError, match="needs a CPU with F16C"):
+        check_kv_cache_dtype("float16", torch.float32, "paged-cpu")
+    assert check_kv_cache_dtype("float16", torch.float32, "sdpa") == torch.float16  # SDPA widens in PyTorch

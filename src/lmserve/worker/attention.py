@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lmserve.worker.kernels import cpu_kernels_load, paged_attention_op
+from lmserve.worker.kernels import cpu_flags, cpu_kernels_load, paged_attention_op
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
 PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
@@ -45,6 +45,23 @@ def check_attention_backend(name: str | None, device: torch.device, dtype: torch
             f"(here: {device.type}, {dtype}, head size {head_dim})"
         )
     return "paged-cpu" if cpu_kernels_load(name != "auto", "attention falls back to sdpa") else "sdpa"
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def check_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache's element type: auto is the model's dtype; float16 halves the bytes that attention streams per step
+    and the memory per token, at float16's rounding of K and V. The paged-cpu kernel widens float16 with F16C."""
+    name = name or "auto"
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}: use one of auto, {', '.join(KV_CACHE_DTYPES)}")
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype == torch.float16 and backend == "paged-cpu" and "f16c" not in cpu_flags():
+        raise ValueError("--kv-cache-dtype float16 with paged-cpu attention needs a CPU with F16C")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -152,8 +169,8 @@ class PagedAttention:
         md: AttentionMetadata,
     ) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, v)
+        k_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         if md.decode_requests is not None:
             if len(md.decode_requests):
@@ -167,8 +184,8 @@ class PagedAttention:
                 keys, values, causal = k[row : row + q_len], v[row : row + q_len], True
             else:
                 ctx = start + q_len
-                keys = k_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx]
-                values = v_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx]
+                keys = k_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx].to(q.dtype)
+                values = v_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx].to(q.dtype)
                 causal = False
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,
             # which made a 1,500-token prefill 5x slower (benchmarks/prefill_attention.py).
@@ -188,8 +205,8 @@ class PagedAttention:
         n, (kvh, d) = q.shape[0], (self.num_kv_heads, self.head_dim)
         # index_select copies whole blocks; advanced indexing with a 2-D index was 5-10x slower here.
         flat = md.decode_block_tables.view(-1)
-        keys = k_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2)  # [n, KVH, L, D]
-        values = v_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2)
+        keys = k_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)  # [n, KVH, L, D]
+        values = v_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [n, H, 1, D]
             keys,

@@ -17,6 +17,7 @@ from lmserve.worker.attention import (
     ScheduledChunk,
     build_metadata,
     check_attention_backend,
+    check_kv_cache_dtype,
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.loader import load_hf_config, load_weights, resolve_model, stored_linear_format
@@ -96,9 +97,10 @@ class ModelRunner:
         self.attention_backend = check_attention_backend(
             model_config.attention_backend, self.device, self.dtype, head_dim
         )
-        logger.info("attention backend: %s", self.attention_backend)
+        self.kv_cache_dtype = check_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.attention_backend)
+        logger.info("attention backend: %s, KV cache in %s", self.attention_backend, self.kv_cache_dtype)
         per_block = kv_bytes_per_block(
-            model.num_layers, num_kv_heads, head_dim, self.block_size, self.dtype.itemsize
+            model.num_layers, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
         )
         if cache_config.num_blocks:
             self.num_blocks = cache_config.num_blocks
@@ -109,7 +111,10 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
         shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+            )
             for _ in range(model.num_layers)
         ]
         tokens = self.num_blocks * self.block_size

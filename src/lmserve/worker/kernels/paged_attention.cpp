@@ -14,6 +14,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +34,15 @@ typedef float Vec8 __attribute__((vector_size(32), aligned(4)));
 inline Vec8 load(const float* p) { return *reinterpret_cast<const Vec8*>(p); }
 inline void store(float* p, Vec8 v) { *reinterpret_cast<Vec8*>(p) = v; }
 
+// Eight cached K or V values as floats: float32 caches as they are, float16 ones (`--kv-cache-dtype float16`, half
+// the bytes to stream per step) widened with F16C.
+inline Vec8 load_kv(const float* p) { return load(p); }
+#if defined(__F16C__)
+inline Vec8 load_kv(const at::Half* p) {
+  return reinterpret_cast<Vec8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
 inline float horizontal_sum(Vec8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -37,17 +50,17 @@ inline float horizontal_sum(Vec8 v) {
 // A run of kRows rows that share one query position and one kv head (heads of a GQA group) against one cache block,
 // with online softmax. Each key and value row is loaded once for the whole run, and the rows' sums are independent
 // chains the CPU overlaps. kDim (the head size) is fixed at compile time so the loops unroll into registers.
-template <int kDim, int kRows>
+template <int kDim, int kRows, typename KV>
 void run_block(const float* queries, float* acc, float* s, float* row_max, float* row_sum, int64_t n,
-               const float* k_block, const float* v_block, int64_t key_stride, int64_t block_size) {
+               const KV* k_block, const KV* v_block, int64_t key_stride, int64_t block_size) {
   constexpr int kVecs = kDim / 8;
   float block_max[kRows];
   for (int r = 0; r < kRows; ++r) block_max[r] = std::numeric_limits<float>::lowest();
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = k_block + j * key_stride;
+    const KV* k = k_block + j * key_stride;
     Vec8 dot[kRows] = {};
     for (int v = 0; v < kVecs; ++v) {
-      const Vec8 kv = load(k + 8 * v);
+      const Vec8 kv = load_kv(k + 8 * v);
       for (int r = 0; r < kRows; ++r) dot[r] += load(queries + r * kDim + 8 * v) * kv;
     }
     for (int r = 0; r < kRows; ++r) {
@@ -78,9 +91,9 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
     for (int r = 0; r < kRows; ++r)
       for (int v = 0; v < kSlice; ++v) a[r][v] = load(acc + r * kDim + 8 * (v0 + v));
     for (int64_t j = 0; j < n; ++j) {
-      const float* vrow = v_block + j * key_stride + 8 * v0;
+      const KV* vrow = v_block + j * key_stride + 8 * v0;
       for (int v = 0; v < kSlice; ++v) {
-        const Vec8 vv = load(vrow + 8 * v);
+        const Vec8 vv = load_kv(vrow + 8 * v);
         for (int r = 0; r < kRows; ++r) a[r][v] += s[r * block_size + j] * vv;
       }
     }
@@ -90,22 +103,22 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
 }
 
 // All of a tile's rows against one cache block. Rows come in runs of up to four that share a query and a kv head.
-template <int kDim>
+template <int kDim, typename KV>
 void tile_block(int64_t rows, int64_t group, const float* queries, float* acc, float* scores, float* row_max,
-                float* row_sum, const int64_t* visible, const int64_t* kv_offset, const float* k_block,
-                const float* v_block, int64_t key_stride, int64_t block_size) {
+                float* row_sum, const int64_t* visible, const int64_t* kv_offset, const KV* k_block,
+                const KV* v_block, int64_t key_stride, int64_t block_size) {
   for (int64_t i = 0; i < rows;) {
     const int64_t in_group = i % group;
     const int64_t count = std::min<int64_t>(4, group - in_group);
     const int64_t n = visible[i];
     if (n > 0) {
-      const float *k = k_block + kv_offset[i], *v = v_block + kv_offset[i];
+      const KV *k = k_block + kv_offset[i], *v = v_block + kv_offset[i];
       float *q = const_cast<float*>(queries) + i * kDim, *a = acc + i * kDim, *s = scores + i * block_size;
       switch (count) {
-        case 1: run_block<kDim, 1>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
-        case 2: run_block<kDim, 2>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
-        case 3: run_block<kDim, 3>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
-        default: run_block<kDim, 4>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
+        case 1: run_block<kDim, 1, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
+        case 2: run_block<kDim, 2, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
+        case 3: run_block<kDim, 3, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
+        default: run_block<kDim, 4, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
       }
     }
     i += count;
@@ -118,10 +131,11 @@ struct Span {
 
 // Ask for the next block while this one is computed: left to the hardware prefetcher, a decode step that streams
 // its KV from memory ran at a quarter of the machine's read bandwidth.
-inline void prefetch(const float* k_data, const float* v_data, int64_t block_offset, const Span& span) {
+template <typename KV>
+inline void prefetch(const KV* k_data, const KV* v_data, int64_t block_offset, const Span& span) {
   for (int64_t j = 0; j < span.keys; ++j) {
     const int64_t start = block_offset + j * span.key_stride + span.offset;
-    for (int64_t f = 0; f < span.floats; f += 16) {  // one 64-byte line per 16 floats
+    for (int64_t f = 0; f < span.floats; f += 64 / sizeof(KV)) {  // one 64-byte line at a time
       __builtin_prefetch(k_data + start + f, 0, 3);
       __builtin_prefetch(v_data + start + f, 0, 3);
     }
@@ -136,7 +150,7 @@ struct WorkItem {
   int64_t num_queries;
 };
 
-template <int kDim>
+template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
          int64_t group, double scale) {
@@ -144,8 +158,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* req = requests.data_ptr<int64_t>();
   const float* q_data = q.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
+  const KV* k_data = k_cache.data_ptr<KV>();
+  const KV* v_data = v_cache.data_ptr<KV>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
   const int64_t key_stride = num_kv_heads * kDim, block_stride = block_size * key_stride;
@@ -202,7 +216,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         // Keys past a query's own position are masked out (causal); key 0 is always visible.
         for (int64_t i = 0; i < rows; ++i) visible[i] = std::min(block_keys, row_position[i] - block_first + 1);
         if (block_first + block_size < keys_needed) prefetch(k_data, v_data, table[b + 1] * block_stride, kv_span);
-        tile_block<kDim>(rows, group, queries.data(), acc.data(), scores.data(), row_max.data(), row_sum.data(),
+        tile_block<kDim, KV>(rows, group, queries.data(), acc.data(), scores.data(), row_max.data(), row_sum.data(),
                          visible.data(), kv_offset.data(), k_data + table[b] * block_stride,
                          v_data + table[b] * block_stride, key_stride, block_size);
       }
@@ -219,9 +233,13 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& requests,
                      double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 queries");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "paged_attention: float32 or float16 caches");
+#if !defined(__F16C__)
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_attention: a float16 cache needs a CPU with F16C");
+#endif
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: shapes");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: head_dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
@@ -262,13 +280,26 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
         items.push_back({r, head, heads_per_item, first, std::min(query_tile, query_len - first)});
   }
 
+#if defined(__F16C__)
+  if (k_cache.scalar_type() == at::kHalf) {
+    switch (head_dim) {
+      case 8: return run<8, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+      case 16: return run<16, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+      case 32: return run<32, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+      case 64: return run<64, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+      case 128: return run<128, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+      case 256: return run<256, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+      default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " is not one of 8, 16, 32, 64, 128, 256");
+    }
+  }
+#endif
   switch (head_dim) {
-    case 8: return run<8>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 16: return run<16>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 32: return run<32>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 64: return run<64>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 128: return run<128>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 256: return run<256>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    case 8: return run<8, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    case 16: return run<16, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    case 32: return run<32, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    case 64: return run<64, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    case 128: return run<128, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    case 256: return run<256, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
     default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " is not one of 8, 16, 32, 64, 128, 256");
   }
 }
