@@ -156,10 +156,12 @@ def test_any_weights_round_to_within_half_a_step(method: str) -> None:
     assert error.max() > 0  # random weights do get rounded
 
 
-# rows: tiles of 8, 4, 2 and 1 and their remainders; out_features: odd, so the threads get uneven shares.
+# rows: the panel path's tiles (1 to 8 rows) and the widened-weights path's (9 on: tiles of 4 rows, their remainders,
+# and 100 rows, which cross a widening chunk of 96); out_features: odd, so the threads get uneven shares and the last
+# group of 3 panels is short (200: several groups per thread, each prefetching the next).
 @pytest.mark.parametrize("method", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 15, 17, 40])
-@pytest.mark.parametrize(("out_features", "in_features"), [(7, 32), (101, 576), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 17, 23, 40, 100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 32), (101, 576), (33, 1536), (200, 96)])
 def test_block_kernel_matches_float64_on_the_same_weights(method: str, rows: int, out_features: int, in_features: int):
     gen = torch.Generator().manual_seed(rows * out_features)
     weight = random_blocks(method, out_features, in_features, seed=rows)
@@ -200,7 +202,7 @@ def test_block_kernel_refuses_inputs_that_do_not_fit() -> None:
 
 
 @pytest.mark.parametrize("method", ["q4_1", "q8_0"])
-def test_block_layer_runs_the_kernel_for_few_rows_and_its_fp16_copy_for_more(method: str) -> None:
+def test_block_layer_runs_the_kernel_up_to_its_row_limit_and_its_fp16_copy_above(method: str) -> None:
     gen = torch.Generator().manual_seed(4)
     weight = random_blocks(method, 40, 64, seed=4)
     bias = torch.randn(40, generator=gen)

@@ -11,8 +11,9 @@ q4_1 and q8_0 are llama.cpp's block formats (0.625 and 1.0625 bytes per weight).
 kernels/quantized_linear.cpp widen them in registers and multiply in float32, so only the weights are rounded, never
 the activations. Where a GGUF file stores its linear layers in one of them, re-packing the loaded weights gives back
 the file's own blocks, so `auto` picks that format: the model computes with exactly the weights it shipped with, in
-fewer bytes per decode step. The kernels win while few rows share each weight block (decoding: ≤ 8 rows); larger
-batches go through a float16 copy of the same weights and fbgemm (benchmarks/quantization.py).
+fewer bytes per decode step. Up to BLOCK_KERNEL_MAX_ROWS rows (decodes, and the prefill chunks that run beside them)
+the kernels beat fbgemm's float16 GEMM; larger batches, bound by arithmetic, go through a float16 copy of the same
+weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benchmarks.md).
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× their median), and int8 weight-only
@@ -34,8 +35,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
 BLOCK_SIZE = 32
-# Up to this many rows the block kernels beat fbgemm's fp16 GEMM; above it the layer uses its fp16 copy.
-BLOCK_KERNEL_MAX_ROWS = 8
+# Up to this many rows the block kernels beat fbgemm's fp16 GEMM (1.2x at 16 rows, even at 256); above it the layer
+# uses its fp16 copy, which fbgemm multiplies ~5% faster at 512 rows and ~15% at 2,048.
+BLOCK_KERNEL_MAX_ROWS = 256
 
 
 def check_quantization(
