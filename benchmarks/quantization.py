@@ -3,9 +3,9 @@
 Settings: float32 (`--quantization none`), fp16 (float16 weights), q8_0 and q4_1 (llama.cpp's blocks through
 lmserve's kernels; q4_1 is the default model's own format, so `auto` picks it), and int8: dynamic W8A8 through fbgemm
 (per-channel int8 weights, activations quantized per call), which lmserve does not offer because of what this
-script measures; its layer is defined here so the measurement can be repeated. The block formats hand batches above
-8 rows (every scored window here) to a float16 copy of their weights, so "q4_1 kernel" scores with the block kernel
-at every batch size as well.
+script measures; its layer is defined here so the measurement can be repeated. The block formats hand batches
+above BLOCK_KERNEL_MAX_ROWS rows (every scored window here) to a float16 copy of their weights, so "q4_1 kernel"
+scores with the block kernel at every batch size as well.
 
 Accuracy (llama.cpp's `llama-perplexity --kl-divergence` measures the same things): the shipped prose
 (lmserve/bench/data/passages.txt) is scored in windows by both models through lmserve's own forward pass; reported are

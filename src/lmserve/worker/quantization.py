@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
 BLOCK_SIZE = 32
-# Up to this many rows the block kernels beat fbgemm's fp16 GEMM (1.2x at 16 rows, even at 256); above it the layer
-# uses its fp16 copy, which fbgemm multiplies ~5% faster at 512 rows and ~15% at 2,048.
-BLOCK_KERNEL_MAX_ROWS = 256
+# Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
+# 32 and 64); above it the layer uses its fp16 copy, which fbgemm multiplies 5-14% faster (benchmarks/block_gemm.py).
+BLOCK_KERNEL_MAX_ROWS = 64
 
 
 def check_quantization(
