@@ -69,10 +69,10 @@ def kernel_on_chunk(q_len: int, ctx: int, caches) -> tuple[float, float]:
     mask = torch.where(torch.arange(ctx)[None, :] <= positions, 0.0, float("-inf"))
 
     def sdpa() -> None:
-        keys = k_cache.index_select(0, blocks).view(-1, KV_HEADS, HEAD_DIM)[:ctx]
-        values = v_cache.index_select(0, blocks).view(-1, KV_HEADS, HEAD_DIM)[:ctx]
-        F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                       values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+        keys = k_cache.index_select(0, blocks).transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :ctx]
+        values = v_cache.index_select(0, blocks).transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :ctx]
+        F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                       enable_gqa=True)
 
     kernel = paged_attention_op()
     return median_ms(lambda: kernel(out, q, k_cache, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
     caches = (torch.randn(shape), torch.randn(shape))
     half_caches = (caches[0].half(), caches[1].half())  # --kv-cache-dtype float16
     print("\n| one attention layer (ms) | sdpa | paged-cpu | ratio | paged-cpu, float16 cache | float32 / float16 |"

@@ -24,8 +24,9 @@ CPU = torch.device("cpu")
 def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int) -> torch.Tensor:
     """Causal attention in float64 for queries at the last q.shape[0] positions of a `context`-long sequence."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    keys = k_cache[block_ids].reshape(-1, k_cache.shape[2], head_dim)[:context].double()
-    values = v_cache[block_ids].reshape(-1, v_cache.shape[2], head_dim)[:context].double()
+    # The cache is [blocks, kv heads, block size, head dim]: positions in order are each block's rows, block by block.
+    keys = k_cache[block_ids].transpose(1, 2).reshape(-1, k_cache.shape[1], head_dim)[:context].double()
+    values = v_cache[block_ids].transpose(1, 2).reshape(-1, v_cache.shape[1], head_dim)[:context].double()
     group = num_heads // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
@@ -41,8 +42,8 @@ def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: 
 def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks = 96
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
     # (query length, context): one-token decodes at block edges, a whole first chunk, chunks over a cached prefix
     # that cross the kernel's 16-query tiles and start mid-block.
     requests = [(1, 1), (1, block_size), (1, block_size + 1), (5, 5), (17, 3 * block_size + 21), (40, 130), (1, 77)]
@@ -74,7 +75,7 @@ def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, hea
 def test_kernel_splits_a_single_stream_by_kv_head_with_the_same_result(context: int) -> None:
     # One decode is too few work items for every thread, so the kernel gives each kv head its own item.
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache = torch.randn(2, 20, 16, 3, 64, generator=gen)
+    k_cache, v_cache = torch.randn(2, 20, 3, 16, 64, generator=gen)
     blocks = torch.randperm(20, generator=gen)[: -(-context // 16)]
     q = torch.randn(1, 9, 64, generator=gen)
     out = torch.empty_like(q)
@@ -94,7 +95,7 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
 
 def test_kernel_refuses_what_it_cannot_compute() -> None:
     op = paged_attention_op()
-    cache = torch.zeros(4, 16, 1, 64)
+    cache = torch.zeros(4, 1, 16, 64)
     q, out = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
     tables = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32 queries"):
@@ -106,7 +107,7 @@ def test_kernel_refuses_what_it_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="context 40"):  # longer than its two blocks of 16
         op(out, q, cache, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim 24"):
-        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), torch.zeros(4, 16, 1, 24), torch.zeros(4, 16, 1, 24),
+        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), torch.zeros(4, 1, 16, 24), torch.zeros(4, 1, 16, 24),
            tables, torch.tensor([[0, 1, 5]]), 1.0)
 
 
@@ -178,8 +179,8 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
     (SDPA under both): the same output from either backend's metadata, with a float32 or a float16 cache."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
-    k_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(40, bs, kv_heads, dim, generator=gen).to(kv_dtype)
+    k_cache = torch.randn(40, kv_heads, bs, dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(40, kv_heads, bs, dim, generator=gen).to(kv_dtype)
     chunks = [
         ScheduledChunk(37, 1, [0, 1, 2]),
         ScheduledChunk(5, 1, [3]),
@@ -191,19 +192,36 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
     q = torch.randn(rows, heads, dim, generator=gen)
     k, v = torch.randn(rows, kv_heads, dim, generator=gen), torch.randn(rows, kv_heads, dim, generator=gen)
     attention = PagedAttention(heads, kv_heads, dim, dim**-0.5)
-    outs = {}
+    outs, written = {}, {}
     for backend in ("paged-cpu", "sdpa"):
         md = build_metadata(chunks, bs, backend, CPU, torch.float32)
-        outs[backend] = attention.forward(q, k, v, k_cache.clone(), v_cache.clone(), md)
+        written[backend] = (k_cache.clone(), v_cache.clone())
+        outs[backend] = attention.forward(q, k, v, *written[backend], md)
     assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 3
     torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)
+    # Each new position's K and V landed in its block's row for every kv head, and nothing else changed.
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    row = 0
+    for c in chunks:
+        for pos in range(c.start_position, c.start_position + c.num_tokens):
+            k_expected[c.block_ids[pos // bs], :, pos % bs] = k[row].to(kv_dtype)
+            v_expected[c.block_ids[pos // bs], :, pos % bs] = v[row].to(kv_dtype)
+            row += 1
+    for k_written, v_written in written.values():
+        assert torch.equal(k_written, k_expected) and torch.equal(v_written, v_expected)
+    # Against float64 math over what was written, for the decode and the short chunk after cached positions.
+    k_full, v_full = (t.float() for t in written["paged-cpu"])
+    torch.testing.assert_close(outs["paged-cpu"][:1].double(), reference(q[:1], k_full, v_full, [0, 1, 2], 38),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["sdpa"][2:14].double(), reference(q[2:14], k_full, v_full, [4, 5, 6, 7], 52),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
     """A float16 cache gives what the float32 kernel gives on the same (float16-rounded) values."""
     gen = torch.Generator().manual_seed(6)
-    k_half = torch.randn(32, 16, 3, 64, generator=gen).half()
-    v_half = torch.randn(32, 16, 3, 64, generator=gen).half()
+    k_half = torch.randn(32, 3, 16, 64, generator=gen).half()
+    v_half = torch.randn(32, 3, 16, 64, generator=gen).half()
     requests = torch.tensor([[0, 1, 37], [1, 1, 5], [2, 12, 60]])  # two decodes and a chunk after cached positions
     tables = torch.tensor([[3, 7, 1, 0], [9, 0, 0, 0], [4, 5, 6, 8]], dtype=torch.int32)
     q = torch.randn(14, 9, 64, generator=gen)

@@ -15,7 +15,7 @@ Two backends (`--attention-backend`):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -94,6 +94,19 @@ class AttentionMetadata:
     # One entry per prefill chunk: (first query row, query length, start position, block ids tensor, mask). The mask
     # is None for a first chunk (plain causal); a later chunk's is additive, [query length, start + query length].
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
+    block_size: int  # positions per cache block
+    _cache_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def cache_rows(self, num_kv_heads: int) -> torch.Tensor:
+        """[num_tokens * num_kv_heads] long: the row of a [blocks * kv heads * block size, head dim] view of the
+        cache where each new position's K (or V) of each kv head goes. Built by the first layer, reused by the rest."""
+        rows = self._cache_rows.get(num_kv_heads)
+        if rows is None:
+            block, offset = self.slot_mapping // self.block_size, self.slot_mapping % self.block_size
+            heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)
+            rows = ((block[:, None] * num_kv_heads + heads) * self.block_size + offset[:, None]).reshape(-1)
+            self._cache_rows[num_kv_heads] = rows
+        return rows
 
 
 def build_metadata(
@@ -142,7 +155,14 @@ def build_metadata(
         decode_mask=mask,
         decode_requests=requests,
         prefills=prefills,
+        block_size=bs,
     )
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context: int, dtype: torch.dtype) -> torch.Tensor:
+    """[KVH, context, D]: a sequence's first `context` cached positions, copied out of its blocks."""
+    blocks = cache.index_select(0, block_ids)  # [blocks, KVH, block size, D]
+    return blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :context].to(dtype)
 
 
 def _chunk_mask(positions: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -165,13 +185,14 @@ class PagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
         v_cache: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        rows = md.cache_rows(kvh)
+        k_cache.view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(k_cache.dtype))
+        v_cache.view(-1, d).index_copy_(0, rows, v.reshape(-1, d).to(v_cache.dtype))
         out = torch.empty_like(q)
         if md.decode_requests is not None:
             if len(md.decode_requests):
@@ -182,18 +203,18 @@ class PagedAttention:
             qs = q[row : row + q_len]
             if start == 0:
                 # A first chunk sees only itself: no gather from the cache needed.
-                keys, values, causal = k[row : row + q_len], v[row : row + q_len], True
+                keys, values = k[row : row + q_len].transpose(0, 1), v[row : row + q_len].transpose(0, 1)
+                causal = True
             else:
-                ctx = start + q_len
-                keys = k_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx].to(q.dtype)
-                values = v_cache.index_select(0, block_ids).view(-1, kvh, d)[:ctx].to(q.dtype)
+                keys = _gather(k_cache, block_ids, start + q_len, q.dtype)
+                values = _gather(v_cache, block_ids, start + q_len, q.dtype)
                 causal = False
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,
             # which made a 1,500-token prefill 5x slower (benchmarks/prefill_attention.py).
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=mask,
                 is_causal=causal,
                 scale=self.scale,
@@ -206,8 +227,10 @@ class PagedAttention:
         n, (kvh, d) = q.shape[0], (self.num_kv_heads, self.head_dim)
         # index_select copies whole blocks; advanced indexing with a 2-D index was 5-10x slower here.
         flat = md.decode_block_tables.view(-1)
-        keys = k_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)  # [n, KVH, L, D]
-        values = v_cache.index_select(0, flat).view(n, -1, kvh, d).transpose(1, 2).to(q.dtype)
+        keys = k_cache.index_select(0, flat).view(n, -1, kvh, md.block_size, d)  # [n, blocks, KVH, block, D]
+        keys = keys.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)  # [n, KVH, L, D]
+        values = v_cache.index_select(0, flat).view(n, -1, kvh, md.block_size, d)
+        values = values.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [n, H, 1, D]
             keys,

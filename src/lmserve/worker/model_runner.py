@@ -109,7 +109,8 @@ class ModelRunner:
             self.num_blocks = budget // per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
-        shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
+        # Head-major blocks: one kv head's keys of a block are contiguous (worker/kernels/paged_attention.cpp).
+        shape = (self.num_blocks, num_kv_heads, self.block_size, head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),

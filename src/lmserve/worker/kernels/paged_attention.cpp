@@ -8,6 +8,11 @@
 // Work is split over (request, tile of queries, and kv head when there are few requests) on torch's own intra-op
 // thread pool (at::parallel_for), so it never starts a second pool that would fight torch's threads for the cores.
 // Softmax is computed online, one cache block at a time.
+//
+// The cache is laid out [block, kv head, key, dim]: one kv head's part of a block is a single contiguous run of
+// block_size x head_dim values, which the next block's prefetch can fetch line by line while this block computes.
+// Token-major blocks ([block, key, kv head, dim]) made every head read strided slices; with them a decode step over
+// 16 requests ran 1.4x slower (benchmarks/paged_attention.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -50,14 +55,24 @@ inline float horizontal_sum(Vec8 v) {
 // A run of kRows rows that share one query position and one kv head (heads of a GQA group) against one cache block,
 // with online softmax. Each key and value row is loaded once for the whole run, and the rows' sums are independent
 // chains the CPU overlaps. kDim (the head size) is fixed at compile time so the loops unroll into registers.
+// `k_block`/`v_block` are the head's [block_size, kDim] runs. When `next_k` is set, the run also prefetches the same
+// head's part of the next block, one key row per key it computes: spread out like this the requests never fill the
+// core's miss buffers, where a burst of a whole block's prefetches at once stalled the loads of the block in hand.
 template <int kDim, int kRows, typename KV>
 void run_block(const float* queries, float* acc, float* s, float* row_max, float* row_sum, int64_t n,
-               const KV* k_block, const KV* v_block, int64_t key_stride, int64_t block_size) {
+               const KV* k_block, const KV* v_block, const KV* next_k, const KV* next_v, int64_t block_size) {
   constexpr int kVecs = kDim / 8;
+  auto prefetch_key = [&](int64_t j) {
+    for (int f = 0; f < kDim; f += 64 / static_cast<int>(sizeof(KV))) {  // one 64-byte line at a time
+      __builtin_prefetch(next_k + j * kDim + f, 0, 3);
+      __builtin_prefetch(next_v + j * kDim + f, 0, 3);
+    }
+  };
   float block_max[kRows];
   for (int r = 0; r < kRows; ++r) block_max[r] = std::numeric_limits<float>::lowest();
   for (int64_t j = 0; j < n; ++j) {
-    const KV* k = k_block + j * key_stride;
+    const KV* k = k_block + j * kDim;
+    if (next_k != nullptr) prefetch_key(j);
     Vec8 dot[kRows] = {};
     for (int v = 0; v < kVecs; ++v) {
       const Vec8 kv = load_kv(k + 8 * v);
@@ -68,6 +83,8 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
       block_max[r] = std::max(block_max[r], s[r * block_size + j]);
     }
   }
+  if (next_k != nullptr)
+    for (int64_t j = n; j < block_size; ++j) prefetch_key(j);  // keys this row does not see yet (causal)
   for (int r = 0; r < kRows; ++r) {
     if (block_max[r] > row_max[r]) {
       const float rescale = std::exp(row_max[r] - block_max[r]);  // exp(lowest - max) = 0 on the first block
@@ -91,7 +108,7 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
     for (int r = 0; r < kRows; ++r)
       for (int v = 0; v < kSlice; ++v) a[r][v] = load(acc + r * kDim + 8 * (v0 + v));
     for (int64_t j = 0; j < n; ++j) {
-      const KV* vrow = v_block + j * key_stride + 8 * v0;
+      const KV* vrow = v_block + j * kDim + 8 * v0;
       for (int v = 0; v < kSlice; ++v) {
         const Vec8 vv = load_kv(vrow + 8 * v);
         for (int r = 0; r < kRows; ++r) a[r][v] += s[r * block_size + j] * vv;
@@ -102,43 +119,31 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
   }
 }
 
-// All of a tile's rows against one cache block. Rows come in runs of up to four that share a query and a kv head.
+// All of a tile's rows against one cache block. Rows come in runs of up to four that share a query and a kv head;
+// they are ordered query by query, `heads` rows each. The first query's runs prefetch the next block (`next_k` and
+// `next_v`, null on the last block), one kv head each.
 template <int kDim, typename KV>
-void tile_block(int64_t rows, int64_t group, const float* queries, float* acc, float* scores, float* row_max,
-                float* row_sum, const int64_t* visible, const int64_t* kv_offset, const KV* k_block,
-                const KV* v_block, int64_t key_stride, int64_t block_size) {
+void tile_block(int64_t rows, int64_t heads, int64_t group, const float* queries, float* acc, float* scores,
+                float* row_max, float* row_sum, const int64_t* visible, const int64_t* kv_offset, const KV* k_block,
+                const KV* v_block, const KV* next_k, const KV* next_v, int64_t block_size) {
   for (int64_t i = 0; i < rows;) {
     const int64_t in_group = i % group;
     const int64_t count = std::min<int64_t>(4, group - in_group);
     const int64_t n = visible[i];
     if (n > 0) {
       const KV *k = k_block + kv_offset[i], *v = v_block + kv_offset[i];
+      const bool prefetches = next_k != nullptr && i < heads && in_group == 0;
+      const KV* nk = prefetches ? next_k + kv_offset[i] : nullptr;
+      const KV* nv = prefetches ? next_v + kv_offset[i] : nullptr;
       float *q = const_cast<float*>(queries) + i * kDim, *a = acc + i * kDim, *s = scores + i * block_size;
       switch (count) {
-        case 1: run_block<kDim, 1, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
-        case 2: run_block<kDim, 2, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
-        case 3: run_block<kDim, 3, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
-        default: run_block<kDim, 4, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, key_stride, block_size); break;
+        case 1: run_block<kDim, 1, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
+        case 2: run_block<kDim, 2, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
+        case 3: run_block<kDim, 3, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
+        default: run_block<kDim, 4, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
       }
     }
     i += count;
-  }
-}
-
-struct Span {
-  int64_t offset, floats, key_stride, keys;
-};
-
-// Ask for the next block while this one is computed: left to the hardware prefetcher, a decode step that streams
-// its KV from memory ran at a quarter of the machine's read bandwidth.
-template <typename KV>
-inline void prefetch(const KV* k_data, const KV* v_data, int64_t block_offset, const Span& span) {
-  for (int64_t j = 0; j < span.keys; ++j) {
-    const int64_t start = block_offset + j * span.key_stride + span.offset;
-    for (int64_t f = 0; f < span.floats; f += 64 / sizeof(KV)) {  // one 64-byte line at a time
-      __builtin_prefetch(k_data + start + f, 0, 3);
-      __builtin_prefetch(v_data + start + f, 0, 3);
-    }
   }
 }
 
@@ -154,7 +159,7 @@ template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
          int64_t group, double scale) {
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), max_blocks = block_tables.size(1);
+  const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t* req = requests.data_ptr<int64_t>();
   const float* q_data = q.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
@@ -162,7 +167,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const KV* v_data = v_cache.data_ptr<KV>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t key_stride = num_kv_heads * kDim, block_stride = block_size * key_stride;
+  const int64_t block_stride = num_kv_heads * block_size * kDim;
   const float fscale = static_cast<float>(scale);
 
   // Each thread takes a contiguous run of items of about equal cost (queries x keys x heads), so that one long chunk
@@ -201,24 +206,24 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         for (int64_t d = 0; d < kDim; ++d) queries[i * kDim + d] = src[d] * fscale;
         row_position[i] = context_len - query_len + query;
         row_head[i] = head;
-        kv_offset[i] = head / group * kDim;
+        kv_offset[i] = head / group * block_size * kDim;
         row_max[i] = std::numeric_limits<float>::lowest();
         row_sum[i] = 0.f;
       }
       std::fill(acc.begin(), acc.begin() + rows * kDim, 0.f);
       const int64_t keys_needed = row_position[rows - 1] + 1;
-      // The item's part of a key row: its kv heads, contiguous in the [block, key, kv head, dim] layout.
-      const Span kv_span{it.first_head / group * kDim, it.num_heads / group * kDim, key_stride, block_size};
       const int32_t* table = tables + it.request * max_blocks;
       for (int64_t b = 0; b * block_size < keys_needed; ++b) {
         const int64_t block_first = b * block_size;
         const int64_t block_keys = std::min(block_size, keys_needed - block_first);
         // Keys past a query's own position are masked out (causal); key 0 is always visible.
         for (int64_t i = 0; i < rows; ++i) visible[i] = std::min(block_keys, row_position[i] - block_first + 1);
-        if (block_first + block_size < keys_needed) prefetch(k_data, v_data, table[b + 1] * block_stride, kv_span);
-        tile_block<kDim, KV>(rows, group, queries.data(), acc.data(), scores.data(), row_max.data(), row_sum.data(),
-                         visible.data(), kv_offset.data(), k_data + table[b] * block_stride,
-                         v_data + table[b] * block_stride, key_stride, block_size);
+        const bool has_next = block_first + block_size < keys_needed;
+        const KV* next_k = has_next ? k_data + table[b + 1] * block_stride : nullptr;
+        const KV* next_v = has_next ? v_data + table[b + 1] * block_stride : nullptr;
+        tile_block<kDim, KV>(rows, it.num_heads, group, queries.data(), acc.data(), scores.data(), row_max.data(),
+                             row_sum.data(), visible.data(), kv_offset.data(), k_data + table[b] * block_stride,
+                             v_data + table[b] * block_stride, next_k, next_v, block_size);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t query = it.first_query + i / it.num_heads;
@@ -248,8 +253,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
               "requests: int64 [R, 3] of (first row, query length, context length)");
 
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "paged_attention: head shapes");
+  const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: caches must be [blocks, kv heads, block size, head dim] with head dim ", head_dim,
+              " and a kv head count that divides ", num_heads, " query heads");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_requests = requests.size(0), max_blocks = block_tables.size(1);
   TORCH_CHECK(block_tables.size(0) == num_requests, "block_tables: one row per request");
@@ -262,8 +269,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                 "paged_attention: request ", r, " has query length ", query_len, " and context ", context_len);
     tiles += (query_len + kQueryTile - 1) / kQueryTile;
   }
-  // With enough tiles to keep every thread busy, one work item takes all heads: it then reads each cache block as
-  // one contiguous run, once. With fewer (a single stream), items split by kv head so that all threads work. So does
+  // With enough tiles to keep every thread busy, one work item takes all heads: it then reads each cache block
+  // once. With fewer (a single stream), items split by kv head so that all threads work. So does
   // a request that alone costs more than a thread's share (a prefill chunk over a long context among decodes), with
   // half tiles of queries, so that its pieces spread evenly over the threads.
   const int64_t threads = at::get_num_threads();
