@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--kv-cache-memory", default=None, help="bytes, or with a unit: 2GiB, 512MiB")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="element type of the KV cache; auto: the model's dtype. float16 halves its bytes per token")
+                   help="element type of the KV cache; float16 halves its bytes per token. auto: float16 for the "
+                   "paged-cpu kernel on a float32 model (CPUs with F16C), else the model's dtype")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)

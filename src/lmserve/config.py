@@ -41,7 +41,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None: a default sized for the machine
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | float16 (worker/attention.py)
+    kv_cache_dtype: str = "auto"  # auto | float32 | float16 (worker/attention.py: check_kv_cache_dtype)
 
 
 @dataclass

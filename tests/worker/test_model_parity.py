@@ -101,7 +101,8 @@ class Parity:
                 model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
                 quantization=quantization, attention_backend=attention_backend, fused_ops=fused_ops,
             ),
-            CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+            # float32 K/V: these checks hold the model code to float32 rounding (auto would round K/V to float16).
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype="float32"),
         )
         assert self.runner.quantization == quantization
         assert (self.runner.attention_backend, self.runner.fused_ops) == KERNELS[kernels]

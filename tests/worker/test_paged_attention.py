@@ -234,12 +234,16 @@ def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
 
 
 def test_kv_cache_dtype_choice(monkeypatch) -> None:
-    assert check_kv_cache_dtype("auto", torch.float32, "paged-cpu") == torch.float32  # the model's, as in vLLM
+    monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"avx2", "f16c"}))
+    assert check_kv_cache_dtype("auto", torch.float32, "paged-cpu") == torch.float16  # as llama.cpp's f16 cache
+    assert check_kv_cache_dtype("float32", torch.float32, "paged-cpu") == torch.float32
+    assert check_kv_cache_dtype("auto", torch.float32, "sdpa") == torch.float32  # the model's, as in vLLM
     assert check_kv_cache_dtype("auto", torch.bfloat16, "sdpa") == torch.bfloat16
     assert check_kv_cache_dtype("float16", torch.float32, "sdpa") == torch.float16
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int8'"):
         check_kv_cache_dtype("int8", torch.float32, "sdpa")
     monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert check_kv_cache_dtype("auto", torch.float32, "paged-cpu") == torch.float32  # no F16C: the model's dtype
     with pytest.raises(ValueError, match="needs a CPU with F16C"):
         check_kv_cache_dtype("float16", torch.float32, "paged-cpu")
     assert check_kv_cache_dtype("float16", torch.float32, "sdpa") == torch.float16  # SDPA widens in PyTorch

@@ -52,10 +52,16 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def check_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, backend: str) -> torch.dtype:
-    """The KV cache's element type: auto is the model's dtype; float16 halves the bytes that attention streams per step
-    and the memory per token, at float16's rounding of K and V. The paged-cpu kernel widens float16 with F16C."""
+    """The KV cache's element type. float16 halves the bytes that attention streams per step and the memory per token,
+    at float16's rounding of K and V; the paged-cpu kernel widens it with F16C. auto is float16 for a float32 model
+    under paged-cpu on a CPU with F16C (as llama.cpp's f16 cache): a decode step of 16 requests ran 1.12x faster,
+    and the default model's next-token distributions moved by a mean KL of 4e-7, six times less than a float32 model
+    moves between chunked and one-pass prefill (benchmarks/kv_cache_dtype.py). Otherwise auto is the model's dtype.
+    float32 keeps a float32 model's K and V exact."""
     name = name or "auto"
     if name == "auto":
+        if backend == "paged-cpu" and model_dtype == torch.float32 and "f16c" in cpu_flags():
+            return torch.float16
         return model_dtype
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {name!r}: use one of auto, {', '.join(KV_CACHE_DTYPES)}")
