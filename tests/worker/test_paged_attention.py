@@ -217,6 +217,32 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 300])  # a decode, and enough rows to split over the threads
+def test_write_kv_cache_matches_index_copy(kv_dtype: torch.dtype, tokens: int) -> None:
+    """The kernel's K/V write stores what PyTorch's conversion and index_copy_ store, bit for bit, from a strided view
+    (K and V as the qkv split hands them over)."""
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, dim, bs = 3, 64, 16
+    fused = torch.randn(tokens, 9 + 2 * kv_heads, dim, generator=gen) * 300
+    # float16 subnormals, the largest value that rounds to 65504, one that overflows to inf, a tie that rounds to even
+    fused[0, 9, :5] = torch.tensor([1e-6, -1e-7, 65519.0, 7e4, 1.0 + 2**-11])
+    k, v = fused[:, 9 : 9 + kv_heads], fused[:, 9 + kv_heads :]
+    slots = torch.randperm(40 * bs, generator=gen)[:tokens]
+    chunks = [ScheduledChunk(int(s) % bs, 1, [int(s) // bs]) for s in slots]
+    rows = build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).cache_rows(kv_heads)
+    k_op, v_op = torch.zeros(40, kv_heads, bs, dim, dtype=kv_dtype), torch.zeros(40, kv_heads, bs, dim, dtype=kv_dtype)
+    k_ref, v_ref = k_op.clone(), v_op.clone()
+    kernels.write_kv_cache_op()(k_op, v_op, k, v, rows)
+    k_ref.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim).to(kv_dtype))
+    v_ref.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim).to(kv_dtype))
+    assert torch.equal(k_op, k_ref) and torch.equal(v_op, v_ref)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_kv_cache_op()(k_op, v_op, k, v, rows + 40 * kv_heads * bs)
+    with pytest.raises(RuntimeError, match="float32 K and V"):
+        kernels.write_kv_cache_op()(k_op, v_op, k.double(), v.double(), rows)
+
+
 def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
     """A float16 cache gives what the float32 kernel gives on the same (float16-rounded) values."""
     gen = torch.Generator().manual_seed(6)

@@ -79,6 +79,11 @@ def paged_attention_op():
     return cpu_kernels().paged_attention
 
 
+def write_kv_cache_op():
+    """`torch.ops.lmserve.write_kv_cache` (worker/kernels/paged_attention.cpp)."""
+    return cpu_kernels().write_kv_cache
+
+
 FUSED_OPS = ("auto", "none", "cpu")
 
 

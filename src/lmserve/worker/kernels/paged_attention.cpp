@@ -7,7 +7,7 @@
 //
 // Work is split over (request, tile of queries, and kv head when there are few requests) on torch's own intra-op
 // thread pool (at::parallel_for), so it never starts a second pool that would fight torch's threads for the cores.
-// Softmax is computed online, one cache block at a time.
+// Softmax is computed online, one cache block at a time. `write_kv_cache`, at the end, stores a step's new K/V.
 //
 // The cache is laid out [block, kv head, key, dim]: one kv head's part of a block is a single contiguous run of
 // block_size x head_dim values, which the next block's prefetch can fetch line by line while this block computes.
@@ -311,12 +311,71 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
 }
 
+// One new position's K (or V) row of one kv head into its cache row, in the cache's element type.
+inline void store_row(float* dst, const float* src, int64_t dim) { std::copy(src, src + dim, dst); }
+inline void store_row(at::Half* dst, const float* src, int64_t dim) {
+  int64_t d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= dim; d += 8)  // round to nearest even, as at::Half's conversion does
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; d < dim; ++d) dst[d] = at::Half(src[d]);
+}
+
+template <typename KV>
+void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                const int64_t* rows) {
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  KV* k_dst = k_cache.data_ptr<KV>();
+  KV* v_dst = v_cache.data_ptr<KV>();
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / (heads * dim));  // wake the other threads for prefill only
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = rows[t * heads + h];
+        store_row(k_dst + row * dim, k_src + t * k.stride(0) + h * k.stride(1), dim);
+        store_row(v_dst + row * dim, v_src + t * v.stride(0) + h * v.stride(1), dim);
+      }
+  });
+}
+
+// The step's new K and V into the cache: token t's kv head h goes to row rows[t * heads + h] of the cache viewed as
+// [blocks * kv heads * block size, head dim] (AttentionMetadata.cache_rows), converted to the cache's type. One op
+// per layer where PyTorch took two conversions and two index_copy_ calls.
+void write_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& rows) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "write_kv_cache: float32 K and V");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "write_kv_cache: K and V must be [tokens, kv heads, head dim] with contiguous rows");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "write_kv_cache: float32 or float16 caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4 && k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(2),
+              "write_kv_cache: caches must be [blocks, kv heads, block size, head dim] matching K and V");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == k.size(0) * k.size(1),
+              "write_kv_cache: one int64 row per token and kv head");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t cache_rows = k_cache.numel() / k_cache.size(3);
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < cache_rows, "write_kv_cache: row ", row[i], " is outside the cache");
+  if (k_cache.scalar_type() == at::kHalf) return write_rows<at::Half>(k_cache, v_cache, k, v, row);
+  write_rows<float>(k_cache, v_cache, k, v, row);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lmserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor requests, float scale) -> ()");
+  m.def("write_kv_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor rows) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lmserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
