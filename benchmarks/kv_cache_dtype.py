@@ -16,12 +16,11 @@ Speed. Two engines in one process, 16 requests of 256 random tokens each decodin
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
-from importlib import resources
 
 import torch
+from quantization import CHAT_PROMPTS, passage_windows, scores_against
 
 from lmserve import LLM, SamplingParams
 from lmserve.config import CacheConfig, ModelConfig
@@ -29,16 +28,6 @@ from lmserve.engine.outputs import ScheduledRequest
 from lmserve.worker.model_runner import ModelRunner
 
 CHUNK = 16  # the paged kernel's query tile: chunks of this size after cached positions run in the kernel
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three uses of copper.",
-    "How do I reverse a list in Python?",
-    "Why is the sky blue?",
-    "Give me a short tip for sleeping better.",
-    "What is 12 times 7?",
-]
 
 
 def window_logprobs(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.Tensor:
@@ -59,11 +48,7 @@ def window_logprobs(runner: ModelRunner, tokens: list[int], chunk: int) -> torch
 
 
 def accuracy(window: int) -> dict:
-    llm = LLM(enable_prefix_caching=False, num_blocks=64)
-    processor = llm.input_processor
-    text = resources.files("lmserve.bench").joinpath("data/passages.txt").read_text()
-    ids = processor.tokenize(text, add_special_tokens=False).token_ids
-    windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+    windows = passage_windows(LLM(enable_prefix_caching=False, num_blocks=64).input_processor, window)
     settings = {  # name: (cache dtype, chunk)
         "float32 cache": ("float32", CHUNK),
         "float16 cache": ("float16", CHUNK),
@@ -73,18 +58,9 @@ def accuracy(window: int) -> dict:
     for name, (dtype, chunk) in settings.items():
         runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=-(-window // 16), kv_cache_dtype=dtype))
         logprobs[name] = [window_logprobs(runner, w, chunk) for w in windows]
-    base = logprobs["float32 cache"]
-    report = {"positions": sum(len(w) - 1 for w in windows), "settings": {}}
-    for name, lps in logprobs.items():
-        nll = kl = same = count = 0
-        for w, lp, ref in zip(windows, lps, base, strict=True):
-            targets = torch.tensor(w[1:])
-            nll -= lp[:-1].gather(1, targets[:, None]).sum().item()
-            kl += (ref[:-1].exp() * (ref[:-1] - lp[:-1])).sum().item()
-            same += (lp[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum().item()
-            count += len(w) - 1
-        report["settings"][name] = {"perplexity": math.exp(nll / count), "kl": kl / count, "top1_same": same / count}
-    del llm
+    report = {"positions": sum(len(w) - 1 for w in windows),
+              "settings": {name: scores_against(windows, lps, logprobs["float32 cache"])
+                           for name, lps in logprobs.items()}}
     answers = {}
     for dtype in ("float32", "float16"):
         engine = LLM(enable_prefix_caching=False, kv_cache_dtype=dtype)

@@ -114,12 +114,17 @@ def greedy(runner: ModelRunner, prompt: list[int], eos: int, max_tokens: int = 6
     return tokens[len(prompt) :]
 
 
+def passage_windows(processor, window: int) -> list[list[int]]:
+    """The shipped prose's tokens (lmserve/bench/data/passages.txt) in consecutive windows of `window` tokens."""
+    text = resources.files("lmserve.bench").joinpath("data/passages.txt").read_text()
+    ids = processor.tokenize(text, add_special_tokens=False).token_ids
+    return [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+
+
 def accuracy(window: int) -> dict:
     llm = LLM(enable_prefix_caching=False, num_blocks=64)
     processor = llm.input_processor
-    text = resources.files("lmserve.bench").joinpath("data/passages.txt").read_text()
-    ids = processor.tokenize(text, add_special_tokens=False).token_ids
-    windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+    windows = passage_windows(processor, window)
     chats = [
         processor.tokenize(processor.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
         .token_ids
@@ -135,21 +140,25 @@ def accuracy(window: int) -> dict:
         logprobs[name] = [window_logprobs(runner, w) for w in windows]
         answers[name] = [greedy(runner, chat, eos) for chat in chats]
     quantization.BLOCK_KERNEL_MAX_ROWS = default_rows
-    base = logprobs["float32"]
     report = {"positions": sum(len(w) - 1 for w in windows)}
     for name, lps in logprobs.items():
-        nll, kl, same, count = 0.0, 0.0, 0, 0
-        for w, lp, ref in zip(windows, lps, base, strict=True):
-            targets = torch.tensor(w[1:])
-            nll -= lp[:-1].gather(1, targets[:, None]).sum().item()
-            kl += (ref[:-1].exp() * (ref[:-1] - lp[:-1])).sum().item()
-            same += (lp[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum().item()
-            count += len(w) - 1
-        report[name] = {
-            "perplexity": math.exp(nll / count), "kl": kl / count, "top1_same": same / count,
+        report[name] = scores_against(windows, lps, logprobs["float32"]) | {
             "greedy_same": sum(a == b for a, b in zip(answers[name], answers["float32"], strict=True)),
         }
     return report
+
+
+def scores_against(windows: list[list[int]], logprobs: list[torch.Tensor], base: list[torch.Tensor]) -> dict:
+    """Perplexity of `logprobs` on the windows' next tokens, their mean KL divergence from `base`'s distributions,
+    and the share of positions where both pick the same top token."""
+    nll, kl, same, count = 0.0, 0.0, 0, 0
+    for w, lp, ref in zip(windows, logprobs, base, strict=True):
+        targets = torch.tensor(w[1:])
+        nll -= lp[:-1].gather(1, targets[:, None]).sum().item()
+        kl += (ref[:-1].exp() * (ref[:-1] - lp[:-1])).sum().item()
+        same += (lp[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum().item()
+        count += len(w) - 1
+    return {"perplexity": math.exp(nll / count), "kl": kl / count, "top1_same": same / count}
 
 
 def layer_speed(rows: int, layers: int = 30) -> dict[str, float]:
