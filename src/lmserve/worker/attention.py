@@ -199,7 +199,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
         rows = md.cache_rows(kvh)
-        if md.backend == "paged-cpu":  # one op for both writes and the conversion: ~5% of a single stream's step
+        if md.backend == "paged-cpu":  # one op for both writes and the float16 conversion (benchmarks/step_ab.py)
             write_kv_cache_op()(k_cache, v_cache, k, v, rows)
         else:
             k_cache.view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(k_cache.dtype))

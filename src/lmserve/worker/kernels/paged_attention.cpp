@@ -11,8 +11,8 @@
 //
 // The cache is laid out [block, kv head, key, dim]: one kv head's part of a block is a single contiguous run of
 // block_size x head_dim values, which the next block's prefetch can fetch line by line while this block computes.
-// Token-major blocks ([block, key, kv head, dim]) made every head read strided slices; with them a decode step over
-// 16 requests ran 1.4x slower (benchmarks/paged_attention.py).
+// Token-major blocks ([block, key, kv head, dim]) made every head read strided slices; with them the attention of 16
+// decodes ran 1.4x slower (benchmarks/kv_layout.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
