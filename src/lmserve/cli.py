@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from lmserve.config import DEFAULT_MODEL
+from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MODEL
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -98,8 +98,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(
         make_engine_config(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
-        api_cpus=parse_cpus(args.api_cpus),
+        api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
     ))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-log", default=None, metavar="FILE",
                      help="append one JSON line per finished request with its whole timeline")
     srv.add_argument("--log-level", default="INFO")
+    srv.add_argument("--max-queued-requests", type=_positive_int, default=None, metavar="N",
+                     help="answer 429 (with Retry-After) while N requests already wait for the engine "
+                          "(default: no limit)")
+    srv.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                     metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
     srv.set_defaults(func=cmd_serve)
 
     add_plan_parser(sub)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 GiB = 1 << 30
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# `lmserve serve --max-request-body-bytes`: a larger HTTP body gets 413 before it is read.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 
 def parse_memory(value: float | str | None) -> int | None:

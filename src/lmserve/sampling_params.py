@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures at or below this are treated as greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+
+# Bounds on what one request may ask for, checked before anything is allocated for it (docs/limits.md lists them
+# with the server's own limits). Above these, work or memory would grow with a client's whim, not with the model.
+MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range [-2, 2]
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 4096  # all stop strings together
+MAX_TOKEN_ID_ENTRIES = 2048  # logit_bias entries, stop_token_ids, allowed_token_ids: each at most this many
+MAX_LOGIT_BIAS = 100.0
+MAX_COUNT = 2**31 - 1  # n, max_tokens, min_tokens, top_k: the front-end then bounds them by the model and server
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -41,35 +61,80 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+        """Every field's type and range; raises ValueError naming the field ("parameter NAME=...")."""
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+        def bad(name: str, why: str) -> None:
+            value = repr(getattr(self, name))
+            if len(value) > 80:
+                value = value[:77] + "..."
+            raise ValueError(f"invalid sampling parameter {name}={value}: {why}")
+
+        def check_int(name: str, low: int, high: int) -> None:
+            value = getattr(self, name)
+            if not _is_int(value) or not low <= value <= high:
+                bad(name, f"must be an integer in [{low}, {high}]")
+
+        def check_number(name: str, low: float, high: float, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            if not _is_number(value) or not (low < value if low_open else low <= value) or value > high:
+                where = f"{'(' if low_open else '['}{low}, {high}]" if high < math.inf else f"> {low}"
+                bad(name, f"must be a finite number {'in ' if high < math.inf else ''}{where}")
+
+        check_int("n", 1, MAX_COUNT)
+        if self.max_tokens is not None:
+            check_int("max_tokens", 1, MAX_COUNT)
+        check_int("min_tokens", 0, MAX_COUNT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be -1, 0 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if any(not s for s in self.stop):
-            bad("stop", "stop strings must be non-empty")
+        check_number("temperature", 0.0, MAX_TEMPERATURE)
+        check_number("top_p", 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
+            bad("top_k", f"must be -1, 0 (disabled) or a positive integer up to {MAX_COUNT}")
+        check_number("min_p", 0.0, 1.0)
+        check_number("presence_penalty", -MAX_PENALTY, MAX_PENALTY)
+        check_number("frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
+        check_number("repetition_penalty", 0.0, math.inf, low_open=True)  # as vLLM: any finite value > 0
+        if self.seed is not None:
+            check_int("seed", *SEED_RANGE)
+        if self.logprobs is not None:
+            check_int("logprobs", 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            bad("stop", f"the stop strings together must be at most {MAX_STOP_CHARS} characters")
+        self._check_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self._check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must map token ids to biases")
+            self._check_token_ids("logit_bias", list(self.logit_bias))
+            if not all(_is_number(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+                bad("logit_bias", f"biases must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+
+    def _check_token_ids(self, name: str, token_ids: list[int]) -> None:
+        """Count and sign here; the front-end checks the upper end against the model's vocabulary."""
+        if len(token_ids) > MAX_TOKEN_ID_ENTRIES:
+            raise ValueError(f"invalid sampling parameter {name}=<{len(token_ids)} entries>: at most "
+                             f"{MAX_TOKEN_ID_ENTRIES} token ids")
+        bad = next((t for t in token_ids if not _is_int(t) or t < 0), None)
+        if bad is not None:
+            raise ValueError(f"invalid sampling parameter {name}={bad!r}: token ids must be integers >= 0")
+
+    def token_ids_used(self) -> dict[str, list[int]]:
+        """The token ids this request names, by field, for the front-end's vocabulary check."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "logit_bias": list(self.logit_bias or ()),
+        }
 
     @property
     def greedy(self) -> bool:

@@ -53,7 +53,7 @@ def step_dict(step: StepRecord) -> dict[str, Any]:
         "index": step.index,
         "start_unix": round(wall_time_of(step.start), 6),
         "end_unix": round(wall_time_of(step.end), 6),
-        "duration_s": round(step.end - step.start, 6),
+        "duration_s": round(step.duration_s, 6),
         "forward_s": round(step.forward_s, 6),
         "prefill": dict(step.prefill),
         "decode": dict(step.decode),

@@ -13,19 +13,25 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from lmserve.api.body import BodyTooLargeError, InvalidBodyError
 from lmserve.api.protocol import ErrorInfo, ErrorResponse, RequestError
-from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
+from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
 # nginx's "client closed request": nobody reads it, but access logs show why the request ended.
 STATUS_CLIENT_CLOSED = 499
+# What a 429 asks the client to wait before it retries, in seconds.
+RETRY_AFTER_S = 1
+MAX_MESSAGE_CHARS = 2000
 
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -39,14 +45,22 @@ class ClientDisconnected(Exception):
     pass
 
 
+def _printable(text: str) -> str:
+    # A message may quote the client's input: never let it break the response (lone surrogates) or grow it.
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
+    body = ErrorResponse(error=ErrorInfo(
+        message=_printable(message), type=error_type, param=None if param is None else _printable(param), code=status,
+    ))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def _validation_message(exc: RequestValidationError | InvalidBodyError) -> tuple[str, str | None]:
+    errors = exc.errors if isinstance(exc, InvalidBodyError) else exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
@@ -64,8 +78,14 @@ def exception_to_response(exc: Exception) -> Response:
     """The one place that decides what a failure looks like to the client."""
     if isinstance(exc, RequestError):
         return error_response(400, str(exc), exc.param)
-    if isinstance(exc, RequestValidationError):
+    if isinstance(exc, (RequestValidationError, InvalidBodyError)):
         return error_response(400, *_validation_message(exc))
+    if isinstance(exc, BodyTooLargeError):
+        return error_response(413, str(exc))
+    if isinstance(exc, QueueFullError):
+        response = error_response(429, str(exc))
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     if isinstance(exc, ModelNotFoundError):
         return error_response(404, str(exc), "model")
     if isinstance(exc, (EngineDeadError, EngineNotReadyError)):

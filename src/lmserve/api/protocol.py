@@ -1,7 +1,9 @@
 """OpenAI request and response schemas (pydantic v2), and their translation to lmserve's SamplingParams.
 
 Requests ignore unknown fields (OpenAI clients send fields we do not implement) but reject fields of the wrong
-type. Optional fields are `X | None = None` because clients send explicit nulls to mean "the default".
+type: they are parsed strictly from the JSON text (no "10" or true for a number, no NaN or Infinity, no lone
+surrogates). Optional fields are `X | None = None` because clients send explicit nulls to mean "the default".
+Ranges are SamplingParams' (lmserve.sampling_params) and the front-end's, so the offline LLM gets the same checks.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from lmserve.engine.outputs import Logprobs
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import MAX_TOKEN_ID_ENTRIES, SamplingParams
 
 DecodeToken = Callable[[int], str]
 Prompt = str | list[int]
@@ -24,6 +26,10 @@ MIN_LOGPROB = -9999.0
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Engine requests one HTTP request may start (prompts × n): each costs a detokenizer, a queue entry and KV.
+MAX_CHOICES_PER_REQUEST = 1024
+# A priority travels to the engine as a 64-bit integer.
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
 
 
 class RequestError(ValueError):
@@ -33,10 +39,11 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
 
-
-def _param_of(error: ValueError) -> str | None:
-    match = re.search(r"parameter (\w+)=", str(error))
-    return match.group(1) if match else None
+    @classmethod
+    def from_value_error(cls, error: ValueError) -> RequestError:
+        """A ValueError from SamplingParams or the front-end; `param` is the field it names, if any."""
+        match = re.search(r"parameter (\w+)=", str(error))
+        return cls(str(error), match.group(1) if match else None)
 
 
 def _now() -> int:
@@ -47,10 +54,14 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class OpenAIRequestModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 # ------------------------------------------------------------------------------------------------ requests
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool | None = False
 
 
@@ -62,7 +73,7 @@ _PASSTHROUGH_FIELDS = (
 )
 
 
-class _SamplingRequest(OpenAIModel):
+class _SamplingRequest(OpenAIRequestModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -106,21 +117,26 @@ class _SamplingRequest(OpenAIModel):
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
-            raise RequestError(str(exc), _param_of(exc)) from None
+            raise RequestError.from_value_error(exc) from None
 
     def _token_logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
+        if len(self.logit_bias) > MAX_TOKEN_ID_ENTRIES:
+            raise RequestError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_TOKEN_ID_ENTRIES} "
+                               "are allowed", "logit_bias")
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
-            try:
-                token_id = int(key)
-            except ValueError:
-                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-            if not -100.0 <= value <= 100.0:
-                raise RequestError(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
-            bias[token_id] = value
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise RequestError(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+            bias[int(key)] = value
         return bias
+
+    def check_priority(self) -> int:
+        priority = self.priority or 0
+        if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+            raise RequestError(f"priority must be a 64-bit integer, got {priority}", "priority")
+        return priority
 
 
 def _is_token_ids(value: list) -> bool:
@@ -159,6 +175,14 @@ class CompletionRequest(_SamplingRequest):
             prompts = list(prompt)  # type: ignore[arg-type]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise RequestError("prompt must not be empty", "prompt")
+        if self.num_choices > MAX_CHOICES_PER_REQUEST:
+            raise RequestError(f"n={self.num_choices}: one request may start at most {MAX_CHOICES_PER_REQUEST} "
+                               "generations", "n")
+        if len(prompts) * self.num_choices > MAX_CHOICES_PER_REQUEST:
+            raise RequestError(
+                f"{len(prompts)} prompts × n={self.num_choices} would start {len(prompts) * self.num_choices} "
+                f"generations; one request may start at most {MAX_CHOICES_PER_REQUEST}", "prompt",
+            )
         return prompts
 
     def to_sampling_params(self) -> SamplingParams:
@@ -166,16 +190,33 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
+# apply_chat_template's own parameters: what the server decides, not the client.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, tool_call_id, ...) travel to the chat template untouched.
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: ChatRole
     content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # As OpenAI: only an assistant turn that calls tools may come without content.
+        if self.content is None and not (self.role == "assistant" and getattr(self, "tool_calls", None)):
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
 
     def to_template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude={"content"})
@@ -202,11 +243,20 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     # vLLM extras
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs are variables for the model's template, never options of the templating itself
+        (a client-supplied template would run arbitrary loops in this process)."""
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+        return kwargs
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -9,7 +9,7 @@ import os
 import uvicorn
 
 from lmserve.api.server import build_app
-from lmserve.config import EngineConfig
+from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineConfig
 from lmserve.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -31,14 +31,18 @@ async def serve(
     log_level: str = "info",
     request_log: str | None = None,
     api_cpus: list[int] | None = None,
+    max_queued_requests: int | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
-    llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper())
+    llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper(),
+                   max_queued_requests=max_queued_requests)
     if api_cpus:
         # After the engine process has started: it keeps its own placement (config.placement).
         os.sched_setaffinity(0, api_cpus)
     llm.start()
-    app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log)
+    app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log,
+                    max_request_body_bytes=max_request_body_bytes)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
     )
@@ -47,6 +51,8 @@ async def serve(
 
     def on_engine_dead() -> None:
         nonlocal exit_code
+        if server.should_exit:
+            return  # already stopping: a SIGTERM to the process group reached the engine too
         exit_code = 1
         asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
 

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmserve import __version__
+from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
 from lmserve.api.engine_client import EngineClient
 from lmserve.api.errors import (
@@ -56,6 +57,7 @@ from lmserve.api.protocol import (
     chat_logprobs,
     completion_logprobs,
 )
+from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from lmserve.engine.outputs import Logprobs
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
 from lmserve.metrics.clock import now
@@ -521,10 +523,10 @@ class OpenAIServing:
         self.num_requests_aborted += 1
 
     def _group(
-        self, prompts: Sequence[Prompt], params: SamplingParams, request_ids: Sequence[str], priority: int | None,
+        self, prompts: Sequence[Prompt], params: SamplingParams, request_ids: Sequence[str], priority: int,
         raw: Request,
     ) -> RequestGroup:
-        return RequestGroup(self.client, prompts, params, request_ids, priority or 0, self._count_abort,
+        return RequestGroup(self.client, prompts, params, request_ids, priority, self._count_abort,
                             arrival_time(raw), self.recorder)
 
     async def _start(self, group: RequestGroup) -> None:
@@ -533,7 +535,7 @@ class OpenAIServing:
         except RequestError:
             raise
         except ValueError as exc:  # the engine client's input validation (PromptTooLongError included)
-            raise RequestError(str(exc)) from exc
+            raise RequestError.from_value_error(exc) from exc
 
     async def _start_streaming(self, group: RequestGroup, raw: Request) -> None:
         try:
@@ -575,7 +577,8 @@ class OpenAIServing:
         prompts = req.prompts()
         params = req.to_sampling_params()
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        group = self._group(prompts, params, [f"{response_id}-{i}" for i in range(len(prompts))], req.priority, raw)
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        group = self._group(prompts, params, request_ids, req.check_priority(), raw)
         choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token)
         if req.stream:
             await self._start_streaming(group, raw)
@@ -611,7 +614,7 @@ class OpenAIServing:
         params = req.to_sampling_params()
         prompt_token_ids = self._chat_prompt(req)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = self._group([prompt_token_ids], params, [response_id], req.priority, raw)
+        group = self._group([prompt_token_ids], params, [response_id], req.check_priority(), raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         choices = ChatChoices(req.num_choices, num_top, self.client.decode_token)
         if req.stream:
@@ -622,10 +625,10 @@ class OpenAIServing:
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = req.template_messages()
-        kwargs = req.chat_template_kwargs or {}
+        kwargs = req.template_kwargs()
         try:
             text = self.client.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **kwargs
+                messages, add_generation_prompt=req.add_generation_prompt is not False, **kwargs
             )
             # The template already holds the special tokens (BOS and turn markers).
             return self.client.prompt_token_ids(text, add_special_tokens=False)
@@ -678,12 +681,14 @@ plain = APIRouter(route_class=ErrorMappingRoute)
 
 
 @v1.post("/completions")
-async def completions(req: CompletionRequest, raw: Request) -> Response:
+async def completions(raw: Request) -> Response:
+    req = await parse_body(raw, CompletionRequest, raw.app.state.max_request_body_bytes)
     return await _serving(raw).create_completion(req, raw)
 
 
 @v1.post("/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+async def chat_completions(raw: Request) -> Response:
+    req = await parse_body(raw, ChatCompletionRequest, raw.app.state.max_request_body_bytes)
     return await _serving(raw).create_chat_completion(req, raw)
 
 
@@ -734,9 +739,10 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 def build_app(
     client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
-    request_log: str | None = None,
+    request_log: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     app = FastAPI(title="lmserve", version=__version__)
+    app.state.max_request_body_bytes = max_request_body_bytes
     model_name = served_model_name or client.model_name
     recorder = StatsRecorder(model_name, request_log)
     client.on_step = recorder.on_step

@@ -22,10 +22,13 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         self._dir = tempfile.mkdtemp(prefix="lmserve-")
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        # Inputs go out on a plain socket: a PUSH send never blocks here, so an abort can be sent from any
-        # synchronous cleanup path (a generator's finally) without awaiting.
+        # Inputs go out on a plain socket that never blocks: no high-water mark while the engine reads, and a
+        # non-blocking send that fails at once when the engine is gone. So an abort can be sent from any
+        # synchronous cleanup path (a generator's finally), and shutdown cannot hang on a dead engine.
         self._sync_ctx = zmq.Context()
         self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(input_addr)
         self._async_ctx = zmq.asyncio.Context()
         self._output = self._async_ctx.socket(zmq.PULL)
@@ -39,8 +42,13 @@ class EngineCoreClient:
         )
         self.process.start()
 
-    def send(self, message: EngineInput) -> None:
-        self._input.send(self._encoder.encode(message), copy=False)
+    def send(self, message: EngineInput) -> bool:
+        """False when no engine is connected to take it (not started yet, or gone)."""
+        try:
+            self._input.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     async def recv(self) -> EngineOutput:
         frame = await self._output.recv(copy=False)
@@ -53,10 +61,10 @@ class EngineCoreClient:
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.process.is_alive():
             try:
-                self.send(Shutdown())
+                sent = self.send(Shutdown())
             except zmq.ZMQError:
-                pass
-            self.process.join(timeout)
+                sent = False
+            self.process.join(timeout if sent else 0.5)
         if self.process.is_alive():
             logger.warning("engine did not stop in %.0fs; terminating it", timeout)
             self.process.terminate()

@@ -2,6 +2,9 @@
 
 Each iteration drains adds and aborts in arrival order, runs one step, applies aborts that arrived during the step,
 and sends the outputs. When there is nothing to run it blocks on the input socket: an idle server uses no CPU.
+
+The engine never outlives the API process: it checks its parent between steps and while idle, and its sends never
+block (no high-water mark on the output socket, so a parent that stopped reading cannot wedge a step).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lmserve.engine.messages import (
     FinishRequests,
     GetStats,
     Ready,
+    RequestRejected,
     Shutdown,
     StatsReply,
     StepOutputs,
@@ -44,6 +48,7 @@ class EngineCoreProc:
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)
         self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_addr)
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.encoder = msgspec.msgpack.Encoder()
@@ -77,7 +82,8 @@ class EngineCoreProc:
                 engine.add_request(request)
             except ValueError as exc:  # the front-end validates first; this is a last line of defence
                 logger.warning("rejected request %s: %s", message.request_id, exc)
-                self.send(StepOutputs(engine.abort_requests([message.request_id])))
+                self.queued.pop(message.request_id, None)
+                self.send(RequestRejected(message.request_id, str(exc)))
         elif isinstance(message, AbortRequests):
             outputs = engine.abort_requests(message.request_ids)
             if outputs:
@@ -89,12 +95,15 @@ class EngineCoreProc:
         elif isinstance(message, Shutdown):
             self.running = False
 
+    def check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:
+            logger.warning("parent process is gone; engine exiting")
+            self.running = False
+
     def drain(self, block: bool) -> None:
         """Handles every waiting input in arrival order; with block, first waits for one (or the parent check)."""
         if block and not self.input.poll(PARENT_CHECK_MS):
-            if os.getppid() != self.parent_pid:
-                logger.warning("parent process is gone; engine exiting")
-                self.running = False
+            self.check_parent()
             return
         while self.running:
             try:
@@ -104,13 +113,20 @@ class EngineCoreProc:
             self.handle(self.decoder.decode(frame.buffer))
 
     def run(self) -> None:
-        while self.running:
-            self.drain(block=not self.engine.has_unfinished_requests())
-            if not self.running or not self.engine.has_unfinished_requests():
-                continue
-            outputs = self.engine.step(after_execute=lambda: self.drain(block=False))
-            # Sent even without outputs: a prefill chunk's step belongs in the requests' timelines.
-            self.send(StepOutputs(outputs, step=self.engine.last_step))
+        """Steps until Shutdown or the parent's death. A step that raises fails the engine: the front-end gets
+        EngineFailed with the reason before the exception leaves this process."""
+        try:
+            while self.running:
+                self.drain(block=not self.engine.has_unfinished_requests())
+                if not self.running or not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step(after_execute=lambda: self.drain(block=False))
+                # Sent even without outputs: a prefill chunk's step belongs in the requests' timelines.
+                self.send(StepOutputs(outputs, step=self.engine.last_step))
+                self.check_parent()
+        except Exception as exc:
+            self.send(EngineFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
+            raise
 
     def close(self) -> None:
         self.input.close(linger=0)

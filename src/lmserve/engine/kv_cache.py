@@ -242,10 +242,17 @@ class KVCacheManager:
         return num_new + num_free_hits
 
     def can_fit(
-        self, request: Request, num_total_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self, request: Request, num_total_tokens: int, new_computed_blocks: Sequence[int] = (), reserved: int = 0,
     ) -> bool:
-        """Whether the request could hold num_total_tokens positions now, counting the given hits as its own."""
-        return self._blocks_to_take(request, num_total_tokens, new_computed_blocks) <= self.num_free_blocks
+        """Whether the request could hold num_total_tokens positions now, counting the given hits as its own and
+        leaving `reserved` free blocks untouched (those promised to other requests)."""
+        needed = self._blocks_to_take(request, num_total_tokens, new_computed_blocks)
+        return needed <= self.num_free_blocks - reserved
+
+    def num_blocks_to_finish(self, request: Request) -> int:
+        """Blocks the request still needs to hold all of its known tokens."""
+        have = len(self.tables.get(request.request_id, ()))
+        return max(0, blocks_needed(request.num_tokens, self.block_size) - have)
 
     def allocate_slots(
         self,

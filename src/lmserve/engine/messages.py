@@ -84,6 +84,10 @@ class StepRecord(msgspec.Struct):
     def num_positions(self) -> int:
         return sum(self.prefill.values()) + sum(self.decode.values())
 
+    @property
+    def duration_s(self) -> float:
+        return self.end - self.start
+
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
@@ -96,10 +100,17 @@ class StatsReply(msgspec.Struct, tag="stats"):
     stats: EngineStats
 
 
+class RequestRejected(msgspec.Struct, tag="rejected"):
+    """The engine refused an AddRequest (the front-end validates first; this is its last line of defence)."""
+
+    request_id: str
+    message: str
+
+
 class EngineFailed(msgspec.Struct, tag="failed"):
     """The engine hit an unrecoverable error (e.g. the model failed to load) and is exiting."""
 
     message: str
 
 
-EngineOutput = Ready | StepOutputs | StatsReply | EngineFailed
+EngineOutput = Ready | StepOutputs | StatsReply | RequestRejected | EngineFailed

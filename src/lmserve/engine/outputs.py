@@ -29,7 +29,8 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    # Requests that ended (finished, aborted, preempted) since the last step: the runner drops their state.
+    # Requests that ended (finished, aborted, preempted) since the last step: the runner drops their state, except
+    # what a preempted request needs when it resumes (its sampling generator).
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     num_batched_tokens: int = 0

@@ -157,6 +157,11 @@ class Scheduler:
 
         return max(enumerate(self.running), key=rank)[1]
 
+    def _blocks_promised_to_prefills(self) -> int:
+        """Blocks that admitted requests still need to finish their prompts (chunked prefill in progress)."""
+        kv = self.kv_cache_manager
+        return sum(kv.num_blocks_to_finish(r) for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
+
     def _schedule_one(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new_tokens
@@ -219,12 +224,14 @@ class Scheduler:
 
         # Then waiting requests, in policy order, with what is left. Never in a step that preempted: the blocks
         # just freed belong to the preempted requests at the head of the queue, and taking them would start a storm.
+        promised = self._blocks_promised_to_prefills() if self.waiting and not preempted else 0
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit = kv.get_computed_blocks(request, record_stats=False)
-            # Admit only when the whole remaining prompt fits, so an admitted prefill is never preempted by its own
-            # later chunks. Head-of-line: if it does not fit, nobody behind it jumps ahead.
-            if not kv.can_fit(request, request.num_tokens, hits):
+            # Admit only when the whole remaining prompt fits in blocks nobody else was promised, so an admitted
+            # prefill is never preempted by its own later chunks, nor by another admitted prefill's.
+            # Head-of-line: if it does not fit, nobody behind it jumps ahead.
+            if not kv.can_fit(request, request.num_tokens, hits, reserved=promised):
                 break
             num_new = self._cap(request.num_tokens - num_hit, budget)
             if not kv.allocate_slots(request, num_new, hits, num_hit):
@@ -238,6 +245,7 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._schedule_one(request, num_new)
             budget -= num_new
+            promised += kv.num_blocks_to_finish(request)
 
         finished, self._finished_ids = self._finished_ids | preempted, set()
         batch = list(scheduled.values())

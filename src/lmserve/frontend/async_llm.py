@@ -17,15 +17,17 @@ from lmserve.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    EngineInput,
     EngineStats,
     FinishRequests,
     GetStats,
     Ready,
+    RequestRejected,
     StatsReply,
     StepOutputs,
     StepRecord,
 )
-from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
+from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
 from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.llm import child_params
 from lmserve.frontend.output_processor import OutputProcessor
@@ -61,12 +63,13 @@ class RequestStream:
         self.ready.set()
 
     async def get(self) -> RequestOutput:
-        await self.ready.wait()
-        self.ready.clear()
+        """The outputs merged since the last get; then, once they are read, the error if the stream failed."""
+        while self.pending is None and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
         if self.pending is not None:
             out, self.pending = self.pending, None
             return out
-        assert self.error is not None
         raise self.error
 
 
@@ -88,8 +91,16 @@ def merge_into(pending: RequestOutput, delta: RequestOutput) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, served_model_name: str | None = None, log_level: str = "INFO") -> None:
+    def __init__(
+        self, config: EngineConfig, served_model_name: str | None = None, log_level: str = "INFO",
+        max_queued_requests: int | None = None,
+    ) -> None:
+        """`max_queued_requests`: engine requests that may wait for their first step before new ones get
+        QueueFullError (None: no limit)."""
         self.config = config
+        self.max_queued_requests = max_queued_requests
+        # Engine requests sent but not yet in any step: what --max-queued-requests counts.
+        self.queued: set[str] = set()
         self.model_name = served_model_name or config.model.model
         self.tokenizer = load_tokenizer(resolve_model(config.model.model))
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -148,6 +159,10 @@ class AsyncLLM:
         """
         inputs = self._inputs()
         arrival = now() if arrival_time is None else arrival_time
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        inputs.check_params(params, priority)  # before the tokenizer spends anything on the prompt
+        self._check_queue_room(params.n)
         processed = inputs.tokenize(prompt)
         requests = [inputs.make_request(request_id, processed, p, priority, arrival) for p in child_params(params)]
         child_ids = self.output_processor.add_request(
@@ -155,11 +170,12 @@ class AsyncLLM:
         )
         self.timelines.add(request_id, child_ids, arrival, now(), len(processed.token_ids))
         stream = self.streams[request_id] = RequestStream()
-        for child_id, request in zip(child_ids, requests, strict=True):
-            self.engine.send(AddRequest(child_id, request.prompt_token_ids, request.sampling_params,
-                                        request.eos_token_id, priority, arrival))
         finished = False
         try:
+            for child_id, request in zip(child_ids, requests, strict=True):
+                self.queued.add(child_id)
+                self._send(AddRequest(child_id, request.prompt_token_ids, request.sampling_params,
+                                      request.eos_token_id, priority, arrival))
             while not finished:
                 out = await stream.get()
                 finished = out.finished
@@ -167,6 +183,7 @@ class AsyncLLM:
         finally:
             # Runs on normal end, on error, and when the consumer goes away (cancel or aclose).
             self.streams.pop(request_id, None)
+            self.queued.difference_update(child_ids)
             if not finished:
                 self.timelines.abort(request_id)
                 self._abort_now(request_id)
@@ -193,7 +210,7 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self.engine.send(GetStats(call_id, request_ids))
+        self._send(GetStats(call_id, request_ids))
         try:
             return await asyncio.wait_for(future, timeout=10)
         finally:
@@ -207,10 +224,30 @@ class AsyncLLM:
             raise EngineNotReadyError("the engine is still loading the model")
         return self.input_processor
 
+    def _check_queue_room(self, num_new: int) -> None:
+        limit = self.max_queued_requests
+        if limit is not None and len(self.queued) + num_new > limit:
+            raise QueueFullError(
+                f"the server is overloaded: {len(self.queued)} requests already wait for the engine "
+                f"(--max-queued-requests {limit}); retry later"
+            )
+
+    def _send(self, message: EngineInput) -> None:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason)
+        if not self.engine.send(message):
+            if not self.is_ready:
+                raise EngineNotReadyError("the engine is still starting; retry shortly")
+            self._engine_dead("the engine process is gone (its input socket has no reader)")
+            raise EngineDeadError(self.dead_reason)
+
     def _abort_now(self, request_id: str) -> None:
         child_ids = self.output_processor.child_ids(request_id)
         if child_ids and not self.errored:
-            self.engine.send(AbortRequests(child_ids))
+            try:
+                self._send(AbortRequests(child_ids))
+            except EngineDeadError:
+                pass  # the engine's requests died with it
         self.output_processor.remove(request_id)
 
     async def _output_loop(self) -> None:
@@ -224,15 +261,28 @@ class AsyncLLM:
                     future.set_result(message.stats)
             elif isinstance(message, Ready):
                 self.max_model_len = message.max_model_len
-                self.input_processor = InputProcessor(self.tokenizer, message.max_model_len, message.vocab_size)
+                self.input_processor = InputProcessor(
+                    self.tokenizer, message.max_model_len, message.vocab_size,
+                    max_num_seqs=self.config.scheduler.max_num_seqs,
+                    scheduling_policy=self.config.scheduler.policy,
+                )
                 self.is_ready = True
                 self._ready.set()
                 logger.info("engine ready: %d KV blocks, max_model_len %d", message.num_blocks, message.max_model_len)
+            elif isinstance(message, RequestRejected):
+                stream = self.streams.get(self.output_processor.parent_id_of(message.request_id) or "")
+                if stream is not None:
+                    stream.fail(ValueError(message.message))
             elif isinstance(message, EngineFailed):
                 self._engine_dead(f"engine failed: {message.message}")
 
     def _deliver(self, message: StepOutputs) -> None:
         self.timelines.on_engine_message(message)
+        if message.step is not None and self.queued:
+            self.queued.difference_update(message.step.prefill)
+            self.queued.difference_update(message.step.decode)
+        for finished in (o.request_id for o in message.outputs if o.finish_reason is not None):
+            self.queued.discard(finished)
         if message.step is not None and self.on_step is not None:
             try:
                 self.on_step(message.step)
@@ -240,7 +290,10 @@ class AsyncLLM:
                 logger.exception("the step observer failed")
         processed = self.output_processor.process_outputs(message.outputs)
         if processed.requests_to_abort:
-            self.engine.send(FinishRequests(processed.requests_to_abort))
+            try:
+                self._send(FinishRequests(processed.requests_to_abort))
+            except EngineDeadError:
+                pass
         for delta in processed.deltas:
             parent = self.output_processor.get_parent(delta.request_id)
             for out in delta.outputs if parent is not None else ():

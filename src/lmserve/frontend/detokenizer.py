@@ -19,6 +19,8 @@ from typing import Any
 
 import tokenizers
 
+from lmserve.frontend.stop_strings import StopStringMatcher
+
 _REPLACEMENT_CHAR = "\ufffd"
 
 # Prompt tokens decoded ahead of the first output token, so that it is decoded in context
@@ -42,14 +44,13 @@ class IncrementalDetokenizer:
         stop: Sequence[str],
         include_stop_str_in_output: bool,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._decode_ids = _make_decoder(tokenizer, skip_special_tokens)
-        self._stops = list(dict.fromkeys(s for s in stop if s))
+        self._stops = StopStringMatcher(stop)
         self._include_stop = include_stop_str_in_output
-        max_stop_len = max((len(s) for s in self._stops), default=0)
-        self._max_hold = max(max_stop_len - 1, 0)
-        # Every proper prefix of a stop string: a text tail in this set could still grow into a stop.
-        self._stop_prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
+        # As vLLM: a stop string counts only in the text of output tokens after the first min_tokens.
+        self._min_tokens = min_tokens
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if context and self._decode_ids(context).endswith(_REPLACEMENT_CHAR):
@@ -142,39 +143,23 @@ class IncrementalDetokenizer:
 
     def _add_text(self, text: str) -> str | None:
         """Appends decoded text, checks for stop strings and releases what cannot become one."""
+        if not self._stops.stops:
+            self._pending += text
+            self._release(len(self._pending))
+            return None
         old_len = len(self._pending)
         buf = self._pending + text
-        match = self._find_stop(buf, old_len)
+        match = self._stops.feed(text, report=self._num_output_tokens > self._min_tokens)
         if match is not None:
-            stop, start = match
+            end, stop = match
             self._stop_string = stop
-            self._pending = buf[: start + len(stop) if self._include_stop else start]
+            end += old_len  # in buf
+            self._pending = buf[: end if self._include_stop else end - len(stop)]
             self._release(len(self._pending))
             return stop
         self._pending = buf
-        self._release(len(buf) - self._hold_back_len(buf))
+        self._release(len(buf) - self._stops.hold_back())
         return None
-
-    def _find_stop(self, buf: str, old_len: int) -> tuple[str, int] | None:
-        """Finds the stop string that ends first in ``buf``; only ``buf[old_len:]`` is new text.
-
-        ``buf`` starts at the held-back text; anything released before it cannot be part of a stop,
-        so this scans at most the new text plus len(longest stop) - 1 characters.
-        """
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            # A match lying entirely in old text would have been found before.
-            start = buf.find(stop, max(0, old_len - len(stop) + 1))
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        return None if best is None else (best[2], best[1])
-
-    def _hold_back_len(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
-        for n in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-n:] in self._stop_prefixes:
-                return n
-        return 0
 
     def _release(self, n: int) -> None:
         """Moves the first ``n`` characters of the pending text to the sendable text."""

@@ -9,3 +9,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineNotReadyError(RuntimeError):
     """The engine core is still starting (loading weights, allocating the KV cache)."""
+
+
+class QueueFullError(RuntimeError):
+    """--max-queued-requests requests already wait for the engine: the caller should retry later (HTTP 429)."""

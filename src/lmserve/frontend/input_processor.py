@@ -12,6 +12,11 @@ from lmserve.sampling_params import SamplingParams
 Prompt = str | list[int]
 
 
+# A prompt text longer than this many characters per token of context cannot fit (tokens of real text are a few
+# characters long), so it is refused before the tokenizer spends time and memory on it.
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+
+
 class PromptTooLongError(ValueError):
     """The prompt, or the prompt plus max_tokens, does not fit the model's context."""
 
@@ -23,11 +28,32 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int | None = None,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_n = max_num_seqs  # n above what the engine runs at once would only queue behind itself
+        self.scheduling_policy = scheduling_policy
         self.eos_token_id: int | None = tokenizer.eos_token_id
+
+    def check_params(self, params: SamplingParams, priority: int = 0) -> None:
+        """What SamplingParams cannot know alone: the vocabulary, the server's n cap, the scheduling policy."""
+        if self.max_n is not None and params.n > self.max_n:
+            raise ValueError(f"invalid sampling parameter n={params.n}: at most {self.max_n} (max_num_seqs)")
+        for name, token_ids in params.token_ids_used().items():
+            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"invalid sampling parameter {name}={bad}: token id outside the vocabulary [0, {self.vocab_size})"
+                )
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"invalid request parameter priority={priority}: priority scheduling is not enabled on this server "
+                "(--scheduling-policy priority)"
+            )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not messages:
@@ -42,10 +68,21 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            max_chars = self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+            if len(prompt) > max_chars:
+                raise PromptTooLongError(
+                    f"prompt has {len(prompt)} characters, more than {max_chars} cannot fit the model's maximum "
+                    f"context length of {self.max_model_len} tokens (max_model_len)"
+                )
+            try:
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except UnicodeError as exc:
+                raise ValueError(f"prompt is not valid Unicode text: {exc}") from None
+            return ProcessedPrompt(prompt, token_ids)
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
+        self._check_prompt_fits(len(token_ids))  # before the per-token check below
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
@@ -53,15 +90,16 @@ class InputProcessor:
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """Rejects prompts that cannot fit; fills in max_tokens=None as 'up to the context length'."""
-        if num_prompt_tokens >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {num_prompt_tokens} tokens but the model's maximum context length is "
-                f"{self.max_model_len} (max_model_len), leaving no room to generate"
-            )
+        self._check_prompt_fits(num_prompt_tokens)
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
             params = copy.copy(params)
             params.max_tokens = room
+            if params.min_tokens > room:
+                raise PromptTooLongError(
+                    f"min_tokens={params.min_tokens} does not fit: {num_prompt_tokens} prompt tokens leave room for "
+                    f"{room} of the model's maximum context length of {self.max_model_len} tokens"
+                )
         elif params.max_tokens > room:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt_tokens} "
@@ -70,10 +108,18 @@ class InputProcessor:
             )
         return params
 
+    def _check_prompt_fits(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt_tokens} tokens but the model's maximum context length is "
+                f"{self.max_model_len} (max_model_len), leaving no room to generate"
+            )
+
     def make_request(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
+        self.check_params(params, priority)
         params = self.check_length(len(prompt.token_ids), params)
         request = Request(
             request_id=request_id,

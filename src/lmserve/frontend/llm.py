@@ -12,7 +12,7 @@ from lmserve.engine.core import EngineCore
 from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.outputs import RequestOutput
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SEED_RANGE, SamplingParams
 from lmserve.worker.loader import load_tokenizer, resolve_model
 
 
@@ -26,6 +26,8 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
         child.n = 1
         if params.seed is not None:
             child.seed = params.seed + i
+            if child.seed > SEED_RANGE[1]:  # stay a 64-bit seed: wrap around instead of overflowing
+                child.seed -= 2**64
         children.append(child)
     return children
 
@@ -36,7 +38,10 @@ class LLM:
         self.config = make_engine_config(model, **kwargs)
         self.tokenizer = load_tokenizer(resolve_model(model))
         self.engine = EngineCore(self.config)
-        self.input_processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
+            scheduling_policy=self.config.scheduler.policy,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

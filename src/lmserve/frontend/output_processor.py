@@ -71,7 +71,7 @@ class OutputProcessor:
             child_id = child_request_id(parent_id, index, len(child_params))
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
-                params.skip_special_tokens,
+                params.skip_special_tokens, params.min_tokens,
             )
             output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
             child = ChildState(child_id, parent, index, params, detokenizer, output)
@@ -83,6 +83,10 @@ class OutputProcessor:
     def child_ids(self, parent_id: str) -> list[str]:
         parent = self.parents.get(parent_id)
         return [] if parent is None else [c.request_id for c in parent.children if not c.output.finished]
+
+    def parent_id_of(self, child_id: str) -> str | None:
+        child = self.children.get(child_id)
+        return None if child is None else child.parent.request_id
 
     def get_parent(self, parent_id: str) -> ParentState | None:
         return self.parents.get(parent_id)

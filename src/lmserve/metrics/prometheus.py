@@ -114,7 +114,7 @@ class PrometheusMetrics:
 
     def observe_step(self, step: StepRecord) -> None:
         self.iteration_tokens.observe(step.num_positions)
-        self.step_time.observe(step.end - step.start)
+        self.step_time.observe(step.duration_s)
 
     def observe_request(self, timeline: RequestTimeline) -> None:
         if timeline.counts_prompt:

@@ -411,7 +411,7 @@ def calibrate(model: str, sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 256), rep
     def timed_step() -> tuple[int, float]:
         engine.step()
         stats = engine.last_step
-        return stats.num_scheduled_tokens, stats.duration_s * 1e3
+        return stats.num_positions, stats.duration_s * 1e3
 
     samples: list[tuple[int, float]] = []
     add(budget, 1)  # warm-up: first calls allocate buffers and pick kernels

@@ -161,7 +161,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in scheduler_output.finished_request_ids:
+        # A preempted request keeps its generator: resumed, it must draw what it would have drawn unpreempted.
+        for request_id in scheduler_output.finished_request_ids - scheduler_output.preempted_request_ids:
             self.generators.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})

@@ -1,0 +1,57 @@
+"""Finding stop strings in streamed text in time linear in the text, whatever the stop strings are.
+
+One Knuth–Morris–Pratt automaton per stop string: its state is the longest suffix of the text so far that is a
+prefix of the stop string. A state equal to the stop's length is a match; the largest state below it is how many
+characters at the end of the text could still grow into a stop (the hold-back). Memory is linear in the stop strings'
+length, and each new character costs amortised O(1) per stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _failure(pattern: str) -> list[int]:
+    """failure[i]: length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    failure = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = failure[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        failure[i] = k
+    return failure
+
+
+class StopStringMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._failures = [_failure(s) for s in self.stops]
+        self._states = [0] * len(self.stops)
+
+    def feed(self, text: str, report: bool = True) -> tuple[int, str] | None:
+        """Consumes `text`; with `report`, stops at the first match and returns (characters of `text` up to and
+        including the match's end, stop string). Among stops ending at the same character the longest wins (it
+        starts first). Without `report`, matches are passed over (min_tokens not reached yet)."""
+        stops, failures, states = self.stops, self._failures, self._states
+        for end, char in enumerate(text, 1):
+            found: str | None = None
+            for k, stop in enumerate(stops):
+                state = states[k]
+                while state and stop[state] != char:
+                    state = failures[k][state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):
+                    if report and (found is None or len(stop) > len(found)):
+                        found = stop
+                    state = failures[k][state - 1]
+                states[k] = state
+            if found is not None:
+                return end, found
+        return None
+
+    def hold_back(self) -> int:
+        """Characters at the end of the text fed so far that are a proper prefix of some stop string."""
+        return max(self._states, default=0)

@@ -1,0 +1,115 @@
+"""Failure paths of the real server (tiny random model, so that each test starts its own server in seconds):
+a group SIGTERM, an API process killed while the engine is busy, and overload."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import Server, alive, start_server, wait_for
+
+LONG = {"prompt": "Count: 1, 2,", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+
+
+def tiny_server(tmp_path: Path, tiny_llama_dir: Path, *args: str) -> Server:
+    return start_server(tmp_path, "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "512",
+                        "--kv-cache-memory", "32MiB", *args, timeout=120)
+
+
+def engine_stats(server: Server) -> dict:
+    return httpx.get(f"{server.base_url}/debug/engine", timeout=5).json()
+
+
+def stream_in_background(server: Server, body: dict, first_chunk: threading.Event) -> threading.Thread:
+    def read() -> None:
+        try:
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True},
+                              timeout=60) as response:
+                for _ in response.iter_lines():
+                    first_chunk.set()
+        except httpx.HTTPError:
+            pass  # the server went away under it, as the test intends
+        first_chunk.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_group_sigterm_stops_both_processes(tmp_path: Path, tiny_llama_dir: Path, busy: bool) -> None:
+    """What systemd, `timeout` and supervisors do: SIGTERM to the whole process group. Before the fix an idle
+    server's API process hung after "Finished server process", blocked on a send to the engine that had just
+    closed its socket."""
+    server = tiny_server(tmp_path, tiny_llama_dir)
+    try:
+        engine_pid = server.engine_pid
+        if busy:
+            started = threading.Event()
+            stream_in_background(server, LONG, started)
+            assert started.wait(30)
+        os.killpg(server.process.pid, signal.SIGTERM)
+        assert server.process.wait(timeout=15) == 0, server.log()[-2000:]
+        assert wait_for(lambda: not alive(engine_pid), timeout=5), "the engine outlived the group SIGTERM"
+        assert "Finished server process" in server.log()
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_engine_exits_soon_after_the_api_process_is_killed_mid_step(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Eight requests of 480 tokens, one at a time: thousands of steps left when the parent dies. Before the fix
+    the engine stepped on for nobody, until its unread outputs filled the socket and a send blocked forever."""
+    server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1")
+    try:
+        engine_pid = server.engine_pid
+        started = threading.Event()
+        streams = [stream_in_background(server, LONG, started) for _ in range(8)]
+        assert started.wait(30)
+        assert wait_for(lambda: engine_stats(server)["num_requests_waiting"] == 7, timeout=10)
+        server.process.kill()  # SIGKILL: no cleanup at all in the API process
+        server.process.wait(timeout=5)
+        gone = wait_for(lambda: not alive(engine_pid), timeout=5)
+        assert gone, "the engine kept running (and holding its memory) after its parent died"
+        for thread in streams:
+            thread.join(10)
+    finally:
+        server.stop(signal.SIGKILL)
+        if alive(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def test_max_queued_requests_answers_429_with_retry_after(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-queued-requests", "1")
+    try:
+        running, queued = threading.Event(), threading.Event()
+        stream_in_background(server, LONG, running)  # takes the only running slot
+        assert running.wait(30)
+        stream_in_background(server, LONG, queued)  # waits for it: the one queued request allowed
+
+        assert wait_for(lambda: engine_stats(server)["num_requests_waiting"] == 1, timeout=10)
+        refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == 429 and "--max-queued-requests 1" in error["message"]
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=10)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=str(tiny_llama_dir), prompt="hi", max_tokens=1)
+        # Once the queue drains, requests are served again.
+        assert queued.wait(60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            answer = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                                timeout=60)
+            if answer.status_code != 429:
+                break
+            time.sleep(0.2)
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop(signal.SIGKILL)
