@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint bench clean
+.PHONY: install serve generate test lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,13 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/lmserve generate "$(or $(PROMPT),What is the capital of France?)"
 
-test: $(STAMP)
+# The dashboard's browser tests drive Debian's Chromium (Playwright's own browser download needs internet).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo "installing Debian's chromium for the browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/python -m pytest -q -ra
 
