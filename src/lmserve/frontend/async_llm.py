@@ -224,11 +224,18 @@ class AsyncLLM:
             raise EngineNotReadyError("the engine is still loading the model")
         return self.input_processor
 
+    def num_waiting(self, num_new: int = 0) -> int:
+        """Engine requests that must wait (with `num_new` more): not yet in any step, beyond the running slots still
+        free. A burst on an idle server is admitted at the next step; it does not queue."""
+        num_running = len(self.output_processor.children) - len(self.queued)
+        free_slots = max(0, self.config.scheduler.max_num_seqs - num_running)
+        return max(0, len(self.queued) + num_new - free_slots)
+
     def _check_queue_room(self, num_new: int) -> None:
         limit = self.max_queued_requests
-        if limit is not None and len(self.queued) + num_new > limit:
+        if limit is not None and self.num_waiting(num_new) > limit:
             raise QueueFullError(
-                f"the server is overloaded: {len(self.queued)} requests already wait for the engine "
+                f"the server is overloaded: {self.num_waiting()} requests already wait for the engine "
                 f"(--max-queued-requests {limit}); retry later"
             )
 
