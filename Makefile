@@ -30,6 +30,7 @@ browser:
 
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q -ra
 
 bench: $(STAMP)

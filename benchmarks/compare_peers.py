@@ -92,7 +92,7 @@ class ServerSpec:
 
 
 def packaged_gguf() -> Path:
-    from lmserve.worker.loader import resolve_model
+    from lmserve.models import resolve_model
 
     return resolve_model(MODEL_NAME).path
 

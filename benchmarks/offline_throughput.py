@@ -18,7 +18,8 @@ import time
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.worker.loader import load_hf_config, load_weights, resolve_model
+from lmserve.models import load_hf_config, resolve_model
+from lmserve.worker.loader import load_weights
 
 CORES = os.cpu_count() or 1
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from lmserve.worker.loader import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
+from lmserve.models import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
 
 Q = gguf.GGMLQuantizationType
 

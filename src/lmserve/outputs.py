@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmserve.engine.outputs import Logprobs
+
+@dataclass
+class Logprobs:
+    """Log-probabilities at one sampled position: the sampled token's, then the top-n."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 @dataclass

@@ -21,12 +21,11 @@ import uvicorn
 
 from lmserve import __version__
 from lmserve.api.server import build_app
-from lmserve.engine.outputs import Logprobs
 from lmserve.frontend.errors import EngineDeadError
 from lmserve.frontend.input_processor import PromptTooLongError
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import RequestTimeline
-from lmserve.outputs import CompletionOutput, RequestOutput
+from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
 MODEL = "fake-model"

@@ -14,9 +14,9 @@ import pytest
 from test_api_fake_engine import FakeEngine, ServerThread
 
 from lmserve.api.server import build_app
-from lmserve.engine.messages import StepRecord
 from lmserve.metrics.clock import now
 from lmserve.metrics.recorder import StatsRecorder
+from lmserve.metrics.stats import StepRecord
 
 EVENT_KEYS = {"time": float, "engine": dict, "steps": list, "finished": list, "num_finished": int,
               "tokens_per_s": float}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lmserve.engine import kv_cache
-from lmserve.engine.kv_cache import KVCacheManager, blocks_needed
+from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.request import Request
+from lmserve.kv_sizing import blocks_needed
 from lmserve.sampling_params import SamplingParams
 
 

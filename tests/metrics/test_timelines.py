@@ -6,11 +6,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmserve.engine.messages import StepOutputs, StepRecord
+from lmserve.engine.messages import StepOutputs
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.frontend.timelines import KEPT_FINISHED, TimelineTracker
 from lmserve.metrics.prometheus import PrometheusMetrics
-from lmserve.metrics.stats import RequestTimeline, StepSpan
+from lmserve.metrics.stats import RequestTimeline, StepRecord, StepSpan
 
 
 def step(index: int, start: float, end: float, prefill=None, decode=None, preempted=()) -> StepRecord:

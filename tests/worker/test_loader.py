@@ -10,17 +10,16 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from lmserve.worker.loader import (
+from lmserve.models import (
     DEFAULT_MODEL,
     REGISTERED_MODELS,
     ModelSource,
     _PackagedModel,
-    hf_name_from_gguf,
     load_hf_config,
     load_tokenizer,
-    load_weights,
     resolve_model,
 )
+from lmserve.worker.loader import hf_name_from_gguf, load_weights
 
 Q = gguf.GGMLQuantizationType
 

@@ -32,9 +32,10 @@ import transformers
 
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.engine.outputs import ScheduledRequest
+from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker import quantization
-from lmserve.worker.loader import DEFAULT_MODEL, load_hf_config, load_weights, resolve_model
+from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.quantization import Float16WeightLinear, Q4_1Linear, Q8_0Linear
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from lmserve.models import DEFAULT_MODEL, resolve_model, stored_linear_format
 from lmserve.worker import kernels
 from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.loader import DEFAULT_MODEL, load_weights, resolve_model, stored_linear_format
+from lmserve.worker.loader import load_weights
 from lmserve.worker.quantization import (
     BLOCK_KERNEL_MAX_ROWS,
     Float16WeightLinear,

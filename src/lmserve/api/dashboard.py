@@ -21,10 +21,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 
 from lmserve.api.engine_client import EngineClient
 from lmserve.api.errors import ErrorMappingRoute, error_response
-from lmserve.engine.messages import StepRecord
 from lmserve.metrics.clock import now, wall_time_of
 from lmserve.metrics.recorder import StatsRecorder
-from lmserve.metrics.stats import RequestTimeline
+from lmserve.metrics.stats import RequestTimeline, StepRecord
 
 STATIC_DIR = Path(__file__).with_name("dashboard_static")
 # Only plain file names of known kinds: no separators, no dot-files, so nothing outside STATIC_DIR is reachable.

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
-from lmserve.engine.messages import StepRecord
-from lmserve.metrics.stats import RequestTimeline
+from lmserve.metrics.stats import RequestTimeline, StepRecord
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from lmserve.engine.outputs import Logprobs
+from lmserve.outputs import Logprobs
 from lmserve.sampling_params import MAX_TOKEN_ID_ENTRIES, SamplingParams
 
 DecodeToken = Callable[[int], str]

@@ -58,12 +58,11 @@ from lmserve.api.protocol import (
     completion_logprobs,
 )
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
-from lmserve.engine.outputs import Logprobs
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
 from lmserve.metrics.clock import now
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.metrics.stats import RequestTimeline
-from lmserve.outputs import CompletionOutput, RequestOutput
+from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

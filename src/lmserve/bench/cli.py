@@ -184,10 +184,10 @@ async def _probe(base_url: str, headers: dict[str, str]) -> tuple[list[str], dic
 
 
 def load_tokenizer(name: str) -> Any:
-    # Lazily: the loader imports torch and transformers (seconds), which a plain run does not need.
-    from lmserve.worker import loader
+    # Lazily: transformers takes seconds to import, which a plain run does not need.
+    from lmserve import models
 
-    return loader.load_tokenizer(loader.resolve_model(name))
+    return models.load_tokenizer(models.resolve_model(name))
 
 
 def _pick_tokenizer(args: argparse.Namespace, model: str, version: dict | None) -> tuple[Any, str | None]:

@@ -10,11 +10,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from lmserve.config import EngineConfig
-from lmserve.engine.messages import EngineStats, StepRecord
 from lmserve.engine.outputs import EngineCoreOutput, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.metrics.clock import now
+from lmserve.metrics.stats import EngineStats, StepRecord
 from lmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -19,17 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lmserve.engine.request import Request
+from lmserve.kv_sizing import blocks_needed
 
 BlockHash = bytes
 # (parent hash, the block's token ids, extra keys): what a hit must match exactly, not just the hash of it.
 CacheKey = tuple[BlockHash | None, tuple[int, ...], tuple[object, ...] | None]
 
 _ROOT = b"\0" * 32
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold num_tokens positions."""
-    return -(-num_tokens // block_size)
 
 
 def hash_block_tokens(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from lmserve.engine.outputs import EngineCoreOutput
+from lmserve.metrics.stats import EngineStats, StepRecord
 from lmserve.sampling_params import SamplingParams
 
 
@@ -41,52 +42,11 @@ EngineInput = AddRequest | AbortRequests | FinishRequests | GetStats | Shutdown
 
 
 # ---- engine → front-end -------------------------------------------------------------------------------------
-class EngineStats(msgspec.Struct):
-    num_requests_running: int = 0
-    num_requests_waiting: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_cached_free: int = 0
-    kv_cache_usage_perc: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_requests_aborted: int = 0
-    num_steps: int = 0
-    # Only for the request ids a GetStats asked about: positions computed so far, and status.
-    request_positions: dict[str, int] = {}
-    request_status: dict[str, str] = {}
-
-
 class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     num_blocks: int
     block_size: int
-
-
-class StepRecord(msgspec.Struct):
-    """What one engine step did, stamped with the engine's clock (lmserve.metrics.clock)."""
-
-    index: int
-    start: float
-    end: float
-    forward_s: float  # of end - start, the time inside the model runner (forward + sampling)
-    prefill: dict[str, int]  # request id -> prompt positions computed (recomputation after preemption included)
-    decode: dict[str, int]  # request id -> positions computed while generating (1 each without speculation)
-    preempted: list[str]
-    num_running: int
-    num_waiting: int
-    num_sampled: int = 0  # tokens sampled (one per request whose last scheduled position was its newest token)
-
-    @property
-    def num_positions(self) -> int:
-        return sum(self.prefill.values()) + sum(self.decode.values())
-
-    @property
-    def duration_s(self) -> float:
-        return self.end - self.start
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

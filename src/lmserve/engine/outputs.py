@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
 
 
@@ -38,16 +39,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class Logprobs:
-    """Log-probabilities at one sampled position: the sampled token's, then the top-n."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 @dataclass

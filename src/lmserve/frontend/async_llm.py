@@ -18,14 +18,12 @@ from lmserve.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineInput,
-    EngineStats,
     FinishRequests,
     GetStats,
     Ready,
     RequestRejected,
     StatsReply,
     StepOutputs,
-    StepRecord,
 )
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
 from lmserve.frontend.input_processor import InputProcessor, Prompt
@@ -33,10 +31,10 @@ from lmserve.frontend.llm import child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
 from lmserve.metrics.clock import now
-from lmserve.metrics.stats import RequestTimeline
+from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
+from lmserve.models import load_tokenizer, resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
-from lmserve.worker.loader import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 

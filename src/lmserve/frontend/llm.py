@@ -11,9 +11,9 @@ from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
 from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.output_processor import OutputProcessor
+from lmserve.models import load_tokenizer, resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SEED_RANGE, SamplingParams
-from lmserve.worker.loader import load_tokenizer, resolve_model
 
 
 def child_params(params: SamplingParams) -> list[SamplingParams]:

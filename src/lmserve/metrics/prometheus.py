@@ -13,8 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from lmserve.engine.messages import StepRecord
-from lmserve.metrics.stats import RequestTimeline
+from lmserve.metrics.stats import RequestTimeline, StepRecord
 
 ENGINE_GAUGES = {
     "num_requests_running": "Requests in the engine's running set.",

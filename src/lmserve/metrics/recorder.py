@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from lmserve.engine.messages import StepRecord
 from lmserve.metrics.prometheus import PrometheusMetrics
 from lmserve.metrics.request_log import RequestLog
-from lmserve.metrics.stats import RequestTimeline
+from lmserve.metrics.stats import RequestTimeline, StepRecord
 
 RECENT_REQUESTS = 512
 RECENT_STEPS = 2048

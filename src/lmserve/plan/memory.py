@@ -1,8 +1,8 @@
 """Memory planner: will a model and a target concurrency fit, and how should N devices be laid out?
 
 Everything is derived from the model's config (no weights are read): the parameter count it implies, the KV bytes
-per token, and a stated runtime headroom. The engine sizes its own KV cache with kv_bytes_per_block from this file,
-so the planner and the engine cannot disagree about what one block costs. No torch here: planning must be instant
+per token, and a stated runtime headroom. The engine sizes its own KV cache with the same kv_bytes_per_block
+(lmserve/kv_sizing.py), so the planner and the engine cannot disagree about what one block costs. No torch here: planning must be instant
 and work where torch is not installed.
 """
 
@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 
 GiB = 1 << 30
 BLOCK_SIZE = 16
@@ -35,22 +37,6 @@ SHIPPED_CONFIGS = {
 
 
 # ---------------------------------------------------------------------------------------------- KV sizing
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one position for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
-def kv_bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
-) -> int:
-    """K and V for every layer of one block; the model runner sizes its cache with this."""
-    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes)
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def bytes_of_dtype(name: str) -> int:
@@ -136,7 +122,7 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
     if shipped is not None and not path.exists():
         return ModelSpec.from_hf_dict(model, _read_json(CONFIG_DIR / shipped))
     # GGUF files and registered names: the engine's own loader reads the header (it needs torch, so import late).
-    from lmserve.worker.loader import REGISTERED_MODELS, load_hf_config, resolve_model
+    from lmserve.models import REGISTERED_MODELS, load_hf_config, resolve_model
 
     if path.exists() or model in REGISTERED_MODELS:
         return ModelSpec.from_hf_dict(model, load_hf_config(resolve_model(model)).to_dict())

@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lmserve.config import CacheConfig, SchedulerConfig
-from lmserve.engine.kv_cache import blocks_needed
 from lmserve.engine.outputs import ModelRunnerOutput
 from lmserve.engine.request import Request
 from lmserve.engine.scheduler import Scheduler
+from lmserve.kv_sizing import blocks_needed
 from lmserve.sampling_params import SamplingParams
 
 # The stand-in's token. Requests carry no EOS id and ignore EOS, so only output_len ends them.

@@ -11,7 +11,8 @@ import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memory
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from lmserve.plan.memory import kv_bytes_per_block  # one formula for the engine and the planner
+from lmserve.kv_sizing import kv_bytes_per_block
+from lmserve.models import load_hf_config, resolve_model, stored_linear_format
 from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
@@ -20,7 +21,7 @@ from lmserve.worker.attention import (
     check_kv_cache_dtype,
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
-from lmserve.worker.loader import load_hf_config, load_weights, resolve_model, stored_linear_format
+from lmserve.worker.loader import load_weights
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.quantization import check_quantization

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lmserve.engine.outputs import Logprobs
+from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

