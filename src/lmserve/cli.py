@@ -7,47 +7,13 @@ import logging
 import sys
 import time
 
-from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MODEL
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, HF directory or GGUF file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "fp16", "q8_0", "q4_1"],
-                   help="weights in fewer bytes, float32 arithmetic (CPU, float32 only): fp16, or llama.cpp's q8_0 / "
-                        "q4_1 blocks; auto: the GGUF's own block format where it is one of those, else fp16")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "paged-cpu"],
-                   help="paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs")
-    p.add_argument("--fused-ops", default="auto", choices=["auto", "none", "cpu"],
-                   help="cpu: RMSNorm+residual, SiLU-and-mul and RoPE as one C++ op each (CPU, float32); auto: where it runs")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--kv-cache-memory", default=None, help="bytes, or with a unit: 2GiB, 512MiB")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="element type of the KV cache; float16 halves its bytes per token. auto: float16 for the "
-                   "paged-cpu kernel on a float32 model (CPUs with F16C), else the model's dtype")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine-threads", type=int, default=None,
-                   help="compute threads of the engine (default: one per CPU it may use)")
-    p.add_argument("--engine-cpus", default=None, help="CPUs the engine runs on, e.g. '1' or '0-3' (default: all)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-        "attention_backend": args.attention_backend, "fused_ops": args.fused_ops, "device": args.device,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "long_prefill_token_threshold": args.long_prefill_token_threshold, "kv_cache_memory": args.kv_cache_memory,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy, "seed": args.seed,
-        "engine_threads": args.engine_threads, "engine_cpus": args.engine_cpus,
-    }
+from lmserve.config import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MODEL,
+    SchedulerConfig,
+    add_engine_args,
+    engine_kwargs,
+)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -177,8 +143,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--replicas", type=int, default=None, help="default: gpus / (tp × pp)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--overhead-gib", type=float, default=None,
                    help="stated framework overhead per device (default 1.0: CUDA context, allocator, buffers)")
@@ -230,8 +196,8 @@ def add_schedule_parser(sub: argparse._SubParsersAction) -> None:
                    help="a request: name, prompt length, output length, arrival iteration (default 1); repeatable")
     p.add_argument("--requests-file", default=None,
                    help='JSON: [{"name": "a", "prompt_len": 10, "output_len": 3, "arrival": 1}, ...]')
-    p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--budget", type=int, default=SchedulerConfig.max_num_batched_tokens, help="max_num_batched_tokens")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--blocks", type=int, default=None, help="KV blocks; default: room for every request at once")
     p.add_argument("--block-size", type=int, default=16)

@@ -1,8 +1,18 @@
-"""Engine configuration: one dataclass per concern, bundled in EngineConfig."""
+"""Engine configuration: one dataclass per concern, bundled in EngineConfig.
+
+Each setting is declared once, as a dataclass field made by `setting()` (default, help, choices); the command line's
+flags (`add_engine_args`) and the flat keywords of `LLM(**kwargs)` (`make_engine_config`) are generated from the
+fields, so a new setting is one line here. A field's flat name is its own unless `flat=` says otherwise.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 GiB = 1 << 30
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -25,41 +35,6 @@ def parse_memory(value: float | str | None) -> int | None:
     return int(number * GiB) if number < 4096 else int(number)
 
 
-@dataclass
-class ModelConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto | none | fp16 | q8_0 | q4_1 (weights after loading; worker/quantization.py)
-    attention_backend: str = "auto"  # auto | sdpa | paged-cpu (worker/attention.py)
-    fused_ops: str = "auto"  # auto | none | cpu (worker/kernels/fused_ops.cpp)
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-
-
-@dataclass
-class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: a default sized for the machine
-    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto | float32 | float16 (worker/attention.py: check_kv_cache_dtype)
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget
-    policy: str = "fcfs"  # fcfs | priority
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {self.policy!r}: use 'fcfs' or 'priority'")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-
-
 def parse_cpus(value: str | None) -> list[int] | None:
     """CPU ids from a list such as '1', '0-3' or '0,2-3' (as taskset -c takes them)."""
     if value is None or value == "":
@@ -76,13 +51,71 @@ def parse_cpus(value: str | None) -> list[int] | None:
     return sorted(set(cpus))
 
 
+def setting(
+    default: Any, help: str = "", *, choices: tuple[str, ...] | None = None, flat: str | None = None,
+    parse: Callable[[Any], Any] | None = None, flag: bool = True, short: str | None = None,
+) -> Any:
+    """A configuration field. `parse` turns a flag's or keyword's value into the field's (e.g. '2GiB' -> bytes);
+    `flag=False` keeps a setting out of the command line (tests' knobs such as num_blocks)."""
+    metadata = {"help": help, "choices": choices, "flat": flat, "parse": parse, "flag": flag, "short": short}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    model: str = setting(DEFAULT_MODEL, "registered name, HF directory or GGUF file")
+    dtype: str = setting("auto", "auto: float32 on CPU, bfloat16 on CUDA",
+                         choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str = setting(
+        "auto", "weights in fewer bytes, float32 arithmetic (CPU, float32 only): fp16, or llama.cpp's q8_0 / q4_1 "
+        "blocks; auto: the GGUF's own block format where it is one of those, else fp16",
+        choices=("auto", "none", "fp16", "q8_0", "q4_1"), short="-q")
+    attention_backend: str = setting(
+        "auto", "paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs",
+        choices=("auto", "sdpa", "paged-cpu"))
+    fused_ops: str = setting(
+        "auto", "cpu: RMSNorm+residual, SiLU-and-mul and RoPE as one C++ op each (CPU, float32); auto: where it runs",
+        choices=("auto", "none", "cpu"))
+    device: str = setting("auto", "auto | cpu | cuda")
+    max_model_len: int | None = setting(None, "context length (default: the model's own)")
+    seed: int = setting(0, "seed of the model's random state")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = setting(16, "positions per KV-cache block", flag=False)
+    kv_cache_memory: int | None = setting(None, "bytes, or with a unit: 2GiB, 512MiB", parse=parse_memory)
+    num_blocks: int | None = setting(None, "KV blocks; overrides kv_cache_memory (tests use tiny pools)", flag=False)
+    enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    kv_cache_dtype: str = setting(
+        "auto", "element type of the KV cache; float16 halves its bytes per token. auto: float16 for the paged-cpu "
+        "kernel on a float32 model (CPUs with F16C), else the model's dtype", choices=("auto", "float32", "float16"))
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = setting(2048, "positions one engine step computes at most (the token budget)")
+    max_num_seqs: int = setting(64, "requests running at once; also the largest n a request may ask for")
+    long_prefill_token_threshold: int = setting(0, "positions one prefill chunk may take per step (0: no cap)")
+    policy: str = setting("fcfs", "fcfs, or priority (lower value first)", choices=("fcfs", "priority"),
+                          flat="scheduling_policy")
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}: use 'fcfs' or 'priority'")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
 @dataclass
 class PlacementConfig:
     """Where the engine's compute runs. On a small CPU machine the API process, the engine loop and the compute
     threads share a few cores, and busy-waiting BLAS threads fight whatever else runs there."""
 
-    engine_threads: int | None = None  # compute threads in the engine process; None: one per CPU it may use
-    engine_cpus: list[int] | None = None  # CPUs the engine process may run on; None: all
+    engine_threads: int | None = setting(None, "compute threads of the engine (default: one per CPU it may use)")
+    engine_cpus: list[int] | None = setting(  # noqa: RUF009 - setting() is a dataclasses.field, default None
+        None, "CPUs the engine runs on, e.g. '1' or '0-3' (default: all)",
+        parse=lambda v: parse_cpus(v) if isinstance(v, str) else v)
 
 
 @dataclass
@@ -93,43 +126,56 @@ class EngineConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
-def make_engine_config(
-    model: str = DEFAULT_MODEL,
-    *,
-    dtype: str = "auto",
-    quantization: str = "auto",
-    attention_backend: str = "auto",
-    fused_ops: str = "auto",
-    device: str = "auto",
-    max_model_len: int | None = None,
-    seed: int = 0,
-    kv_cache_memory: float | str | None = None,
-    kv_cache_dtype: str = "auto",
-    num_blocks: int | None = None,
-    enable_prefix_caching: bool = True,
-    max_num_batched_tokens: int = 2048,
-    max_num_seqs: int = 64,
-    long_prefill_token_threshold: int = 0,
-    scheduling_policy: str = "fcfs",
-    engine_threads: int | None = None,
-    engine_cpus: str | list[int] | None = None,
-) -> EngineConfig:
-    """The flat keyword form that LLM(...) and the command line share."""
-    return EngineConfig(
-        model=ModelConfig(
-            model=model, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
-            fused_ops=fused_ops, device=device, max_model_len=max_model_len, seed=seed,
-        ),
-        cache=CacheConfig(
-            kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_blocks,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
-        ),
-        placement=PlacementConfig(
-            engine_threads=engine_threads,
-            engine_cpus=parse_cpus(engine_cpus) if isinstance(engine_cpus, str) else engine_cpus,
-        ),
-    )
+SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                             "placement": PlacementConfig}
+
+
+def engine_settings() -> Iterator[tuple[str, str, dataclasses.Field, type]]:
+    """(section, flat name, field, field type) of every engine setting, in declaration order."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield section, f.metadata.get("flat") or f.name, f, hints[f.name]
+
+
+def make_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
+    """The flat keyword form that LLM(...) and the command line share: every setting by its flat name."""
+    kwargs["model"] = model
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for section, flat, f, _ in engine_settings():
+        if flat in kwargs:
+            value = kwargs.pop(flat)
+            parse = f.metadata.get("parse")
+            sections[section][f.name] = parse(value) if parse is not None and value is not None else value
+    if kwargs:
+        known = ", ".join(flat for _, flat, _, _ in engine_settings())
+        raise TypeError(f"unknown engine setting(s) {', '.join(sorted(kwargs))}; known: {known}")
+    return EngineConfig(**{name: SECTIONS[name](**values) for name, values in sections.items()})
+
+
+def _flag_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    base = typing.get_origin(args[0]) or args[0]
+    return str if base is list else base
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine setting (--flat-name), with the setting's default, help and choices."""
+    for _, flat, f, hint in engine_settings():
+        if not f.metadata.get("flag", True):
+            continue
+        names = [f"--{flat.replace('_', '-')}"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help") or None, "dest": flat}
+        flag_type = str if f.metadata.get("parse") else _flag_type(hint)  # parse() reads the text
+        if flag_type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = flag_type
+            if f.metadata.get("choices"):
+                kwargs["choices"] = list(f.metadata["choices"])
+        parser.add_argument(*names, **kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings among parsed flags, by flat name (what make_engine_config and LLM take)."""
+    return {flat: getattr(args, flat) for _, flat, f, _ in engine_settings() if f.metadata.get("flag", True)}

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from lmserve.config import SchedulerConfig
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 
 GiB = 1 << 30
@@ -209,8 +210,8 @@ class PlanSettings:
     concurrency: int = 1
     device_memory: int | None = None  # bytes per device; None: this machine's RAM
     layout: Layout = field(default_factory=Layout)
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     block_size: int = BLOCK_SIZE
     overhead: int = int(DEFAULT_OVERHEAD_GIB * GiB)
 

@@ -109,8 +109,8 @@ class CostModel:
 
 @dataclass
 class ScheduleSettings:
-    budget: int = 2048  # max_num_batched_tokens
-    max_num_seqs: int = 64
+    budget: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     long_prefill_token_threshold: int = 0
     num_blocks: int | None = None  # None: room for every request at once (no preemption)
     block_size: int = 16
