@@ -76,6 +76,9 @@ class FakeEngine:
         turns = " ".join(f"{m['role']}: {m['content']}" for m in messages)
         return turns + (" assistant:" if add_generation_prompt else "")
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
+        return self.prompt_token_ids(self.apply_chat_template(messages, add_generation_prompt), False)
+
     # --------------------------------------------------------------------------- engine side
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,

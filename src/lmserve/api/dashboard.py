@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from lmserve.api.engine_client import EngineClient
 from lmserve.api.errors import ErrorMappingRoute, error_response
+from lmserve.frontend.engine_client import EngineClient
 from lmserve.metrics.clock import now, wall_time_of
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.metrics.stats import RequestTimeline, StepRecord

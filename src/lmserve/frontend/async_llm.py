@@ -135,14 +135,10 @@ class AsyncLLM:
         await asyncio.to_thread(self.engine.shutdown)
 
     # ---- the EngineClient interface of the API room ----------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        return self._inputs().apply_chat_template(messages, add_generation_prompt, **kwargs)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def prompt_token_ids(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
-        return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens).token_ids
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        return self._inputs().render_chat(messages, add_generation_prompt, template_kwargs)
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

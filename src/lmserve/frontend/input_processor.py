@@ -6,6 +6,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
+
 from lmserve.engine.request import Request
 from lmserve.sampling_params import SamplingParams
 
@@ -54,6 +56,17 @@ class InputProcessor:
                 f"invalid request parameter priority={priority}: priority scheduling is not enabled on this server "
                 "(--scheduling-policy priority)"
             )
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """The chat template over the messages, tokenized; ValueError says what went wrong."""
+        try:
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            # The template already holds the special tokens (BOS and turn markers).
+            return self.tokenize(text, add_special_tokens=False).token_ids
+        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+            raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not messages:

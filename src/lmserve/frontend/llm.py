@@ -79,11 +79,10 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.input_processor.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
+        ids = [
+            self.input_processor.render_chat(conv, add_generation_prompt, chat_template_kwargs or {})
             for conv in conversations  # type: ignore[arg-type]
         ]
-        ids = [self.input_processor.tokenize(p, add_special_tokens=False).token_ids for p in prompts]
         return self.generate(ids, sampling_params)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

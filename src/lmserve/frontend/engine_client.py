@@ -1,4 +1,5 @@
-"""The one interface the API server uses to reach the engine, so the server can be tested without one."""
+"""The front-end's interface to the API server: what the server may ask of the engine, and nothing else, so that the
+server can be tested against a fake. AsyncLLM implements it."""
 
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ class EngineClient(Protocol):
         """
         ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str: ...
-
-    def tokenize(self, text: str) -> list[int]: ...
-
-    def prompt_token_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """The prompt's token ids: the model's chat template over the messages, tokenized. ValueError names what
+        is wrong with the messages (the template raised, or the prompt cannot fit)."""
+        ...
 
     def decode_token(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs)."""

@@ -1,0 +1,177 @@
+"""Folding the delta outputs of a request's engine requests into OpenAI choices, streamed and final."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmserve.api.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionStreamChoice,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    Prompt,
+    UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
+)
+from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
+
+
+@dataclass
+class ChoiceState:
+    """One choice as it accumulates across delta outputs."""
+
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prefix_len: int = 0  # characters of echoed prompt before the generated text
+    num_chars: int = 0  # where the next token starts in the choice's text, for completions' text_offset
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class Choices:
+    """Folds delta outputs of every engine request into choices, indexed prompt_index * n + child index."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.states: dict[int, ChoiceState] = {}
+        self.prompt_tokens: dict[int, int] = {}
+
+    def update(
+        self, prompt_index: int, out: RequestOutput
+    ) -> Iterator[tuple[int, ChoiceState, str, CompletionOutput]]:
+        """Yields (choice index, state before this delta, new text, delta), then folds the delta in."""
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        for child in out.outputs:
+            index = prompt_index * self.n + child.index
+            state = self.states.get(index)
+            text = child.text
+            if state is None:
+                prefix = self.first_text(prompt_index, out)
+                state = self.states[index] = ChoiceState(prefix_len=len(prefix), num_chars=len(prefix))
+                text = prefix + text
+            yield index, state, text, child
+            state.texts.append(text)
+            state.num_tokens += len(child.token_ids)
+            state.logprobs.extend(child.logprobs or ())
+            state.finish_reason = child.finish_reason or state.finish_reason
+            state.stop_reason = child.stop_reason if child.finish_reason else state.stop_reason
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        for _ in self.update(prompt_index, out):
+            pass
+
+    def first_text(self, prompt_index: int, out: RequestOutput) -> str:
+        """What precedes a choice's generated text (the echoed prompt for completions)."""
+        return ""
+
+    def stream_choices(self, prompt_index: int, out: RequestOutput) -> Sequence[Any]:
+        """The stream chunks' choices for one delta (folded in)."""
+        raise NotImplementedError
+
+    def final_choices(self) -> Sequence[Any]:
+        """The response's choices once every delta is folded in."""
+        raise NotImplementedError
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(s.num_tokens for s in self.states.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def sorted_states(self) -> list[tuple[int, ChoiceState]]:
+        return sorted(self.states.items())
+
+
+def _worth_sending(text: str, child: CompletionOutput) -> bool:
+    # A delta whose text is still held back (a possible stop string) carries nothing new unless it ends the
+    # choice or brings logprobs the client asked for.
+    return bool(text or child.finish_reason or child.logprobs)
+
+
+class CompletionChoices(Choices):
+    def __init__(
+        self, n: int, prompts: Sequence[Prompt], echo: bool, num_logprobs: int | None,
+        decode_token: Callable[[int], str],
+    ) -> None:
+        super().__init__(n)
+        self.prompts = prompts
+        self.echo = echo
+        self.num_logprobs = num_logprobs
+        self.decode_token = decode_token
+
+    def first_text(self, prompt_index: int, out: RequestOutput) -> str:
+        if not self.echo:
+            return ""
+        prompt = self.prompts[prompt_index]
+        if isinstance(prompt, str):
+            return prompt
+        # Token-id prompts: the engine client's prompt text when it kept one, else the tokens' own texts.
+        return out.prompt if out.prompt is not None else "".join(self.decode_token(t) for t in prompt)
+
+    def _logprobs(self, entries: Sequence[Logprobs], text_offset: int) -> CompletionLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        return completion_logprobs(entries, self.decode_token, self.num_logprobs, text_offset)
+
+    def stream_choices(self, prompt_index: int, out: RequestOutput) -> list[CompletionChoice]:
+        choices = []
+        for index, state, text, child in self.update(prompt_index, out):
+            logprobs = self._logprobs(child.logprobs or [], state.num_chars)
+            if logprobs is not None:
+                state.num_chars += sum(map(len, logprobs.tokens))
+            if _worth_sending(text, child):
+                choices.append(CompletionChoice(
+                    index=index, text=text, logprobs=logprobs,
+                    finish_reason=child.finish_reason, stop_reason=child.stop_reason,
+                ))
+        return choices
+
+    def final_choices(self) -> list[CompletionChoice]:
+        choices = []
+        for index, state in self.sorted_states():
+            choices.append(CompletionChoice(
+                index=index, text=state.text, logprobs=self._logprobs(state.logprobs, state.prefix_len),
+                finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+            ))
+        return choices
+
+
+class ChatChoices(Choices):
+    def __init__(self, n: int, num_top_logprobs: int | None, decode_token: Callable[[int], str]) -> None:
+        super().__init__(n)
+        self.num_top_logprobs = num_top_logprobs
+        self.decode_token = decode_token
+
+    def _logprobs(self, entries: Sequence[Logprobs]) -> ChatChoiceLogprobs | None:
+        if self.num_top_logprobs is None:
+            return None
+        return chat_logprobs(entries, self.decode_token, self.num_top_logprobs)
+
+    def stream_choices(self, prompt_index: int, out: RequestOutput) -> list[ChatCompletionStreamChoice]:
+        return [
+            ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(content=text), logprobs=self._logprobs(child.logprobs or []),
+                finish_reason=child.finish_reason, stop_reason=child.stop_reason,
+            )
+            for index, _, text, child in self.update(prompt_index, out)
+            if _worth_sending(text, child)
+        ]
+
+    def final_choices(self) -> list[ChatCompletionChoice]:
+        return [
+            ChatCompletionChoice(
+                index=index, message=ChatMessageOut(content=state.text), logprobs=self._logprobs(state.logprobs),
+                finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+            )
+            for index, state in self.sorted_states()
+        ]

@@ -1,0 +1,166 @@
+"""The logic behind /v1/completions and /v1/chat/completions: requests in, choices out, streamed or whole."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from lmserve.api.choices import ChatChoices, Choices, CompletionChoices
+from lmserve.api.errors import ModelNotFoundError
+from lmserve.api.middleware import arrival_time
+from lmserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    Prompt,
+    RequestError,
+)
+from lmserve.api.sse import (
+    SSE_DONE,
+    EventStreamResponse,
+    RecordedJSONResponse,
+    sse,
+    sse_error,
+    trailer,
+    until_disconnect,
+)
+from lmserve.frontend.engine_client import EngineClient
+from lmserve.frontend.request_group import RequestGroup
+from lmserve.metrics.recorder import StatsRecorder
+from lmserve.outputs import RequestOutput
+from lmserve.sampling_params import SamplingParams
+
+
+class OpenAIServing:
+    """The logic behind /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, client: EngineClient, model_name: str, recorder: StatsRecorder) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.recorder = recorder
+        self.num_requests_aborted = 0  # by this server (client disconnects, failures); for /metrics
+
+    def check_model(self, requested: str | None) -> None:
+        # A missing model means the served one, as in vLLM; a wrong one must not silently run another model.
+        if requested is not None and requested != self.model_name:
+            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server serves {self.model_name!r}")
+
+    def _count_abort(self) -> None:
+        self.num_requests_aborted += 1
+
+    def _group(
+        self, prompts: Sequence[Prompt], params: SamplingParams, request_ids: Sequence[str], priority: int,
+        raw: Request,
+    ) -> RequestGroup:
+        return RequestGroup(self.client, prompts, params, request_ids, priority, self._count_abort,
+                            arrival_time(raw), self.recorder)
+
+    async def _start(self, group: RequestGroup) -> None:
+        try:
+            await group.start()
+        except RequestError:
+            raise
+        except ValueError as exc:  # the engine client's input validation (PromptTooLongError included)
+            raise RequestError.from_value_error(exc) from exc
+
+    async def _start_streaming(self, group: RequestGroup, raw: Request) -> None:
+        try:
+            await until_disconnect(self._start(group), raw)
+        except BaseException:
+            await group.close()
+            group.record(delivered=False)
+            raise
+
+    async def _collect(self, group: RequestGroup) -> list[tuple[int, RequestOutput]]:
+        try:
+            await self._start(group)
+            return [item async for item in group.outputs()]
+        finally:
+            await group.close()
+
+    async def _respond(
+        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str,
+        return_timeline: bool,
+    ) -> Response:
+        """The non-streamed answer: every output collected (aborted if the client leaves), then one JSON body."""
+        try:
+            collected = await until_disconnect(self._collect(group), raw)
+        except BaseException:
+            group.record(delivered=False)
+            raise
+        for prompt_index, out in collected:
+            choices.add(prompt_index, out)
+        response = response_type(
+            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage(),
+            timelines=group.timeline_dicts() if return_timeline else None,
+        )
+        return RecordedJSONResponse(response, group)
+
+    async def _serve(
+        self, req: CompletionRequest | ChatCompletionRequest, raw: Request, group: RequestGroup, choices: Choices,
+        response_id: str, response_type: type[BaseModel], chunk_type: type[BaseModel], prelude: Sequence[list[Any]],
+    ) -> Response:
+        if not req.stream:
+            return await self._respond(group, choices, raw, response_type, response_id, bool(req.return_timeline))
+        await self._start_streaming(group, raw)
+
+        def chunk(items: list[Any], usage: Any = None, timelines: list | None = None) -> str:
+            return sse(chunk_type(id=response_id, model=self.model_name, choices=items, usage=usage,
+                                  timelines=timelines))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for items in prelude:
+                    yield chunk(items)
+                async for prompt_index, out in group.outputs():
+                    for choice in choices.stream_choices(prompt_index, out):
+                        yield chunk([choice])  # one choice per chunk, as OpenAI (and clients reading choices[0])
+                if last := trailer(choices, group, req.include_usage, bool(req.return_timeline)):
+                    yield chunk([], *last)
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
+                yield sse_error(exc)
+            finally:
+                await group.close()
+            yield SSE_DONE
+
+        return EventStreamResponse(events(), group)
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        prompts = req.prompts()
+        params = req.to_sampling_params()
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        group = self._group(prompts, params, request_ids, req.check_priority(), raw)
+        choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token)
+        return await self._serve(req, raw, group, choices, response_id, CompletionResponse, CompletionStreamResponse,
+                                 prelude=())
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        messages, template_kwargs = req.template_messages(), req.template_kwargs()
+        try:
+            prompt_token_ids = self.client.render_chat(messages, req.add_generation_prompt is not False,
+                                                       template_kwargs)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        group = self._group([prompt_token_ids], params, [response_id], req.check_priority(), raw)
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token)
+        # OpenAI's first chunk of each choice carries the role.
+        roles = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
+                 for i in range(choices.n)]
+        return await self._serve(req, raw, group, choices, response_id, ChatCompletionResponse,
+                                 ChatCompletionStreamResponse, prelude=roles)
