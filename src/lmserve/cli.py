@@ -9,8 +9,6 @@ import time
 
 from lmserve.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_MODEL,
-    SchedulerConfig,
     add_engine_args,
     engine_kwargs,
 )
@@ -110,139 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
     srv.set_defaults(func=cmd_serve)
 
-    add_plan_parser(sub)
-    add_schedule_parser(sub)
-
-    # The bench parser imports only argparse; the load generator imports its dependencies when it runs.
+    # These parsers import only argparse; the load generator and the planners import the rest when they run.
     from lmserve.bench import cli as bench_cli
 
     bench = sub.add_parser("bench", help=bench_cli.HELP)
     bench_cli.add_arguments(bench)
     bench.set_defaults(func=bench_cli.run, log_level="WARNING")
+    from lmserve.plan import cli as plan_cli
+
+    plan_cli.add_plan_parser(sub)
+    plan_cli.add_schedule_parser(sub)
     return parser
 
 
-# ---- planning: the imports stay inside the commands so that generate/serve never pay for them ----------------
-
-
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="memory budget: will a model and a target concurrency fit (no weights loaded)")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None,
-                        help="shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, smollm2-135m), "
-                             "HF directory, config.json, GGUF file or registered name; default: the default model")
-    source.add_argument("--config", default=None, help="an HF config.json file")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: the weights' dtype")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own context length")
-    p.add_argument("--context", type=int, default=None, help="tokens per request; default: max-model-len")
-    p.add_argument("--concurrency", type=int, default=1, help="target concurrent requests per replica")
-    p.add_argument("--device-memory", type=float, default=None, help="GiB per device; default: this machine's RAM")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--replicas", type=int, default=None, help="default: gpus / (tp × pp)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--overhead-gib", type=float, default=None,
-                   help="stated framework overhead per device (default 1.0: CUDA context, allocator, buffers)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_plan, log_level="WARNING")
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    import json
-
-    from lmserve.plan.memory import (
-        DEFAULT_OVERHEAD_GIB,
-        GiB,
-        Layout,
-        PlanSettings,
-        compare_layouts,
-        load_spec,
-        make_plan,
-        render_plan,
-    )
-
-    spec = load_spec(args.model if args.model or args.config else DEFAULT_MODEL, args.config)
-    group = args.tp * args.pp
-    if min(args.gpus, args.tp, args.pp) < 1:
-        raise ValueError("--gpus, --tp and --pp must be >= 1")
-    replicas = args.replicas if args.replicas is not None else args.gpus // group
-    if replicas < 1 or replicas * group > args.gpus:
-        raise ValueError(f"TP {args.tp} × PP {args.pp} × {replicas} replica(s) needs more than --gpus {args.gpus}")
-    overhead = DEFAULT_OVERHEAD_GIB if args.overhead_gib is None else args.overhead_gib
-    settings = PlanSettings(
-        dtype=args.dtype, kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, context=args.context,
-        concurrency=args.concurrency,
-        device_memory=None if args.device_memory is None else int(args.device_memory * GiB),
-        layout=Layout(args.tp, args.pp, replicas), max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, block_size=args.block_size, overhead=int(overhead * GiB),
-    )
-    plan = make_plan(spec, settings)
-    options = compare_layouts(spec, settings, args.gpus) if args.gpus > 1 else []
-    if args.json:
-        print(json.dumps({**plan.to_dict(), "compared": [o.to_dict() for o in options]}, indent=2))
-    else:
-        print(render_plan(plan, options))
-    return 0 if plan.fits else 1
-
-
-def add_schedule_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("schedule", help="replay a workload through the real scheduler and print each iteration")
-    p.add_argument("--request", action="append", default=[], metavar="NAME:PROMPT:OUTPUT[@ITER]",
-                   help="a request: name, prompt length, output length, arrival iteration (default 1); repeatable")
-    p.add_argument("--requests-file", default=None,
-                   help='JSON: [{"name": "a", "prompt_len": 10, "output_len": 3, "arrival": 1}, ...]')
-    p.add_argument("--budget", type=int, default=SchedulerConfig.max_num_batched_tokens, help="max_num_batched_tokens")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--blocks", type=int, default=None, help="KV blocks; default: room for every request at once")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--format", default="table", choices=["table", "json", "markdown"])
-    p.add_argument("--cost-model", default=None, help="JSON {ms_per_position, ms_per_step} from --calibrate")
-    p.add_argument("--calibrate", action="store_true",
-                   help="measure the cost model on this machine with --model (loads it) and print it as JSON")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="the model --calibrate measures")
-    p.add_argument("--output", default=None, help="with --calibrate: also write the cost model to this file")
-    p.set_defaults(func=cmd_schedule, log_level="WARNING")
-
-
-def cmd_schedule(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import asdict
-    from pathlib import Path
-
-    from lmserve.plan.schedule import (
-        CostModel,
-        ScheduleSettings,
-        calibrate,
-        load_requests,
-        parse_request,
-        render,
-        replay,
-    )
-
-    if args.calibrate:
-        text = json.dumps(asdict(calibrate(args.model)), indent=2)
-        if args.output:
-            Path(args.output).write_text(text + "\n")
-        print(text)
-        return 0
-    specs = [parse_request(r) for r in args.request]
-    if args.requests_file:
-        specs += load_requests(args.requests_file)
-    settings = ScheduleSettings(
-        budget=args.budget, max_num_seqs=args.max_num_seqs,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, num_blocks=args.blocks,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-    )
-    cost_model = CostModel.load(args.cost_model) if args.cost_model else None
-    print(render(replay(specs, settings, cost_model), args.format))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
