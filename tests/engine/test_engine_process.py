@@ -69,7 +69,7 @@ def _proc(tiny_llama_dir: Path, sockets: EngineSockets) -> EngineCoreProc:
 
 def _add(request_id: str, max_tokens: int) -> AddRequest:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return AddRequest(request_id, [1, 2, 3, 4], params, None, 0, 0.0)
+    return AddRequest(request_id, [1, 2, 3, 4], params, [], 0, 0.0)
 
 
 def test_duplicate_request_id_is_rejected_without_touching_the_first(

@@ -49,7 +49,7 @@ def make_request(
         rid,
         list(prompt),
         SamplingParams(max_tokens=max_tokens, **params),
-        eos_token_id=eos,
+        eos_token_ids=[] if eos is None else [eos],
         priority=priority,
         arrival_time=float(next(_arrivals)) if arrival is None else arrival,
     )

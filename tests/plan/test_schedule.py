@@ -194,7 +194,7 @@ def test_schedule_agrees_with_the_live_engine(tiny_llama_dir: Path, workload: st
             spec = pending.pop(0)
             prompt = [rng.randrange(100, engine.vocab_size) for _ in range(spec.prompt_len)]
             params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
-            engine.add_request(Request(spec.name, prompt, params, eos_token_id=engine.runner.eos_token_id))
+            engine.add_request(Request(spec.name, prompt, params, eos_token_ids=engine.eos_token_ids))
         engine.step()
     assert recorded == [it.scheduled for it in predicted.iterations]
     assert any(it.preempted for it in predicted.iterations) == (workload == "preemption")

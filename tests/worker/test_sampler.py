@@ -34,7 +34,7 @@ def build(
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],
         generators if generators is not None else [None] * n,
-        eos_token_id=EOS,
+        eos_token_ids=[[EOS]] * n,
         vocab_size=vocab_size,
         device=CPU,
     )

@@ -28,13 +28,15 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config.model, config.cache, config.placement)
         eos = getattr(self.runner.hf_config, "eos_token_id", None)
-        self.runner.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        # All of the model config's EOS ids (a list in Llama 3 and others); requests carry their own.
+        self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len)
         self.last_step: StepRecord | None = None
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_aborted = 0
         self.positions_computed: OrderedDict[str, int] = OrderedDict()
+        self.children: OrderedDict[str, list[str]] = OrderedDict()  # parent id -> child ids, for stats()
 
     @property
     def max_model_len(self) -> int:
@@ -46,10 +48,10 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
-        if request.eos_token_id is not None:
-            # The front-end's tokenizer knows the EOS token (a GGUF config may not); the sampler masks it for
-            # min_tokens.
-            self.runner.eos_token_id = request.eos_token_id
+        if request.parent_id is not None:
+            self.children.setdefault(request.parent_id, []).append(request.request_id)
+            while len(self.children) > TRACKED_REQUESTS:
+                self.children.popitem(last=False)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(list(request_ids))
@@ -100,8 +102,7 @@ class EngineCore:
         kv = self.scheduler.kv_cache_manager
         positions, status = {}, {}
         for rid in request_ids:
-            # A parent id also covers its n>1 children ("id-0", "id-1", ...).
-            ids = [t for t in self.positions_computed if t == rid or t.startswith(rid + "-")] or [rid]
+            ids = self.children.get(rid) or [rid]  # a parent id covers its n>1 children
             positions[rid] = sum(self.positions_computed.get(t, 0) for t in ids)
             live = [r for r in map(self.scheduler.get_request, ids) if r is not None]
             status[rid] = live[0].status.value if live else "gone"

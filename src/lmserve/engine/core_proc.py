@@ -62,7 +62,7 @@ class EngineCoreProc:
             self.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
             raise
         self.send(Ready(self.engine.max_model_len, self.engine.vocab_size, self.engine.runner.num_blocks,
-                        config.cache.block_size))
+                        config.cache.block_size, self.engine.eos_token_ids))
 
     def send(self, message: EngineOutput) -> None:
         if isinstance(message, StepOutputs) and self.queued:
@@ -75,8 +75,9 @@ class EngineCoreProc:
             self.queued[message.request_id] = now()
             request = Request(
                 request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
-                sampling_params=message.sampling_params, eos_token_id=message.eos_token_id,
-                priority=message.priority, arrival_time=message.arrival_time,
+                sampling_params=message.sampling_params, eos_token_ids=message.eos_token_ids,
+                priority=message.priority, arrival_time=message.arrival_time, parent_id=message.parent_id,
+                index=message.index,
             )
             try:
                 engine.add_request(request)

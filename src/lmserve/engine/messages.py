@@ -14,9 +14,11 @@ class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: list[int]
     priority: int
     arrival_time: float
+    parent_id: str | None = None  # for a child of an n>1 request
+    index: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -47,6 +49,7 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     num_blocks: int
     block_size: int
+    eos_token_ids: list[int] = []  # the model config's (the front-end adds its tokenizer's)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

@@ -21,6 +21,7 @@ class ScheduledRequest:
     # For penalties; references, not copies: the runner only reads them.
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    eos_token_ids: list[int] = field(default_factory=list)  # for min_tokens: EOS is held back until then
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    # Every token id that ends the request as EOS (a model may have several: generation_config's list).
+    eos_token_ids: list[int] = field(default_factory=list)
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
@@ -39,6 +40,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cache_salt: str | None = None
+    # For a child of an n>1 request: the parent's id (what clients know) and this child's index among its siblings.
+    parent_id: str | None = None
+    index: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

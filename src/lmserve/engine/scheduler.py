@@ -179,6 +179,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
         )
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest]) -> int:
@@ -283,7 +284,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
+            if token in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED  # stop_reason stays None for EOS, as in vLLM
             if token in params.stop_token_ids:
                 request.stop_reason = token

@@ -166,10 +166,11 @@ class AsyncLLM:
         stream = self.streams[request_id] = RequestStream()
         finished = False
         try:
-            for child_id, request in zip(child_ids, requests, strict=True):
+            parent_id = request_id if len(requests) > 1 else None
+            for index, (child_id, request) in enumerate(zip(child_ids, requests, strict=True)):
                 self.queued.add(child_id)
                 self._send(AddRequest(child_id, request.prompt_token_ids, request.sampling_params,
-                                      request.eos_token_id, priority, arrival))
+                                      request.eos_token_ids, priority, arrival, parent_id, index))
             while not finished:
                 out = await stream.get()
                 finished = out.finished
@@ -265,7 +266,7 @@ class AsyncLLM:
                 self.input_processor = InputProcessor(
                     self.tokenizer, message.max_model_len, message.vocab_size,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
-                    scheduling_policy=self.config.scheduler.policy,
+                    scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=message.eos_token_ids,
                 )
                 self.is_ready = True
                 self._ready.set()

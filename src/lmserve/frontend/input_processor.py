@@ -32,14 +32,18 @@ class ProcessedPrompt:
 class InputProcessor:
     def __init__(
         self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int | None = None,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: str = "fcfs", model_eos_token_ids: list[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_n = max_num_seqs  # n above what the engine runs at once would only queue behind itself
         self.scheduling_policy = scheduling_policy
-        self.eos_token_id: int | None = tokenizer.eos_token_id
+        # The model config's EOS ids and the tokenizer's (a GGUF config may name none).
+        eos = set(model_eos_token_ids or [])
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
 
     def check_params(self, params: SamplingParams, priority: int = 0) -> None:
         """What SamplingParams cannot know alone: the vocabulary, the server's n cap, the scheduling policy."""
@@ -138,7 +142,7 @@ class InputProcessor:
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             priority=priority,
         )
         if arrival_time is not None:

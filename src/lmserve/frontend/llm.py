@@ -40,7 +40,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
-            scheduling_policy=self.config.scheduler.policy,
+            scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=self.engine.eos_token_ids,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -112,8 +112,10 @@ class LLM:
         child_ids = self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, [r.sampling_params for r in requests]
         )
-        for child_id, request in zip(child_ids, requests, strict=True):
+        for index, (child_id, request) in enumerate(zip(child_ids, requests, strict=True)):
             request.request_id = child_id
+            if len(requests) > 1:
+                request.parent_id, request.index = request_id, index
             self.engine.add_request(request)
         return request_id
 

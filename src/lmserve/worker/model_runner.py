@@ -128,7 +128,6 @@ class ModelRunner:
         self.kv_bytes_per_block = per_block
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.eos_token_id: int | None = None
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         # Decodes first so their queries form one contiguous, batched attention call.
@@ -176,7 +175,7 @@ class ModelRunner:
             prompt_token_ids=[r.prompt_token_ids for r in batch.sampling],
             output_token_ids=[r.output_token_ids for r in batch.sampling],
             generators=[self._generator(r) for r in batch.sampling],
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=[r.eos_token_ids for r in batch.sampling],
             vocab_size=logits.shape[-1],
             device=self.device,
         )

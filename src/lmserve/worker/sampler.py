@@ -80,7 +80,7 @@ class SamplingMetadata:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         generators: list[torch.Generator | None],
-        eos_token_id: int | None,
+        eos_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
@@ -156,8 +156,8 @@ class SamplingMetadata:
             if len(output_token_ids[i]) < p.min_tokens:
                 # With ignore_eos, EOS is an ordinary token, so only the stop ids are held back (as vLLM).
                 stops = set(p.stop_token_ids)
-                if eos_token_id is not None and not p.ignore_eos:
-                    stops.add(eos_token_id)
+                if not p.ignore_eos:
+                    stops.update(eos_token_ids[i])
                 for t in sorted(stops):
                     if 0 <= t < V:
                         ban_r.append(i)
