@@ -21,6 +21,7 @@ import uvicorn
 
 from lmserve import __version__
 from lmserve.api.server import build_app
+from lmserve.frontend.async_llm import merge_into
 from lmserve.frontend.errors import EngineDeadError
 from lmserve.frontend.input_processor import PromptTooLongError
 from lmserve.metrics.clock import now
@@ -82,7 +83,24 @@ class FakeEngine:
     # --------------------------------------------------------------------------- engine side
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, final_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        deltas = self._deltas(prompt, params, request_id, arrival_time)
+        if not final_only:
+            async for delta in deltas:
+                yield delta
+            return
+        whole = None  # as AsyncLLM: the whole output once, at the end
+        async for delta in deltas:
+            if whole is None:
+                whole = delta
+            else:
+                merge_into(whole, delta)
+        if whole is not None:
+            yield whole
+
+    async def _deltas(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, arrival_time: float | None,
     ) -> AsyncIterator[RequestOutput]:
         ids = self.prompt_token_ids(prompt, add_special_tokens=True)
         if not ids:

@@ -24,19 +24,15 @@ from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
 
 @dataclass
 class ChoiceState:
-    """One choice as it accumulates across delta outputs."""
+    """One choice as its outputs arrive: counts and positions for the stream; the whole text for a response."""
 
-    texts: list[str] = field(default_factory=list)
+    text: str = ""  # set by Choices.add (a whole output); a stream's text is never accumulated here
     logprobs: list[Logprobs] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prefix_len: int = 0  # characters of echoed prompt before the generated text
     num_chars: int = 0  # where the next token starts in the choice's text, for completions' text_offset
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
 
 
 class Choices:
@@ -61,15 +57,15 @@ class Choices:
                 state = self.states[index] = ChoiceState(prefix_len=len(prefix), num_chars=len(prefix))
                 text = prefix + text
             yield index, state, text, child
-            state.texts.append(text)
             state.num_tokens += len(child.token_ids)
             state.logprobs.extend(child.logprobs or ())
             state.finish_reason = child.finish_reason or state.finish_reason
             state.stop_reason = child.stop_reason if child.finish_reason else state.stop_reason
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
-        for _ in self.update(prompt_index, out):
-            pass
+        """Folds in one whole output (from a final_only request group)."""
+        for _, state, text, _ in self.update(prompt_index, out):
+            state.text = text
 
     def first_text(self, prompt_index: int, out: RequestOutput) -> str:
         """What precedes a choice's generated text (the echoed prompt for completions)."""

@@ -145,9 +145,10 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields delta outputs until the request finishes. Closing the iterator early aborts the request.
+        """Yields delta outputs until the request finishes (with `final_only`, the whole output once, at the end).
+        Closing the iterator early aborts the request.
 
         `arrival_time` (a lmserve.metrics.clock stamp) is when the request reached the caller; default: now.
         """
@@ -174,7 +175,10 @@ class AsyncLLM:
             while not finished:
                 out = await stream.get()
                 finished = out.finished
-                yield out
+                if not final_only:
+                    yield out
+                elif finished and (parent := self.output_processor.get_parent(request_id)) is not None:
+                    yield parent.full_output()
         finally:
             # Runs on normal end, on error, and when the consumer goes away (cancel or aclose).
             self.streams.pop(request_id, None)

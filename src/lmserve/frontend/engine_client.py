@@ -21,10 +21,11 @@ class EngineClient(Protocol):
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yields delta RequestOutputs: only the children that changed, with text, token ids and logprobs new since
-        the previous yield; the last one has finished=True.
+        the previous yield; the last one has finished=True. With `final_only`, yields once: the whole output, when
+        the request has finished (the front-end's own accumulation; the caller keeps no copy of its own).
 
         Raises ValueError (PromptTooLongError included) for bad input before yielding anything, EngineDeadError if
         the engine dies mid-request. Closing the iterator (or cancelling the task iterating it) aborts the request.

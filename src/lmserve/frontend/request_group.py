@@ -37,7 +37,10 @@ class RequestGroup:
         on_abort: Callable[[], None],
         arrival: float,
         recorder: StatsRecorder,
+        final_only: bool = False,
     ) -> None:
+        """`final_only`: each engine request yields its whole output once, when it ends (non-streamed responses)."""
+        self.final_only = final_only
         self.client = client
         self.prompts = list(prompts)
         self.params = params
@@ -58,7 +61,8 @@ class RequestGroup:
     async def start(self) -> None:
         """Waits for each request's first output, so bad input fails before the HTTP response has started."""
         self._streams = [
-            self.client.generate(prompt, self.params, request_id, self.priority, arrival_time=self.arrival)
+            self.client.generate(prompt, self.params, request_id, self.priority, arrival_time=self.arrival,
+                                 final_only=self.final_only)
             for prompt, request_id in zip(self.prompts, self.request_ids, strict=True)
         ]
         if len(self._streams) == 1:
