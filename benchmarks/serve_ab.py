@@ -1,0 +1,105 @@
+"""The served path of two commits side by side: the working tree against `--base REV`, on the default model.
+
+Each side's server runs from its own checkout (a temporary git worktree for the base), one server at a time, the two
+taking turns for --rounds rounds (so both see the same machine state through this VM's drift). The same `lmserve
+bench` client (this tree's) measures each turn:
+  W1: 256-token prompts, 128 output tokens (ignore EOS), 32 requests, 16 concurrent: output tokens/s;
+  W4: 128-token prompts, 128 output tokens, 3 requests one at a time: 1/TPOT (tokens/s).
+It reports the median of each over the rounds, and the ratio working tree / base.
+
+    .venv/bin/python benchmarks/serve_ab.py --base dffb348 [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "api"))
+import httpx
+from server_process import free_port, wait_for
+
+WORKLOADS = {
+    "W1": ["--random-input-len", "256", "--random-output-len", "128", "--num-prompts", "32",
+           "--max-concurrency", "16"],
+    "W4": ["--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "3", "--max-concurrency", "1"],
+}
+
+
+def serve(source: Path, port: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(source)}  # before site-packages: this side's lmserve
+    cmd = [sys.executable, "-c", "import sys; from lmserve.cli import main; sys.exit(main())", "serve",
+           "--port", str(port), "--max-model-len", "1024"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait_for(healthy, timeout=180, interval=0.5):
+        process.kill()
+        raise RuntimeError(f"server from {source} did not start:\n{log.read_text()[-2000:]}")
+    return process
+
+
+def bench(port: int, workload: str, result: Path) -> dict:
+    cmd = [sys.executable, "-m", "lmserve.bench", "--base-url", f"http://127.0.0.1:{port}", "--ignore-eos",
+           "--disable-tqdm", "--seed", "0", "--output", str(result), *WORKLOADS[workload]]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
+    return json.loads(result.read_text())
+
+
+def measure(source: Path, tmp: Path, tag: str) -> dict[str, float]:
+    port = free_port()
+    process = serve(source, port, tmp / f"{tag}.log")
+    try:
+        w1 = bench(port, "W1", tmp / f"{tag}-w1.json")
+        w4 = bench(port, "W4", tmp / f"{tag}-w4.json")
+    finally:
+        process.terminate()
+        process.wait(30)
+    return {"W1 output tok/s": w1["output_throughput"], "W4 1/TPOT tok/s": 1000.0 / w4["median_tpot_ms"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the git revision to compare against")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        worktree = tmp / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.base], cwd=REPO, check=True,
+                       capture_output=True)
+        try:
+            sides = {"base": worktree / "src", "tree": REPO / "src"}
+            results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+            for round_index in range(args.rounds):
+                order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+                for side in order:
+                    results[side].append(measure(sides[side], tmp, f"{side}-{round_index}"))
+                    print(f"round {round_index} {side}: {results[side][-1]}", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
+    print(f"\n{platform.machine()}, python {platform.python_version()}, base {args.base}, {args.rounds} rounds")
+    print("| metric | base (median) | working tree (median) | ratio |")
+    print("|---|---|---|---|")
+    for metric in results["base"][0]:
+        base = statistics.median(r[metric] for r in results["base"])
+        tree = statistics.median(r[metric] for r in results["tree"])
+        print(f"| {metric} | {base:.1f} | {tree:.1f} | {tree / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
