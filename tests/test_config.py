@@ -49,3 +49,12 @@ def test_keywords_without_flags_and_unknown_keywords() -> None:
     assert make_engine_config(num_blocks=7).cache.num_blocks == 7
     with pytest.raises(TypeError, match="max_num_seq.*known: .*max_num_seqs"):
         make_engine_config(max_num_seq=3)
+
+
+def test_serve_takes_the_model_as_its_first_argument_as_vllm_serve() -> None:
+    from lmserve.cli import build_parser
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "/models/x.gguf", "--port", "9"]))["model"] == "/models/x.gguf"
+    assert engine_kwargs(parser.parse_args(["serve", "--model", "/models/y"]))["model"] == "/models/y"
+    assert engine_kwargs(parser.parse_args(["serve"]))["model"] == EngineConfig().model.model

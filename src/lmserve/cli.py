@@ -10,6 +10,7 @@ import time
 from lmserve.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     add_engine_args,
+    add_model_argument,
     engine_kwargs,
 )
 
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible API")
+    add_model_argument(srv)
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)

@@ -176,6 +176,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(*names, **kwargs)
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """`lmserve serve MODEL`, as `vllm serve MODEL`; --model stays (engine_kwargs takes the positional first)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve (the same as --model)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine settings among parsed flags, by flat name (what make_engine_config and LLM take)."""
-    return {flat: getattr(args, flat) for _, flat, f, _ in engine_settings() if f.metadata.get("flag", True)}
+    kwargs = {flat: getattr(args, flat) for _, flat, f, _ in engine_settings() if f.metadata.get("flag", True)}
+    if getattr(args, "model_tag", None) is not None:
+        kwargs["model"] = args.model_tag
+    return kwargs

@@ -311,3 +311,36 @@ def test_after_the_fuzz_memory_is_bounded_and_the_server_still_answers(
     stats = httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
     assert stats["kv_blocks_used"] == 0
+
+
+# ---------------------------------------------------------------------------------------- tokenize / detokenize
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server: Server) -> None:
+    url = server.base_url
+    prompt = "The capital of France is"
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=10).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 5 and tokens["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=10).json()
+    assert text == {"prompt": prompt}
+    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10).json()
+    usage = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}, timeout=60).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"]  # the same template and tokens as a chat request
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, None),
+    ("tokenize", {}, None),
+    ("tokenize", {"prompt": "x" * 600_000}, None),
+    ("tokenize", {"prompt": "\ud800"}, None),
+    ("tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ("detokenize", {"tokens": [49152]}, "tokens"),
+    ("detokenize", {"tokens": [-1]}, "tokens"),
+    ("detokenize", {"tokens": "1 2"}, "tokens"),
+])
+def test_bad_tokenize_requests_are_400(server: Server, path: str, body: dict, param: str | None) -> None:
+    response = httpx.post(f"{server.base_url}/{path}", content=json.dumps(body).encode(), timeout=10,
+                          headers={"content-type": "application/json"})
+    check_answer(response)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -16,7 +16,7 @@ from lmserve.metrics.clock import now
 
 # Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers,
 # and the dashboard page and its static files load without it (the page then asks for the key).
-PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/")
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:

@@ -202,6 +202,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "tokenizer_kwargs",
 })
 
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs are variables for the model's template, never options of the templating itself
+    (a client-supplied template would run arbitrary loops in this process)."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return kwargs or {}
+
+
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -250,13 +259,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.to_template_dict() for m in self.messages]
 
     def template_kwargs(self) -> dict[str, Any]:
-        """chat_template_kwargs are variables for the model's template, never options of the templating itself
-        (a client-supplied template would run arbitrary loops in this process)."""
-        kwargs = self.chat_template_kwargs or {}
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-        if reserved:
-            raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-        return kwargs
+        return checked_template_kwargs(self.chat_template_kwargs)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -284,6 +287,39 @@ class ErrorInfo(OpenAIModel):
 
 class ErrorResponse(OpenAIModel):
     error: ErrorInfo
+
+
+class TokenizeRequest(OpenAIRequestModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIRequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
 
 
 class ModelCard(OpenAIModel):

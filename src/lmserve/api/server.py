@@ -20,7 +20,14 @@ from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
 from lmserve.api.errors import ErrorMappingRoute, exception_to_response
 from lmserve.api.middleware import ApiKeyMiddleware, ArrivalStampMiddleware
-from lmserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from lmserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from lmserve.api.serving import OpenAIServing
 from lmserve.api.sse import json_response
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -57,6 +64,20 @@ async def completions(raw: Request) -> Response:
 async def chat_completions(raw: Request) -> Response:
     req = await parse_body(raw, ChatCompletionRequest, raw.app.state.max_request_body_bytes)
     return await _serving(raw).create_chat_completion(req, raw)
+
+
+@plain.post("/tokenize")
+async def tokenize(raw: Request) -> Response:
+    require_engine_ready(raw)
+    req = await parse_body(raw, TokenizeRequest, raw.app.state.max_request_body_bytes)
+    return json_response(_serving(raw).tokenize(req))
+
+
+@plain.post("/detokenize")
+async def detokenize(raw: Request) -> Response:
+    require_engine_ready(raw)
+    req = await parse_body(raw, DetokenizeRequest, raw.app.state.max_request_body_bytes)
+    return json_response(_serving(raw).detokenize(req))
 
 
 @v1.get("/models")

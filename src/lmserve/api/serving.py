@@ -22,8 +22,13 @@ from lmserve.api.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Prompt,
     RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
+    checked_template_kwargs,
 )
 from lmserve.api.sse import (
     SSE_DONE,
@@ -146,6 +151,28 @@ class OpenAIServing:
         choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token)
         return await self._serve(req, raw, group, choices, response_id, CompletionResponse, CompletionStreamResponse,
                                  prelude=())
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        try:
+            if req.messages is not None:
+                kwargs = checked_template_kwargs(req.chat_template_kwargs)
+                messages = [m.to_template_dict() for m in req.messages]
+                tokens = self.client.render_chat(messages, req.add_generation_prompt is not False, kwargs)
+            else:
+                tokens = self.client.tokenize(req.prompt or "", req.add_special_tokens is not False)
+        except RequestError:
+            raise
+        except ValueError as exc:
+            raise RequestError.from_value_error(exc) from exc
+        return TokenizeResponse(count=len(tokens), max_model_len=self.client.max_model_len, tokens=tokens)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        try:
+            return DetokenizeResponse(prompt=self.client.detokenize(req.tokens))
+        except ValueError as exc:
+            raise RequestError(str(exc), "tokens") from exc
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)

@@ -143,6 +143,16 @@ class AsyncLLM:
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens).token_ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        inputs = self._inputs()
+        bad = next((t for t in token_ids if not 0 <= t < inputs.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {inputs.vocab_size})")
+        return self.tokenizer.decode(token_ids)
+
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0,
         arrival_time: float | None = None, final_only: bool = False,

@@ -43,6 +43,14 @@ class EngineClient(Protocol):
         """The text of one token on its own (for logprobs)."""
         ...
 
+    def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        """The prompt's token ids, checked as generate would (ValueError: too long, not valid text)."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of the token ids (ValueError: an id outside the vocabulary)."""
+        ...
+
     async def get_stats(self, request_ids: list[str] | None = None) -> dict[str, Any]:
         """Engine gauges and counters: num_requests_running, num_requests_waiting, kv_blocks_used, kv_blocks_free,
         kv_blocks_total, kv_cache_usage_perc, prefix_cache_queries, prefix_cache_hits, num_preemptions, ..."""
