@@ -83,7 +83,7 @@ class FakeEngine:
     # --------------------------------------------------------------------------- engine side
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-        arrival_time: float | None = None, final_only: bool = False,
+        arrival_time: float | None = None, final_only: bool = False, cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         deltas = self._deltas(prompt, params, request_id, arrival_time)
         if not final_only:

@@ -236,6 +236,7 @@ SAMPLING_FIELDS = {
     "priority": _field(st.just(0), st.integers(-2, 2)),
     "user": _field(PLAIN, TEXT),
     "return_timeline": _field(st.booleans()),
+    "cache_salt": _field(PLAIN, TEXT),
 }
 COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
@@ -344,3 +345,27 @@ def test_bad_tokenize_requests_are_400(server: Server, path: str, body: dict, pa
                           headers={"content-type": "application/json"})
     check_answer(response)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+# ------------------------------------------------------------------------------------------------ cache_salt
+
+
+def test_cache_salt_separates_tenants_prefix_caches(server: Server, http: httpx.Client) -> None:
+    prompt = list(range(1000, 1064))  # four full blocks of 16
+
+    def hits_after(salt: str | None) -> int:
+        before = httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()["prefix_cache_hits"]
+        body = {"prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})}
+        assert post(http, "completions", body).status_code == 200
+        return httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()["prefix_cache_hits"] - before
+
+    assert hits_after("tenant-a") == 0
+    assert hits_after("tenant-b") == 0  # the same prompt under another salt shares no block
+    assert hits_after(None) == 0  # nor without one
+    assert hits_after("tenant-a") == 48  # the same salt does: every full block but the last position's
+    assert hits_after(None) == 48
+
+
+@pytest.mark.parametrize("salt", ["", "s" * 257, 5])
+def test_bad_cache_salt_is_a_400(http: httpx.Client, salt: object) -> None:
+    assert_refused(post(http, "completions", {**COMPLETION, "cache_salt": salt}), 400, "cache_salt")

@@ -28,6 +28,8 @@ MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Engine requests one HTTP request may start (prompts × n): each costs a detokenizer, a queue entry and KV.
 MAX_CHOICES_PER_REQUEST = 1024
+# vLLM's cache_salt: a tenant's secret that keys its prefix-cache blocks; it lives with every cached block.
+MAX_CACHE_SALT_CHARS = 256
 # A priority travels to the engine as a 64-bit integer.
 PRIORITY_RANGE = (-(2**63), 2**63 - 1)
 
@@ -98,6 +100,7 @@ class _SamplingRequest(OpenAIRequestModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # lmserve's: put the request's timeline (lmserve.metrics.stats) in the final response or the last SSE chunk.
     return_timeline: bool | None = None
 

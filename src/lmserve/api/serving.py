@@ -64,12 +64,12 @@ class OpenAIServing:
         self.num_requests_aborted += 1
 
     def _group(
-        self, prompts: Sequence[Prompt], params: SamplingParams, request_ids: Sequence[str], priority: int,
-        raw: Request, stream: bool,
+        self, req: CompletionRequest | ChatCompletionRequest, prompts: Sequence[Prompt], params: SamplingParams,
+        request_ids: Sequence[str], raw: Request,
     ) -> RequestGroup:
         # A whole response takes each output whole from the front-end, which alone accumulates the text.
-        return RequestGroup(self.client, prompts, params, request_ids, priority, self._count_abort,
-                            arrival_time(raw), self.recorder, final_only=not stream)
+        return RequestGroup(self.client, prompts, params, request_ids, req.check_priority(), self._count_abort,
+                            arrival_time(raw), self.recorder, final_only=not req.stream, cache_salt=req.cache_salt)
 
     async def _start(self, group: RequestGroup) -> None:
         try:
@@ -147,7 +147,7 @@ class OpenAIServing:
         params = req.to_sampling_params()
         response_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        group = self._group(prompts, params, request_ids, req.check_priority(), raw, bool(req.stream))
+        group = self._group(req, prompts, params, request_ids, raw)
         choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token)
         return await self._serve(req, raw, group, choices, response_id, CompletionResponse, CompletionStreamResponse,
                                  prelude=())
@@ -184,7 +184,7 @@ class OpenAIServing:
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = self._group([prompt_token_ids], params, [response_id], req.check_priority(), raw, bool(req.stream))
+        group = self._group(req, [prompt_token_ids], params, [response_id], raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         choices = ChatChoices(req.num_choices, num_top, self.client.decode_token)
         # OpenAI's first chunk of each choice carries the role.

@@ -19,6 +19,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     parent_id: str | None = None  # for a child of an n>1 request
     index: int = 0
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -155,10 +155,11 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0,
-        arrival_time: float | None = None, final_only: bool = False,
+        arrival_time: float | None = None, final_only: bool = False, cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields delta outputs until the request finishes (with `final_only`, the whole output once, at the end).
-        Closing the iterator early aborts the request.
+        Closing the iterator early aborts the request. Requests hit each other's cached prefix blocks only when
+        their `cache_salt` is the same (None included).
 
         `arrival_time` (a lmserve.metrics.clock stamp) is when the request reached the caller; default: now.
         """
@@ -169,7 +170,8 @@ class AsyncLLM:
         inputs.check_params(params, priority)  # before the tokenizer spends anything on the prompt
         self._check_queue_room(params.n)
         processed = inputs.tokenize(prompt)
-        requests = [inputs.make_request(request_id, processed, p, priority, arrival) for p in child_params(params)]
+        requests = [inputs.make_request(request_id, processed, p, priority, arrival, cache_salt)
+                    for p in child_params(params)]
         child_ids = self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, [r.sampling_params for r in requests]
         )
@@ -181,7 +183,7 @@ class AsyncLLM:
             for index, (child_id, request) in enumerate(zip(child_ids, requests, strict=True)):
                 self.queued.add(child_id)
                 self._send(AddRequest(child_id, request.prompt_token_ids, request.sampling_params,
-                                      request.eos_token_ids, priority, arrival, parent_id, index))
+                                      request.eos_token_ids, priority, arrival, parent_id, index, cache_salt))
             while not finished:
                 out = await stream.get()
                 finished = out.finished

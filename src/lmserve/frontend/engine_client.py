@@ -21,7 +21,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
-        arrival_time: float | None = None, final_only: bool = False,
+        arrival_time: float | None = None, final_only: bool = False, cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields delta RequestOutputs: only the children that changed, with text, token ids and logprobs new since
         the previous yield; the last one has finished=True. With `final_only`, yields once: the whole output, when

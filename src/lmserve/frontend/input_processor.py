@@ -134,7 +134,7 @@ class InputProcessor:
 
     def make_request(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int = 0,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, cache_salt: str | None = None,
     ) -> Request:
         self.check_params(params, priority)
         params = self.check_length(len(prompt.token_ids), params)
@@ -144,6 +144,7 @@ class InputProcessor:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            cache_salt=cache_salt,
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time

@@ -38,9 +38,12 @@ class RequestGroup:
         arrival: float,
         recorder: StatsRecorder,
         final_only: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
-        """`final_only`: each engine request yields its whole output once, when it ends (non-streamed responses)."""
+        """`final_only`: each engine request yields its whole output once, when it ends (non-streamed responses).
+        `cache_salt`: the tenant's salt for prefix-cache blocks (vLLM's request field)."""
         self.final_only = final_only
+        self.cache_salt = cache_salt
         self.client = client
         self.prompts = list(prompts)
         self.params = params
@@ -62,7 +65,7 @@ class RequestGroup:
         """Waits for each request's first output, so bad input fails before the HTTP response has started."""
         self._streams = [
             self.client.generate(prompt, self.params, request_id, self.priority, arrival_time=self.arrival,
-                                 final_only=self.final_only)
+                                 final_only=self.final_only, cache_salt=self.cache_salt)
             for prompt, request_id in zip(self.prompts, self.request_ids, strict=True)
         ]
         if len(self._streams) == 1:
