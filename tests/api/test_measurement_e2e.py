@@ -21,7 +21,9 @@ ORDERED = ("arrival", "input_processed", "queued", "scheduled", "first_token", "
 HISTOGRAMS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-    "request_decode_time_seconds", "request_input_processing_seconds", "iteration_tokens", "engine_step_seconds",
+    "request_decode_time_seconds", "request_input_processing_seconds", "iteration_tokens_total", "engine_step_seconds",
+    "request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+    "request_inference_time_seconds",
 )
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",

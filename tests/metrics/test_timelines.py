@@ -112,5 +112,29 @@ def test_prometheus_observes_requests_and_steps() -> None:
     assert samples[("lmserve:inter_token_latency_seconds_sum", None)] == pytest.approx(0.35)
     assert samples[("lmserve:request_time_per_output_token_seconds_sum", None)] == pytest.approx(0.175)
     assert samples[("lmserve:time_to_first_token_seconds_count", None)] == 1  # the aborted child had none
-    assert samples[("lmserve:iteration_tokens_sum", None)] == 32
+    assert samples[("lmserve:iteration_tokens_total_sum", None)] == 32
     assert samples[("lmserve:engine_step_seconds_sum", None)] == pytest.approx(0.25)
+
+
+def test_request_size_histograms_count_each_request_once() -> None:
+    """vLLM's request_prompt_tokens, request_generation_tokens, request_params_n, request_params_max_tokens and
+    request_inference_time_seconds: an n=2 request is one observation of its prompt, n and max_tokens."""
+    metrics = PrometheusMetrics("m")
+    first = RequestTimeline("r-0", "r", arrival=0.0, scheduled=0.1, finished=0.6, num_prompt_tokens=7,
+                            num_output_tokens=3, n=2, max_tokens=16)
+    second = RequestTimeline("r-1", "r", arrival=0.0, scheduled=0.2, finished=0.4, num_prompt_tokens=7,
+                             num_output_tokens=5, counts_prompt=False, n=2, max_tokens=16)
+    metrics.observe_request(first)
+    metrics.observe_request(second)
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+        if "le" not in s.labels
+    }
+    assert samples["lmserve:request_prompt_tokens_count"] == 1 and samples["lmserve:request_prompt_tokens_sum"] == 7
+    assert samples["lmserve:request_params_n_sum"] == 2 and samples["lmserve:request_params_n_count"] == 1
+    assert samples["lmserve:request_params_max_tokens_sum"] == 16
+    assert samples["lmserve:request_generation_tokens_sum"] == 8
+    assert samples["lmserve:request_generation_tokens_count"] == 2
+    assert samples["lmserve:request_inference_time_seconds_sum"] == pytest.approx(0.7)

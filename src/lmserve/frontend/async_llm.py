@@ -175,7 +175,8 @@ class AsyncLLM:
         child_ids = self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, [r.sampling_params for r in requests]
         )
-        self.timelines.add(request_id, child_ids, arrival, now(), len(processed.token_ids))
+        self.timelines.add(request_id, child_ids, arrival, now(), len(processed.token_ids),
+                           requests[0].sampling_params.max_tokens)
         stream = self.streams[request_id] = RequestStream()
         finished = False
         try:

@@ -23,11 +23,12 @@ class TimelineTracker:
         self.by_child: dict[str, RequestTimeline] = {}  # in-flight engine requests only
 
     def add(
-        self, parent_id: str, child_ids: list[str], arrival: float, input_processed: float, num_prompt_tokens: int
+        self, parent_id: str, child_ids: list[str], arrival: float, input_processed: float, num_prompt_tokens: int,
+        max_tokens: int | None = None,
     ) -> None:
         timelines = [
             RequestTimeline(child_id, parent_id, arrival, input_processed, num_prompt_tokens=num_prompt_tokens,
-                            counts_prompt=index == 0)
+                            counts_prompt=index == 0, n=len(child_ids), max_tokens=max_tokens)
             for index, child_id in enumerate(child_ids)
         ]
         self.by_parent[parent_id] = timelines

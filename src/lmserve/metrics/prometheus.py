@@ -40,6 +40,8 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 INPUT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's 1-2-5 series for request sizes (tokens, n, max_tokens), up to 1e6.
+SIZE_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 
 class EngineStatsCollector:
@@ -105,25 +107,41 @@ class PrometheusMetrics:
                                 "First token to last token sampled.", REQUEST_BUCKETS)
         self.input_processing = histogram("request_input_processing_seconds",
                                           "Arrival at the API to templated and tokenized.", INPUT_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens",
+        self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Positions computed per engine step (prefill and decode).",
                                           ITERATION_TOKEN_BUCKETS)
         self.step_time = histogram("engine_step_seconds", "Duration of one engine step (schedule, forward, update).",
                                    STEP_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               SIZE_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens generated for each finished request.", SIZE_BUCKETS)
+        self.request_params_n = histogram("request_params_n", "The n of each finished request.", SIZE_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "The max_tokens of each finished request.", SIZE_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "First scheduled to finished: the time a request spent being computed.",
+                                        REQUEST_BUCKETS)
 
     def observe_step(self, step: StepRecord) -> None:
         self.iteration_tokens.observe(step.num_positions)
         self.step_time.observe(step.duration_s)
 
     def observe_request(self, timeline: RequestTimeline) -> None:
-        if timeline.counts_prompt:
+        if timeline.counts_prompt:  # once per request, not once per choice
             self.prompt_tokens.inc(timeline.num_prompt_tokens)
+            self.request_prompt_tokens.observe(timeline.num_prompt_tokens)
+            self.request_params_n.observe(timeline.n)
+            if timeline.max_tokens is not None:
+                self.request_params_max_tokens.observe(timeline.max_tokens)
         self.generation_tokens.inc(timeline.num_output_tokens)
+        self.request_generation_tokens.observe(timeline.num_output_tokens)
         self._success.labels(self._model_name, timeline.finish_reason or "unknown").inc()
         for histogram, value in (
             (self.ttft, timeline.ttft), (self.tpot, timeline.tpot), (self.e2e, timeline.e2e_latency),
             (self.queue, timeline.queue_time), (self.prefill, timeline.prefill_time),
             (self.decode, timeline.decode_time), (self.input_processing, timeline.input_processing_time),
+            (self.inference_time, timeline.inference_time),
         ):
             if value is not None:
                 histogram.observe(value)

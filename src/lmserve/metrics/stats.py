@@ -57,6 +57,8 @@ class RequestTimeline:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     counts_prompt: bool = True  # False for the 2nd..nth choice of a prompt: its prompt is counted once
+    n: int = 1  # the request's sampling parameters, for the request-size histograms
+    max_tokens: int | None = None
 
     # ---- derived intervals (seconds; None when a stamp is missing) --------------------------------------------
     @staticmethod
@@ -66,6 +68,10 @@ class RequestTimeline:
     @property
     def input_processing_time(self) -> float | None:
         return self._between(self.arrival, self.input_processed)
+
+    @property
+    def inference_time(self) -> float | None:
+        return self._between(self.scheduled, self.finished)
 
     @property
     def queue_time(self) -> float | None:
