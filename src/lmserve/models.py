@@ -104,6 +104,21 @@ def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
     return _gguf_config(source.path)
 
 
+def model_eos_token_ids(source: ModelSource, config: transformers.PretrainedConfig) -> list[int]:
+    """Every EOS id the model names: its config's and its generation_config.json's (an int or a list in each; Llama 3
+    Instruct ends turns with an id that only generation_config.json lists)."""
+    ids: list[int] = []
+    values = [getattr(config, "eos_token_id", None)]
+    generation_config = source.path / "generation_config.json" if source.kind == "hf" else None
+    if generation_config is not None and generation_config.is_file():
+        values.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in values:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids
+
+
 def _gguf_config(path: Path) -> transformers.PretrainedConfig:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 

@@ -36,6 +36,17 @@ def test_every_eos_id_of_the_model_config_reaches_the_requests(tmp_path: Path, t
     assert out.outputs[0].token_ids == [17] and out.outputs[0].finish_reason == "stop"
 
 
+def test_a_second_eos_id_in_generation_config_ends_a_request(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "generation-eos")
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], 23]
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    llm = LLM(model=str(model), dtype="float32", num_blocks=16)
+    assert 23 in llm.engine.eos_token_ids and 23 in llm.input_processor.eos_token_ids
+    (out,) = llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={23: 100.0}))
+    assert out.outputs[0].token_ids == [23] and out.outputs[0].finish_reason == "stop"
+
+
 def test_children_carry_their_parent_id_and_index(tiny_llama_dir: Path) -> None:
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_blocks=16)
     added: list[Request] = []

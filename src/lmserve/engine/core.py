@@ -15,6 +15,7 @@ from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, StepRecord
+from lmserve.models import model_eos_token_ids, resolve_model
 from lmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -27,9 +28,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config.model, config.cache, config.placement)
-        eos = getattr(self.runner.hf_config, "eos_token_id", None)
-        # All of the model config's EOS ids (a list in Llama 3 and others); requests carry their own.
-        self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        # All of the model's EOS ids (config and generation_config.json); requests carry their own copy.
+        self.eos_token_ids = model_eos_token_ids(resolve_model(config.model.model), self.runner.hf_config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len)
         self.last_step: StepRecord | None = None
         self.num_steps = 0
