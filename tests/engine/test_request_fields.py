@@ -23,28 +23,27 @@ def test_any_of_a_requests_eos_ids_ends_it() -> None:
     assert outputs[0].finish_reason == "stop" and request.output_token_ids == [4, 7]
 
 
-def test_every_eos_id_of_the_model_config_reaches_the_requests(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    model = shutil.copytree(tiny_llama_dir, tmp_path / "two-eos")
-    config = json.loads((model / "config.json").read_text())
-    config["eos_token_id"] = [config["eos_token_id"], 17]
-    (model / "config.json").write_text(json.dumps(config))
+def assert_second_eos_id_ends_requests(tmp_path: Path, tiny_llama_dir: Path, file: str, second: int) -> None:
+    """Lists a second EOS id in one of the model's files; the engine, the front-end and a request honour it."""
+    model = shutil.copytree(tiny_llama_dir, tmp_path / file.removesuffix(".json"))
+    settings = json.loads((model / file).read_text())
+    first = settings["eos_token_id"]
+    settings["eos_token_id"] = [first, second]
+    (model / file).write_text(json.dumps(settings))
     llm = LLM(model=str(model), dtype="float32", num_blocks=16)
-    assert 17 in llm.engine.eos_token_ids
-    assert 17 in llm.input_processor.eos_token_ids and config["eos_token_id"][0] in llm.input_processor.eos_token_ids
+    assert second in llm.engine.eos_token_ids
+    assert {first, second} <= set(llm.input_processor.eos_token_ids)
     # Whichever EOS id a request samples ends it: bias the second one to be certain to come first.
-    (out,) = llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={17: 100.0}))
-    assert out.outputs[0].token_ids == [17] and out.outputs[0].finish_reason == "stop"
+    (out,) = llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={second: 100.0}))
+    assert out.outputs[0].token_ids == [second] and out.outputs[0].finish_reason == "stop"
+
+
+def test_every_eos_id_of_the_model_config_reaches_the_requests(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    assert_second_eos_id_ends_requests(tmp_path, tiny_llama_dir, "config.json", 17)
 
 
 def test_a_second_eos_id_in_generation_config_ends_a_request(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    model = shutil.copytree(tiny_llama_dir, tmp_path / "generation-eos")
-    generation = json.loads((model / "generation_config.json").read_text())
-    generation["eos_token_id"] = [generation["eos_token_id"], 23]
-    (model / "generation_config.json").write_text(json.dumps(generation))
-    llm = LLM(model=str(model), dtype="float32", num_blocks=16)
-    assert 23 in llm.engine.eos_token_ids and 23 in llm.input_processor.eos_token_ids
-    (out,) = llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, logit_bias={23: 100.0}))
-    assert out.outputs[0].token_ids == [23] and out.outputs[0].finish_reason == "stop"
+    assert_second_eos_id_ends_requests(tmp_path, tiny_llama_dir, "generation_config.json", 23)
 
 
 def test_children_carry_their_parent_id_and_index(tiny_llama_dir: Path) -> None:
