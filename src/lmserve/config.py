@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,11 +62,38 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+def parse_json_object(value: Any) -> dict[str, Any] | None:
+    """A JSON object given as text (a flag) or as a dict (a keyword)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {value!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")  # noqa: TRY004 - a bad flag value
+    return parsed
+
+
+# vLLM's other names for dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 @dataclass
 class ModelConfig:
     model: str = setting(DEFAULT_MODEL, "registered name, HF directory or GGUF file")
-    dtype: str = setting("auto", "auto: float32 on CPU, bfloat16 on CUDA",
-                         choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = setting("auto", "auto: float32 on CPU, bfloat16 on CUDA; half and float as vLLM",
+                         choices=("auto", "float32", "bfloat16", "float16", "half", "float"))
+    tokenizer: str | None = setting(None, "the tokenizer's model (registered name, HF directory or GGUF file); "
+                                          "default: the model's own")
+    chat_template: str | None = setting(None, "a Jinja chat template, or a file holding one, instead of the "
+                                              "tokenizer's (e.g. one with tool support)")
+    generation_config: str = setting(
+        "auto", "default sampling of requests that do not set it: auto: the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); vllm: none (SamplingParams' own); "
+        "or a directory holding a generation_config.json")
+    override_generation_config: dict[str, Any] | None = setting(  # noqa: RUF009 - a dataclasses.field
+        None, 'JSON object over the default sampling, e.g. \'{"temperature": 0.5}\'', parse=parse_json_object)
     quantization: str = setting(
         "auto", "weights in fewer bytes, float32 arithmetic (CPU, float32 only): fp16, or llama.cpp's q8_0 / q4_1 "
         "blocks; auto: the GGUF's own block format where it is one of those, else fp16",
@@ -79,6 +107,9 @@ class ModelConfig:
     device: str = setting("auto", "auto | cpu | cuda")
     max_model_len: int | None = setting(None, "context length (default: the model's own)")
     seed: int = setting(0, "seed of the model's random state")
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
 @dataclass

@@ -42,3 +42,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[Logprobs | None] | None = None

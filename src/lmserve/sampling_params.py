@@ -49,6 +49,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token plus the top k
+    # vLLM's: None, or k: each prompt token's logprob (given the tokens before it) plus the top k at its position.
+    # The request then skips the prefix cache, since a cached position is never computed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class SamplingParams:
             check_int("seed", *SEED_RANGE)
         if self.logprobs is not None:
             check_int("logprobs", 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", 0, MAX_LOGPROBS)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")

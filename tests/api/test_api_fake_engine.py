@@ -53,6 +53,7 @@ class FakeEngine:
         self.closed_early: set[str] = set()  # generator closed before its last output
         self.aborted: set[str] = set()
         self.on_step = None
+        self.default_sampling: dict[str, Any] = {}
         self.timelines: dict[str, list[RequestTimeline]] = {}
 
     # --------------------------------------------------------------------------- tokenizer side

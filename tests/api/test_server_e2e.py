@@ -245,3 +245,85 @@ def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
         assert srv.process.wait(20) != 0
     finally:
         srv.stop(signal.SIGKILL)
+
+
+MODEL = "smollm2-135m-instruct"
+
+
+def offline_prompt_logprobs(offline: LLM, token_ids: list[int], k: int = 1) -> list:
+    (out,) = offline.generate(token_ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k))
+    return out.prompt_logprobs
+
+
+def test_lm_eval_loglikelihood_request_scores_the_continuation(client: openai.OpenAI, offline: LLM) -> None:
+    # lm-eval's local-completions loglikelihood: context + continuation as token ids, echo, one token, logprobs 1;
+    # it sums token_logprobs[len(context):-1] and checks each is the top token (is_greedy).
+    context = offline.tokenizer.encode("The capital of France is")
+    continuation = offline.tokenizer.encode(" Paris")
+    tokens = context + continuation
+    done = client.completions.create(model=MODEL, prompt=tokens, max_tokens=1, echo=True, logprobs=1,
+                                     temperature=0, seed=1234)
+    logprobs = done.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(tokens) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scored = logprobs.token_logprobs[len(context):-1]
+    expected = [e.logprob for e in offline_prompt_logprobs(offline, tokens)[len(context):]]
+    assert scored == pytest.approx(expected, abs=1e-3)
+    assert sum(scored) < 0
+    # " Paris" is the model's greedy continuation: lm-eval's is_greedy holds.
+    for token, top in zip(logprobs.tokens[len(context):-1], logprobs.top_logprobs[len(context):-1], strict=True):
+        assert max(top, key=top.get) == token
+    assert done.choices[0].text.startswith("The capital of France is Paris")
+
+    streamed = client.completions.create(model=MODEL, prompt=tokens, max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0, seed=1234, stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == logprobs.token_logprobs
+    assert "".join(c.text for c in chunks) == done.choices[0].text
+
+
+def test_echo_with_max_tokens_zero_returns_the_scored_prompt_only(client: openai.OpenAI, offline: LLM) -> None:
+    prompt = "Paris is the capital of"
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                             stream=stream, stream_options={"include_usage": True} if stream else None)
+        if stream:
+            chunks = list(response)
+            choices = [c.choices[0] for c in chunks if c.choices]
+            text = "".join(c.text for c in choices)
+            token_logprobs = [lp for c in choices for lp in (c.logprobs.token_logprobs if c.logprobs else [])]
+            usage, finish = chunks[-1].usage, choices[-1].finish_reason
+        else:
+            choice = response.choices[0]
+            text, token_logprobs = choice.text, choice.logprobs.token_logprobs
+            usage, finish = response.usage, choice.finish_reason
+        assert text == prompt
+        assert usage.completion_tokens == 0 and finish == "length"
+        expected = offline_prompt_logprobs(offline, offline.tokenizer.encode(prompt))
+        assert token_logprobs[0] is None
+        assert token_logprobs[1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-3)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def test_vllm_prompt_logprobs_field_on_both_endpoints(client: openai.OpenAI, offline: LLM) -> None:
+    done = client.completions.create(model=MODEL, prompt="One, two, three", max_tokens=2,
+                                     extra_body={"prompt_logprobs": 3})
+    tokens = offline.tokenizer.encode("One, two, three")
+    expected = offline_prompt_logprobs(offline, tokens, 3)
+    served = done.choices[0].model_extra["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(tokens)
+    for token_id, entry, reference in zip(tokens[1:], served[1:], expected[1:], strict=True):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(reference.logprob, abs=1e-3)
+        assert entry[str(token_id)]["rank"] == reference.rank
+        assert 3 <= len(entry) <= 4 and all(v["decoded_token"] is not None for v in entry.values())
+    plain = client.completions.create(model=MODEL, prompt="One, two, three", max_tokens=2)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    served = chat.model_extra["prompt_logprobs"]
+    assert served[0] is None and len(served) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in served[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"prompt_logprobs": 21})

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lmserve.api.protocol import (
@@ -13,11 +13,15 @@ from lmserve.api.protocol import (
     ChatMessageOut,
     CompletionChoice,
     CompletionLogprobs,
+    DecodeToken,
     DeltaMessage,
     Prompt,
+    PromptLogprobs,
     UsageInfo,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_out,
 )
 from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
 
@@ -33,21 +37,28 @@ class ChoiceState:
     stop_reason: int | str | None = None
     prefix_len: int = 0  # characters of echoed prompt before the generated text
     num_chars: int = 0  # where the next token starts in the choice's text, for completions' text_offset
+    prompt_logprobs_sent: bool = False  # a stream sends the echoed prompt's logprobs once, with its text
 
 
 class Choices:
     """Folds delta outputs of every engine request into choices, indexed prompt_index * n + child index."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, num_prompt_logprobs: int | None = None, decode_token: DecodeToken = str) -> None:
         self.n = n
+        self.num_prompt_logprobs = num_prompt_logprobs  # the request's prompt_logprobs field
+        self.decode_token = decode_token
         self.states: dict[int, ChoiceState] = {}
         self.prompt_tokens: dict[int, int] = {}
+        # Per prompt, once the engine scored it: the prompt's token ids and their logprobs (first None).
+        self.scored_prompts: dict[int, tuple[list[int], list[Logprobs | None]]] = {}
 
     def update(
         self, prompt_index: int, out: RequestOutput
     ) -> Iterator[tuple[int, ChoiceState, str, CompletionOutput]]:
         """Yields (choice index, state before this delta, new text, delta), then folds the delta in."""
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:
+            self.scored_prompts[prompt_index] = (out.prompt_token_ids, out.prompt_logprobs)
         for child in out.outputs:
             index = prompt_index * self.n + child.index
             state = self.states.get(index)
@@ -79,6 +90,16 @@ class Choices:
         """The response's choices once every delta is folded in."""
         raise NotImplementedError
 
+    def prompt_logprobs(self, prompt_index: int) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of one prompt, when the request asked for them."""
+        if self.num_prompt_logprobs is None or prompt_index not in self.scored_prompts:
+            return None
+        return prompt_logprobs_out(self.scored_prompts[prompt_index][1], self.decode_token, self.num_prompt_logprobs)
+
+    def response_fields(self) -> dict[str, Any]:
+        """Fields of the whole (non-streamed) response beyond id, model, choices and usage."""
+        return {}
+
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(s.num_tokens for s in self.states.values())
@@ -94,16 +115,33 @@ def _worth_sending(text: str, child: CompletionOutput) -> bool:
     return bool(text or child.finish_reason or child.logprobs)
 
 
+def _without_generation(out: RequestOutput) -> RequestOutput:
+    """The output as if nothing had been generated (echo with max_tokens 0 runs one step and drops its token)."""
+    children = [
+        CompletionOutput(
+            index=c.index, logprobs=[] if c.logprobs is not None else None,
+            finish_reason="length" if c.finish_reason else None,
+        )
+        for c in out.outputs
+    ]
+    return replace(out, outputs=children)
+
+
 class CompletionChoices(Choices):
     def __init__(
         self, n: int, prompts: Sequence[Prompt], echo: bool, num_logprobs: int | None,
-        decode_token: Callable[[int], str],
+        decode_token: DecodeToken, num_prompt_logprobs: int | None = None, echo_only: bool = False,
     ) -> None:
-        super().__init__(n)
+        super().__init__(n, num_prompt_logprobs, decode_token)
         self.prompts = prompts
         self.echo = echo
+        self.echo_only = echo_only
         self.num_logprobs = num_logprobs
-        self.decode_token = decode_token
+
+    def update(
+        self, prompt_index: int, out: RequestOutput
+    ) -> Iterator[tuple[int, ChoiceState, str, CompletionOutput]]:
+        yield from super().update(prompt_index, _without_generation(out) if self.echo_only else out)
 
     def first_text(self, prompt_index: int, out: RequestOutput) -> str:
         if not self.echo:
@@ -119,12 +157,22 @@ class CompletionChoices(Choices):
             return None
         return completion_logprobs(entries, self.decode_token, self.num_logprobs, text_offset)
 
+    def _echo_logprobs(self, prompt_index: int) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs, which lead the choice's (lm-eval sums them to score a continuation)."""
+        if not self.echo or self.num_logprobs is None or prompt_index not in self.scored_prompts:
+            return None
+        token_ids, entries = self.scored_prompts[prompt_index]
+        return echo_logprobs(token_ids, entries, self.decode_token, self.num_logprobs)
+
     def stream_choices(self, prompt_index: int, out: RequestOutput) -> list[CompletionChoice]:
         choices = []
         for index, state, text, child in self.update(prompt_index, out):
             logprobs = self._logprobs(child.logprobs or [], state.num_chars)
             if logprobs is not None:
                 state.num_chars += sum(map(len, logprobs.tokens))
+                echoed = None if state.prompt_logprobs_sent else self._echo_logprobs(prompt_index)
+                state.prompt_logprobs_sent = True
+                logprobs = echoed + logprobs if echoed is not None else logprobs
             if _worth_sending(text, child):
                 choices.append(CompletionChoice(
                     index=index, text=text, logprobs=logprobs,
@@ -135,18 +183,28 @@ class CompletionChoices(Choices):
     def final_choices(self) -> list[CompletionChoice]:
         choices = []
         for index, state in self.sorted_states():
+            prompt_index = index // self.n
+            logprobs = self._logprobs(state.logprobs, state.prefix_len)
+            echoed = self._echo_logprobs(prompt_index)
             choices.append(CompletionChoice(
-                index=index, text=state.text, logprobs=self._logprobs(state.logprobs, state.prefix_len),
+                index=index, text=state.text,
+                logprobs=echoed + logprobs if echoed is not None and logprobs is not None else logprobs,
                 finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+                prompt_logprobs=self.prompt_logprobs(prompt_index),
             ))
         return choices
 
 
 class ChatChoices(Choices):
-    def __init__(self, n: int, num_top_logprobs: int | None, decode_token: Callable[[int], str]) -> None:
-        super().__init__(n)
+    def __init__(
+        self, n: int, num_top_logprobs: int | None, decode_token: DecodeToken, num_prompt_logprobs: int | None = None
+    ) -> None:
+        super().__init__(n, num_prompt_logprobs, decode_token)
         self.num_top_logprobs = num_top_logprobs
-        self.decode_token = decode_token
+
+    def response_fields(self) -> dict[str, Any]:
+        # vLLM puts a chat request's prompt logprobs on the response: its one prompt is every choice's.
+        return {"prompt_logprobs": self.prompt_logprobs(0)}
 
     def _logprobs(self, entries: Sequence[Logprobs]) -> ChatChoiceLogprobs | None:
         if self.num_top_logprobs is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -71,7 +71,7 @@ class StreamOptions(OpenAIRequestModel):
 _PASSTHROUGH_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens",
+    "skip_special_tokens", "prompt_logprobs",
 )
 
 
@@ -98,6 +98,7 @@ class _SamplingRequest(OpenAIRequestModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k at its position
     skip_special_tokens: bool | None = None
     priority: int | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -112,11 +113,17 @@ class _SamplingRequest(OpenAIRequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        kwargs: dict[str, Any] = {
-            name: value for name in _PASSTHROUGH_FIELDS if (value := getattr(self, name)) is not None
-        }
-        kwargs.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=self._token_logit_bias())
+    def _build_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None
+    ) -> SamplingParams:
+        """`defaults`: the model's default sampling (--generation-config), for the fields the request left unset.
+        A default max_tokens is applied by the front-end, which caps it by the room the prompt leaves (as vLLM)."""
+        kwargs: dict[str, Any] = dict(defaults or {})
+        uses_default_length = "max_tokens" in kwargs and not self.model_fields_set & {"max_tokens",
+                                                                                       "max_completion_tokens"}
+        kwargs["max_tokens"] = None if uses_default_length else max_tokens
+        kwargs.update({name: value for name in _PASSTHROUGH_FIELDS if (value := getattr(self, name)) is not None})
+        kwargs.update(logprobs=logprobs, logit_bias=self._token_logit_bias())
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
@@ -188,8 +195,17 @@ class CompletionRequest(_SamplingRequest):
             )
         return prompts
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._build_sampling_params(self.max_tokens, self.logprobs)
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (lm-eval's scoring)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        # As vLLM: echo with logprobs scores the prompt too; max_tokens 0 runs one step whose token is dropped.
+        params = self._build_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ContentPart(BaseModel):
@@ -264,12 +280,12 @@ class ChatCompletionRequest(_SamplingRequest):
     def template_kwargs(self) -> dict[str, Any]:
         return checked_template_kwargs(self.chat_template_kwargs)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._build_sampling_params(max_tokens, logprobs)
+        return self._build_sampling_params(max_tokens, logprobs, defaults)
 
 
 # ------------------------------------------------------------------------------------------------ responses
@@ -344,6 +360,25 @@ class CompletionLogprobs(OpenAIModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def __add__(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            text_offset=self.text_offset + other.text_offset,
+            token_logprobs=self.token_logprobs + other.token_logprobs,
+            tokens=self.tokens + other.tokens,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+        )
+
+
+class PromptLogprob(OpenAIModel):
+    """vLLM's Logprob, as its prompt_logprobs carry it: keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
 
 class CompletionChoice(OpenAIModel):
     index: int
@@ -351,6 +386,7 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended the choice
+    prompt_logprobs: PromptLogprobs | None = None  # with the prompt_logprobs field; left out when None
 
 
 class CompletionResponse(OpenAIModel):
@@ -408,6 +444,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     timelines: list[dict[str, Any]] | None = None  # with return_timeline; left out when None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the prompt_logprobs field; left out when None
 
 
 class DeltaMessage(OpenAIModel):
@@ -462,6 +499,44 @@ def completion_logprobs(
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(token)
+    return out
+
+
+def echo_logprobs(
+    prompt_token_ids: Sequence[int], entries: Sequence[Logprobs | None], decode_token: DecodeToken, num_top: int
+) -> CompletionLogprobs:
+    """The echoed prompt's part of a completion's logprobs: null for the first token, which nothing predicts."""
+    out = CompletionLogprobs()
+    text_offset = 0
+    for token_id, entry in zip(prompt_token_ids, entries, strict=True):
+        if entry is None:
+            token = decode_token(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        else:
+            out += completion_logprobs([entry], decode_token, num_top, text_offset)
+            text_offset += len(out.tokens[-1])
+    return out
+
+
+def prompt_logprobs_out(entries: Sequence[Logprobs | None], decode_token: DecodeToken, num_top: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, {token id: Logprob} for the prompt's token first, then the top k."""
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        by_id = {str(entry.token_id): PromptLogprob(
+            logprob=_finite(entry.logprob), rank=entry.rank, decoded_token=decode_token(entry.token_id)
+        )}
+        for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1):
+            by_id.setdefault(str(token_id), PromptLogprob(
+                logprob=_finite(logprob), rank=rank, decoded_token=decode_token(token_id)
+            ))
+        out.append(by_id)
     return out
 
 

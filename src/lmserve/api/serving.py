@@ -108,7 +108,7 @@ class OpenAIServing:
             choices.add(prompt_index, out)
         response = response_type(
             id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage(),
-            timelines=group.timeline_dicts() if return_timeline else None,
+            timelines=group.timeline_dicts() if return_timeline else None, **choices.response_fields(),
         )
         return RecordedJSONResponse(response, group)
 
@@ -144,11 +144,12 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         prompts = req.prompts()
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.client.default_sampling)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         group = self._group(req, prompts, params, request_ids, raw)
-        choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token)
+        choices = CompletionChoices(req.num_choices, prompts, bool(req.echo), req.logprobs, self.client.decode_token,
+                                    req.prompt_logprobs, req.echo_only)
         return await self._serve(req, raw, group, choices, response_id, CompletionResponse, CompletionStreamResponse,
                                  prelude=())
 
@@ -176,7 +177,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.client.default_sampling)
         messages, template_kwargs = req.template_messages(), req.template_kwargs()
         try:
             prompt_token_ids = self.client.render_chat(messages, req.add_generation_prompt is not False,
@@ -186,7 +187,7 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = self._group(req, [prompt_token_ids], params, [response_id], raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token)
+        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs)
         # OpenAI's first chunk of each choice carries the role.
         roles = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                  for i in range(choices.n)]

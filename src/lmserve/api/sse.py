@@ -26,11 +26,16 @@ T = TypeVar("T")
 # How often a non-streamed request checks whether its client is still there (uvicorn never cancels handlers).
 DISCONNECT_POLL_S = 0.2
 SSE_DONE = "data: [DONE]\n\n"
+_OPTIONAL_FIELDS = ("timelines", "prompt_logprobs")
 
 
 def dump_json(payload: BaseModel) -> str:
-    # `timelines` only appears when the client asked for it; other None fields are OpenAI's and stay.
-    return payload.model_dump_json(exclude={"timelines"} if getattr(payload, "timelines", None) is None else None)
+    # lmserve's and vLLM's extra fields only appear when the client asked for them; OpenAI's None fields stay.
+    exclude: dict[str, Any] = {name: True for name in _OPTIONAL_FIELDS if getattr(payload, name, None) is None}
+    choices = getattr(payload, "choices", None) or []
+    if all(getattr(c, "prompt_logprobs", None) is None for c in choices):
+        exclude["choices"] = {"__all__": {"prompt_logprobs"}}
+    return payload.model_dump_json(exclude=exclude or None)
 
 
 def sse(payload: BaseModel) -> str:

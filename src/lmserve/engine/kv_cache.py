@@ -202,7 +202,8 @@ class KVCacheManager:
         record_stats the lookup counts towards prefix_cache_queries/hits (in tokens); the scheduler passes False
         while a request waits for room and records once on admission, so a blocked request is not counted per step.
         """
-        if not self.enable_prefix_caching:
+        # A request that still needs prompt logprobs must compute every position (as vLLM): no hits for it.
+        if not self.enable_prefix_caching or request.num_prompt_logprobs_missing:
             return [], 0
         all_tokens = request.all_token_ids
         hashes = self._block_hashes(request, all_tokens)

@@ -22,6 +22,11 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: list[int] = field(default_factory=list)  # for min_tokens: EOS is held back until then
+    # Prompt logprobs to compute in this chunk: the chunk's rows from prompt_logprobs_row on score these prompt
+    # tokens (each row predicts the next position's token); the top num_prompt_logprobs come with each.
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    prompt_logprobs_row: int = 0
+    num_prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +52,8 @@ class ModelRunnerOutput:
     # Only requests whose ScheduledRequest.samples was True appear here.
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Per request that asked for them: the prompt logprobs its chunk scored, in prompt order.
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,3 +67,5 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Sent once, with the first generated token: the logprob of each prompt token after the first.
+    prompt_logprobs: list[Logprobs] | None = None

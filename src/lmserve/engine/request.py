@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
 
 
@@ -43,6 +44,14 @@ class Request:
     # For a child of an n>1 request: the parent's id (what clients know) and this child's index among its siblings.
     parent_id: str | None = None
     index: int = 0
+    # Scored prompt tokens (sampling_params.prompt_logprobs): entry i is token i + 1's, given tokens 0..i.
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        if self.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - len(self.prompt_logprobs))
 
     @property
     def all_token_ids(self) -> list[int]:

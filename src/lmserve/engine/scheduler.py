@@ -170,7 +170,7 @@ class Scheduler:
             token_ids = [request.token_at(start)]
         else:
             token_ids = request.token_slice(start, start + num_new_tokens)
-        return ScheduledRequest(
+        scheduled = ScheduledRequest(
             request_id=request.request_id,
             token_ids=token_ids,
             start_position=start,
@@ -181,6 +181,15 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
         )
+        if request.num_prompt_logprobs_missing:
+            # Position p's logits score prompt token p + 1; positions scored before a preemption are not redone.
+            first = max(start, len(request.prompt_logprobs))
+            end = min(start + num_new_tokens, request.num_prompt_tokens - 1)
+            if first < end:
+                scheduled.prompt_logprob_targets = request.prompt_token_ids[first + 1 : end + 1]
+                scheduled.prompt_logprobs_row = first - start
+                scheduled.num_prompt_logprobs = request.sampling_params.prompt_logprobs or 0
+        return scheduled
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest]) -> int:
         """Frees the victim's blocks and requeues it at the front; returns the budget it gives back."""
@@ -266,11 +275,12 @@ class Scheduler:
         token. Requests that ended while the step ran (aborts, stop strings) are skipped."""
         outputs = []
         for planned in scheduler_output.scheduled:
-            if not planned.samples:
-                continue
             request = self.requests.get(planned.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.prompt_logprobs.extend(runner_output.prompt_logprobs.get(planned.request_id, ()))
             token = runner_output.sampled_token_ids.get(planned.request_id)
-            if request is None or request.status != RequestStatus.RUNNING or token is None:
+            if not planned.samples or token is None:
                 continue
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
@@ -278,7 +288,10 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             logprobs = runner_output.logprobs.get(planned.request_id)
-            outputs.append(self._output(request, [token], [logprobs] if logprobs is not None else None))
+            output = self._output(request, [token], [logprobs] if logprobs is not None else None)
+            if request.num_output_tokens == 1 and request.sampling_params.prompt_logprobs is not None:
+                output.prompt_logprobs = request.prompt_logprobs
+            outputs.append(output)
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

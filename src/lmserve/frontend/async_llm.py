@@ -30,9 +30,11 @@ from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.llm import child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
+from lmserve.frontend.tokenizer import load_frontend_tokenizer
+from lmserve.generation_config import default_sampling
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
-from lmserve.models import load_tokenizer, resolve_model
+from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -86,6 +88,8 @@ def merge_into(pending: RequestOutput, delta: RequestOutput) -> None:
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
     pending.finished = delta.finished
     pending.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        pending.prompt_logprobs = delta.prompt_logprobs
 
 
 class AsyncLLM:
@@ -100,7 +104,10 @@ class AsyncLLM:
         # Engine requests sent but not yet in any step: what --max-queued-requests counts.
         self.queued: set[str] = set()
         self.model_name = served_model_name or config.model.model
-        self.tokenizer = load_tokenizer(resolve_model(config.model.model))
+        self.tokenizer = load_frontend_tokenizer(config.model)
+        self.default_sampling = default_sampling(
+            resolve_model(config.model.model), config.model.generation_config, config.model.override_generation_config
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs the engine's max_model_len: set on Ready
         self.engine = EngineCoreClient(config, log_level)
@@ -284,6 +291,7 @@ class AsyncLLM:
                     self.tokenizer, message.max_model_len, message.vocab_size,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
                     scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=message.eos_token_ids,
+                    default_max_tokens=self.default_sampling.get("max_tokens"),
                 )
                 self.is_ready = True
                 self._ready.set()

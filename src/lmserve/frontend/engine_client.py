@@ -18,6 +18,8 @@ class EngineClient(Protocol):
     is_ready: bool  # engine process up and loaded
     errored: bool  # engine process died
     on_step: Callable[[StepRecord], None] | None  # set by the server: called with every engine step's record
+    # SamplingParams fields a request gets unless it sets them (--generation-config, --override-generation-config).
+    default_sampling: dict[str, Any]
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,

@@ -33,8 +33,12 @@ class InputProcessor:
     def __init__(
         self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int | None = None,
         scheduling_policy: str = "fcfs", model_eos_token_ids: list[int] | None = None,
+        default_max_tokens: int | None = None,
     ) -> None:
+        """`default_max_tokens`: the model's max_new_tokens (--generation-config), which caps what max_tokens=None
+        fills in."""
         self.tokenizer = tokenizer
+        self.default_max_tokens = default_max_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_n = max_num_seqs  # n above what the engine runs at once would only queue behind itself
@@ -106,12 +110,13 @@ class InputProcessor:
         return ProcessedPrompt(None, token_ids)
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
-        """Rejects prompts that cannot fit; fills in max_tokens=None as 'up to the context length'."""
+        """Rejects prompts that cannot fit; fills in max_tokens=None as 'up to the context length' (and the model's
+        default max_tokens, as vLLM: a default never makes a prompt too long)."""
         self._check_prompt_fits(num_prompt_tokens)
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
             params = copy.copy(params)
-            params.max_tokens = room
+            params.max_tokens = min(room, self.default_max_tokens or room)
             if params.min_tokens > room:
                 raise PromptTooLongError(
                     f"min_tokens={params.min_tokens} does not fit: {num_prompt_tokens} prompt tokens leave room for "

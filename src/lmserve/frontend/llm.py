@@ -11,7 +11,9 @@ from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
 from lmserve.frontend.input_processor import InputProcessor, Prompt
 from lmserve.frontend.output_processor import OutputProcessor
-from lmserve.models import load_tokenizer, resolve_model
+from lmserve.frontend.tokenizer import load_frontend_tokenizer
+from lmserve.generation_config import default_sampling
+from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SEED_RANGE, SamplingParams
 
@@ -36,7 +38,10 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         """Keyword arguments are those of lmserve.config.make_engine_config (dtype, max_model_len, num_blocks, ...)."""
         self.config = make_engine_config(model, **kwargs)
-        self.tokenizer = load_tokenizer(resolve_model(model))
+        self.tokenizer = load_frontend_tokenizer(self.config.model)
+        self.default_sampling = default_sampling(
+            resolve_model(model), self.config.model.generation_config, self.config.model.override_generation_config
+        )
         self.engine = EngineCore(self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
@@ -87,15 +92,19 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields text deltas of one request as the engine produces them."""
-        request_id = self._add(prompt, sampling_params or SamplingParams(), 0)
+        request_id = self._add(prompt, sampling_params or self.get_default_sampling_params(), 0)
         while self.engine.has_unfinished_requests():
             processed = self._step()
             yield from (d for d in processed if d.request_id == request_id)
         self.output_processor.remove(request_id)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As vLLM's: SamplingParams with the model's generation_config.json defaults (--generation-config)."""
+        return SamplingParams(**self.default_sampling)
+
     def _per_prompt(self, params, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:

@@ -7,7 +7,7 @@ from typing import Any
 
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.frontend.detokenizer import IncrementalDetokenizer
-from lmserve.outputs import CompletionOutput, RequestOutput
+from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
 
@@ -28,6 +28,7 @@ class ParentState:
     prompt_token_ids: list[int]
     children: list[ChildState] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -41,6 +42,7 @@ class ParentState:
             outputs=[c.output for c in self.children],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -114,6 +116,9 @@ class OutputProcessor:
                     parent.request_id, parent.prompt, parent.prompt_token_ids, [],
                     num_cached_tokens=parent.num_cached_tokens,
                 )
+            if eo.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None, *eo.prompt_logprobs]
+                out.prompt_logprobs = parent.prompt_logprobs
             out.outputs.append(delta)
             out.finished = parent.finished
         return ProcessedOutputs(list(deltas.values()), to_abort)

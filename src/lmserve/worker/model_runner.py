@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memo
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.models import load_hf_config, resolve_model, stored_linear_format
+from lmserve.outputs import Logprobs
 from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
@@ -25,7 +26,7 @@ from lmserve.worker.loader import load_weights
 from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.quantization import check_quantization
-from lmserve.worker.sampler import Sampler, SamplingMetadata
+from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Measured on this machine (docs/benchmarks.md): float32 decodes faster for a small model at small batches.
 DEFAULT_CPU_DTYPE = "float32"
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
+# Prompt logprobs take a vocabulary-wide row of logits per prompt token: score them this many rows at a time.
+PROMPT_LOGPROB_ROWS_PER_SLICE = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -56,6 +59,17 @@ class BatchInputs:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]  # the requests that sample, in logits order
+    prompt_scoring: list[PromptScoring] = field(default_factory=list)
+
+
+@dataclass
+class PromptScoring:
+    """Rows of the batch whose logits score a request's prompt tokens (prompt_logprobs)."""
+
+    request_id: str
+    first_row: int
+    targets: list[int]  # the prompt tokens rows first_row, first_row + 1, ... predict
+    num_top: int
 
 
 class ModelRunner:
@@ -135,9 +149,14 @@ class ModelRunner:
         input_ids: list[int] = []
         logits_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        prompt_scoring: list[PromptScoring] = []
         row = 0
         for r in order:
             input_ids.extend(r.token_ids)
+            if r.prompt_logprob_targets:
+                prompt_scoring.append(PromptScoring(
+                    r.request_id, row + r.prompt_logprobs_row, r.prompt_logprob_targets, r.num_prompt_logprobs
+                ))
             row += r.num_tokens
             if r.samples:
                 logits_rows.append(row - 1)
@@ -151,13 +170,30 @@ class ModelRunner:
             attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype),
             logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
             sampling=sampling,
+            prompt_scoring=prompt_scoring,
         )
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """One forward pass over the whole mixed batch; float32 logits for the sampling positions only."""
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(self._hidden_states(batch)[batch.logits_indices])
+
+    def _hidden_states(self, batch: BatchInputs) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+
+    def _score_prompts(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[Logprobs]]:
+        """Each scored prompt token's logprob in the raw model distribution (as vLLM), a slice of rows at a time so
+        a long chunk never holds more than PROMPT_LOGPROB_ROWS_PER_SLICE vocabulary-wide rows."""
+        scored: dict[str, list[Logprobs]] = {}
+        for s in batch.prompt_scoring:
+            entries = scored.setdefault(s.request_id, [])
+            for lo in range(0, len(s.targets), PROMPT_LOGPROB_ROWS_PER_SLICE):
+                targets = s.targets[lo : lo + PROMPT_LOGPROB_ROWS_PER_SLICE]
+                rows = hidden[s.first_row + lo : s.first_row + lo + len(targets)]
+                lp = self.model.compute_logits(rows).to(torch.float32).log_softmax(dim=-1)
+                tokens = torch.as_tensor(targets, dtype=torch.long, device=lp.device)
+                entries.extend(token_logprobs(lp, tokens, [s.num_top] * len(targets)))
+        return scored
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -167,9 +203,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.prepare_inputs(scheduler_output.scheduled)
-        logits = self.forward(batch)
+        hidden = self._hidden_states(batch)
+        prompt_logprobs = self._score_prompts(hidden, batch) if batch.prompt_scoring else {}
         if not batch.sampling:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in batch.sampling],
             prompt_token_ids=[r.prompt_token_ids for r in batch.sampling],
@@ -185,6 +223,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None},
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:

@@ -350,19 +350,27 @@ class Sampler(torch.nn.Module):
         out: list[Logprobs | None], lp: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata
     ) -> None:
         rows = torch.tensor(md.logprob_rows, dtype=torch.int64, device=lp.device)
-        tokens = token_ids[rows]
-        token_lp = lp.gather(1, tokens.unsqueeze(1))
-        ranks = (lp > token_lp).sum(dim=-1) + 1
-        max_k = max(md.num_logprobs)
-        top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k > 0 else (None, None)
-        # One transfer per tensor, then plain Python packaging.
-        tokens_l = tokens.tolist()
-        token_lp_l = token_lp.squeeze(1).tolist()
-        ranks_l = ranks.tolist()
-        top_lp_l = top_lp.tolist() if top_lp is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
-        for j, (row, k) in enumerate(zip(md.logprob_rows, md.num_logprobs)):
-            top: list[tuple[int, float]] = []
-            if k > 0 and top_lp_l is not None and top_ids_l is not None:
-                top = list(zip(top_ids_l[j][:k], top_lp_l[j][:k]))
-            out[row] = Logprobs(token_id=tokens_l[j], logprob=token_lp_l[j], rank=ranks_l[j], top=top)
+        entries = token_logprobs(lp, token_ids[rows], md.num_logprobs)
+        for row, entry in zip(md.logprob_rows, entries, strict=True):
+            out[row] = entry
+
+
+def token_logprobs(lp: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[Logprobs]:
+    """Per row of log-probabilities `lp`: the chosen token's logprob and rank, and the row's top num_top[i]."""
+    token_lp = lp.gather(1, tokens.unsqueeze(1))
+    ranks = (lp > token_lp).sum(dim=-1) + 1
+    max_k = max(num_top, default=0)
+    top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k > 0 else (None, None)
+    # One transfer per tensor, then plain Python packaging.
+    tokens_l = tokens.tolist()
+    token_lp_l = token_lp.squeeze(1).tolist()
+    ranks_l = ranks.tolist()
+    top_lp_l = top_lp.tolist() if top_lp is not None else None
+    top_ids_l = top_ids.tolist() if top_ids is not None else None
+    entries = []
+    for j, k in enumerate(num_top):
+        top: list[tuple[int, float]] = []
+        if k > 0 and top_lp_l is not None and top_ids_l is not None:
+            top = list(zip(top_ids_l[j][:k], top_lp_l[j][:k]))
+        entries.append(Logprobs(token_id=tokens_l[j], logprob=token_lp_l[j], rank=ranks_l[j], top=top))
+    return entries
