@@ -17,7 +17,8 @@ import json
 import math
 import os
 import platform
-from dataclasses import asdict
+import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,84 @@ def write_json(result: dict[str, Any], path: str | Path, *, append: bool = False
 
 
 
+
+# --------------------------------------------------------------------------------------------------- reader
+
+
+@dataclass
+class BenchResult:
+    """What both clients' result files say, in one shape. Latency statistics are ms, keyed metric -> stat."""
+
+    source: str  # "lmserve" or "vllm"
+    date: str
+    backend: str | None
+    model_id: str | None
+    num_prompts: int | None
+    request_rate: float
+    burstiness: float | None
+    max_concurrency: int | None
+    duration: float
+    completed: int
+    failed: int
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    request_goodput: float | None
+    latency_ms: dict[str, dict[str, float | None]]
+    per_request: dict[str, list[Any]]  # vLLM's detailed lists, where the file has them
+    raw: dict[str, Any]
+
+
+_STAT_KEY = re.compile(r"^(mean|median|std|min|max|p\d+(?:\.\d+)?)_(.+)_ms$")
+_PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "generated_texts",
+                "errors")
+
+
+def read_result(path: str | Path) -> BenchResult:
+    """A result file of `lmserve bench` (--output, --save-result) or of `vllm bench serve --save-result`.
+
+    A file grown by --append-result holds several documents, one after another: the last one is read.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    decoder, documents, at = json.JSONDecoder(), [], 0
+    while at < len(text.rstrip()):
+        while text[at].isspace():
+            at += 1
+        document, at = decoder.raw_decode(text, at)
+        documents.append(document)
+    if not documents or not isinstance(documents[-1], dict):
+        raise ValueError(f"{path}: not a benchmark result (expected a JSON object)")
+    raw = documents[-1]
+    missing = [k for k in ("duration", "completed", "total_input_tokens", "output_throughput") if k not in raw]
+    if missing:
+        raise ValueError(f"{path}: not a benchmark result (no {', '.join(missing)})")
+    latency: dict[str, dict[str, float | None]] = {}
+    for key, value in raw.items():
+        match = _STAT_KEY.match(key)
+        if match and (value is None or isinstance(value, (int, float))):
+            latency.setdefault(match.group(2), {})[match.group(1)] = value
+    rate = raw.get("request_rate", raw.get("arrival_pattern", {}).get("request_rate", "inf"))
+    return BenchResult(
+        source="lmserve" if "arrival_pattern" in raw else "vllm",
+        date=str(raw.get("date", "")),
+        backend=raw.get("backend"),
+        model_id=raw.get("model_id", raw.get("model")),
+        num_prompts=raw.get("num_prompts"),
+        request_rate=float(rate),  # "inf" included
+        burstiness=raw.get("burstiness"),
+        max_concurrency=raw.get("max_concurrency"),
+        duration=float(raw["duration"]),
+        completed=int(raw["completed"]),
+        failed=int(raw.get("failed", 0)),
+        total_input_tokens=int(raw["total_input_tokens"]),
+        total_output_tokens=int(raw.get("total_output_tokens", 0)),
+        request_throughput=float(raw.get("request_throughput", 0.0)),
+        output_throughput=float(raw["output_throughput"]),
+        total_token_throughput=float(raw.get("total_token_throughput", 0.0)),
+        request_goodput=raw.get("request_goodput"),
+        latency_ms=latency,
+        per_request={k: raw[k] for k in _PER_REQUEST if k in raw},
+        raw=raw,
+    )
