@@ -243,7 +243,8 @@ def _finish(args: argparse.Namespace, slo: dict[str, float], samples: list, dura
                               request_rate=args.request_rate)
     details = per_request_lists(samples)
     result = vllm_header(date=date, backend=args.backend, label=args.label, model_id=model,
-                         tokenizer_id=tokenizer_name, num_prompts=args.num_prompts, request_rate=args.request_rate,
+                         tokenizer_id=tokenizer_name, num_prompts=args.num_prompts or len(samples),
+                         request_rate=args.request_rate,
                          burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                          metadata=args.metadata_dict)
     vllm_order = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
