@@ -55,7 +55,7 @@ def serve(source: Path, port: int, log: Path) -> subprocess.Popen:
 
 def bench(port: int, workload: str, result: Path) -> dict:
     cmd = [sys.executable, "-m", "lmserve.bench", "--base-url", f"http://127.0.0.1:{port}", "--ignore-eos",
-           "--disable-tqdm", "--seed", "0", "--output", str(result), *WORKLOADS[workload]]
+           "--temperature", "0", "--disable-tqdm", "--seed", "0", "--output", str(result), *WORKLOADS[workload]]
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
     return json.loads(result.read_text())
 

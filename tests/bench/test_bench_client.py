@@ -1,4 +1,5 @@
-"""The streaming client on canned SSE responses (httpx.MockTransport), and the CLI's exit statuses without a server."""
+"""The streaming client on canned SSE responses (httpx.MockTransport): vLLM's request bodies and chunk timing; the
+CLI's flags and exit statuses without a server."""
 
 from __future__ import annotations
 
@@ -46,12 +47,58 @@ def test_chat_stream_timing_and_usage():
     sample = run(handler, request=BenchRequest(4, 8, messages=[{"role": "user", "content": "hi"}]), api_key="k",
                  ignore_eos=True)
     assert sample.success and sample.http_status == 200 and not sample.error
-    assert sample.ttft is not None and len(sample.itl) == 2  # three chunks with text: two gaps
+    # vLLM's events: every chunk with choices, the role-only and the content-less ones too: five, four gaps.
+    assert sample.ttft is not None and len(sample.itl) == 4
     assert (sample.output_len, sample.output_len_source, sample.usage_prompt_tokens) == (4, "usage", 9)
     assert (sample.index, sample.scheduled, sample.prompt_len, sample.max_tokens) == (3, 0.5, 4, 8)
+    assert sample.input_len == 9 and sample.generated_text == "Hello you"  # the server's prompt count, as vLLM
+    # vLLM's chat body, key for key: no temperature, max_completion_tokens rather than max_tokens.
+    assert set(seen) == {"model", "messages", "max_completion_tokens", "stream", "stream_options", "ignore_eos",
+                         "auth"}
     assert seen["stream"] is True and seen["stream_options"] == {"include_usage": True}
-    assert (seen["max_tokens"], seen["temperature"], seen["ignore_eos"], seen["auth"]) == (8, 0.0, True, "Bearer k")
+    assert (seen["max_completion_tokens"], seen["ignore_eos"], seen["auth"]) == (8, True, "Bearer k")
     assert seen["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def capture(bodies: list[dict]):
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=sse({"choices": [{"index": 0, "text": "x"}]}, "[DONE]"))
+
+    return handler
+
+
+def test_bodies_send_temperature_only_when_given_and_extra_body_last():
+    bodies: list[dict] = []
+    run(capture(bodies), "/v1/completions")
+    assert bodies[-1] == {"model": "m", "prompt": [1, 2, 3, 4], "repetition_penalty": 1.0, "max_tokens": 8,
+                          "logprobs": None, "stream": True, "stream_options": {"include_usage": True}}
+    run(capture(bodies), "/v1/completions", temperature=0.0, logprobs=2)
+    assert (bodies[-1]["temperature"], bodies[-1]["logprobs"]) == (0.0, 2)
+    # --extra-body merges into the body and wins over the sampling flags (vLLM: {**sampling, **extra_body}).
+    run(capture(bodies), "/v1/completions", temperature=0.5,
+        extra_body={"temperature": 0.7, "top_k": 5, "chat_template_kwargs": {"x": 1}})
+    assert (bodies[-1]["temperature"], bodies[-1]["top_k"], bodies[-1]["chat_template_kwargs"]) == (0.7, 5, {"x": 1})
+    # openai-chat wraps a lone prompt as vLLM does: one user message of text parts.
+    run(capture(bodies), "/v1/chat/completions", request=BenchRequest(1, 3, prompt="hello"), backend="openai-chat")
+    assert bodies[-1]["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    assert "temperature" not in bodies[-1] and bodies[-1]["max_completion_tokens"] == 3
+
+
+def test_latency_ends_at_the_last_chunk_with_choices():
+    async def slow_tail():
+        yield sse({"choices": [{"index": 0, "text": "a"}]})
+        yield sse({"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]})
+        await asyncio.sleep(0.3)  # a late usage chunk and [DONE]: not part of vLLM's latency
+        yield sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}, "[DONE]")
+
+    sample = run(lambda r: httpx.Response(200, content=slow_tail()), "/v1/completions")
+    assert sample.success and sample.output_len == 2 and len(sample.itl) == 1
+    assert sample.e2e < 0.2 and sample.e2e >= sample.ttft
+
+    sample = run(lambda r: httpx.Response(200, content=sse({"choices": [], "usage": {"completion_tokens": 0}},
+                                                            "[DONE]")))
+    assert not sample.success and "no chunk with choices" in sample.error
 
 
 def test_completions_without_usage_counts_chunks_or_tokens(default_tokenizer):
@@ -60,8 +107,9 @@ def test_completions_without_usage_counts_chunks_or_tokens(default_tokenizer):
         chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("The", " cat", "", " sat")]
         return httpx.Response(200, content=sse(*chunks, "[DONE]"))
 
+    # Four chunks with choices (one held back, empty): four token events, three gaps.
     sample = run(handler, "/v1/completions")
-    assert sample.success and (sample.output_len, sample.output_len_source) == (3, "chunks") and len(sample.itl) == 2
+    assert sample.success and (sample.output_len, sample.output_len_source) == (4, "chunks") and len(sample.itl) == 3
     sample = run(handler, "/v1/completions", tokenizer=default_tokenizer)
     expected = len(default_tokenizer.encode("The cat sat", add_special_tokens=False))
     assert (sample.output_len, sample.output_len_source) == (expected, "tokenizer")
@@ -107,12 +155,17 @@ def test_cli_exit_statuses(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     for argv in (["--random-range-ratio", "1.5"], ["--slo", "ttft=fast"], ["--dataset-name", "jsonl"],
-                 ["--dataset-name", "jsonl", "--dataset-path", str(bad)], ["--request-rate", "0"]):
+                 ["--dataset-name", "jsonl", "--dataset-path", str(bad)], ["--request-rate", "0"],
+                 ["--backend", "openai-audio"], ["--backend", "openai-chat", "--endpoint", "/v1/completions"],
+                 ["--dataset-name", "sharegpt"], ["--dataset-name", "custom", "--dataset-path", str(bad)],
+                 ["--dataset-path", str(bad)], ["--percentile-metrics", "ttft,foo"], ["--metadata", "novalue"]):
         assert cli.main(["--base-url", "http://127.0.0.1:9", *argv]) == 2, argv
-    assert "bad.jsonl:1" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["--dataset-name", "nope"])
-    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:1" in err and "not supported by lmserve bench" in err
+    for argv in (["--dataset-name", "nope"], ["--extra-body", "[1]"], ["--extra-body", "{oops"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
 
 
 def test_lmserve_bench_subcommand_parses_the_same_flags():
@@ -121,3 +174,32 @@ def test_lmserve_bench_subcommand_parses_the_same_flags():
     args = build_parser().parse_args(["bench", "--max-concurrency", "3", "--goodput", "ttft:5", "tpot:1"])
     assert args.func is cli.run and args.max_concurrency == 3 and cli.validate(args) == {"ttft": 5.0, "tpot": 1.0}
     assert cli.arrival_pattern(args)["kind"] == "closed"
+
+
+def parse(*argv: str):
+    args = cli.build_parser().parse_args(list(argv))
+    cli.validate(args)
+    return args
+
+
+def test_flags_parse_with_vllms_meanings():
+    args = parse()
+    assert (args.base_url, args.backend, args.endpoint) == ("http://127.0.0.1:8000", "openai", "/v1/completions")
+    assert args.request_body == {} and args.temperature is None  # nothing sent: the server's defaults apply
+    assert args.ignore_eos  # vLLM forces it for the random dataset
+    assert (args.selected_metrics, args.selected_percentiles) == (["ttft", "tpot", "itl"], [99.0])
+    assert args.num_prompts is None and args.custom_output_len == 256 and args.sharegpt_output_len is None
+
+    args = parse("--host", "::1", "--port", "9000", "--backend", "openai-chat", "--temperature", "0", "--top-k", "5",
+                 "--min-p", "0.1", "--extra-body", '{"top_k": 7, "seed": 3}', "--output-len", "33",
+                 "--input-len", "64", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9",
+                 "--dataset-name", "chat")
+    assert (args.base_url, args.endpoint) == ("http://[::1]:9000", "/v1/chat/completions")
+    assert args.request_body == {"temperature": 0.0, "top_k": 7, "min_p": 0.1, "seed": 3}
+    assert (args.random_input_len, args.random_output_len, args.custom_output_len, args.sharegpt_output_len) == (
+        64, 33, 33, 33)
+    assert not args.ignore_eos and args.selected_percentiles == [50.0, 99.9]
+    # --base-url wins over --host/--port; the chat endpoint alone picks the chat backend.
+    args = parse("--base-url", "http://h:1/", "--host", "x", "--endpoint", "/v1/chat/completions")
+    assert (args.base_url, args.backend) == ("http://h:1", "openai-chat")
+    assert parse("--backend", "vllm").endpoint == "/v1/completions"

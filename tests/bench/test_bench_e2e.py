@@ -15,7 +15,7 @@ from server_process import Server, start_server
 
 from lmserve.bench import cli
 from lmserve.bench.metrics import METRICS, STATS
-from lmserve.bench.result import RESULT_KEYS
+from lmserve.bench.result import RESULT_KEYS, read_result
 
 LMSERVE = Path(sys.executable).parent / "lmserve"
 METRIC_KEYS = (
@@ -61,6 +61,7 @@ def test_cli_run_writes_every_field_and_a_plot(server, tmp_path):
     assert result["machine"]["logical_cores"] >= 1 and result["config"]["max_concurrency"] == 2
     assert result["request_goodput"] > 0 and result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert read_result(out).completed == 6 and len(result["ttfts"]) == 6  # --output: vLLM's detailed shape too
 
 
 def running_requests(base_url: str) -> float:

@@ -35,7 +35,7 @@ def test_tpot_definition(samples):
 
 def test_hand_computed_metrics(samples):
     m = compute_metrics(samples, duration=2.0)
-    assert (m["completed"], m["failed"], m["timed_out"]) == (4, 1, 1)
+    assert (m["completed"], m["failed"], m["timed_out"]) == (4, 2, 1)  # vLLM's failed: every unsuccessful one
     assert m["total_input_tokens"] == 40  # 4 successes x 10; the failed ones' prompts do not count
     assert m["total_output_tokens"] == 13  # 5 + 3 + 1 + 4
     assert m["request_throughput"] == pytest.approx(2.0)  # 4 / 2 s
@@ -92,6 +92,23 @@ def test_empty_and_failed_only_runs_have_no_fake_zeros():
     m = compute_metrics(failed, 1.0, {"ttft": 100})
     assert (m["completed"], m["failed"], m["mean_ttft_ms"], m["p99_itl_ms"]) == (0, 1, None, None)
     assert m["request_goodput"] == 0.0
+
+
+def test_vllm_percentile_keys_usage_input_and_peaks(samples):
+    samples[0].usage_prompt_tokens = 25  # the server's count wins over the dataset's 10, as in vLLM
+    m = compute_metrics(samples, 2.0, selected_metrics=["ttft", "e2el", "client_queue_time"],
+                        selected_percentiles=[50, 99.9], max_concurrency=2)
+    assert m["total_input_tokens"] == 55
+    assert m["p50_ttft_ms"] == pytest.approx(250) and m["p99.9_ttft_ms"] == pytest.approx(399.7)
+    assert m["p50_e2el_ms"] == pytest.approx(400)
+    # Closed loop: arrival at 0, so the queue time is the start: [0, 0.1, 0.2, 0.5] s.
+    assert m["mean_client_queue_time_ms"] == pytest.approx(200) and m["p50_client_queue_time_ms"] == pytest.approx(150)
+    assert "mean_e2el_including_client_queue_ms" not in m  # vLLM writes it only with a finite rate
+    assert "p50_tpot_ms" not in m  # not selected
+    # Peak: chunks counted one each in 1 s buckets from the first start (0.0): #0 at 0.1, 0.12, 0.16; #1 at 0.3,
+    # 0.36; #2 at 0.5; #3 at 0.9, 1.05, 1.2, 1.3 -> 7 in the first second. Concurrency over successes only: at 0.2
+    # #0 [0, 0.3), #1 [0.1, 0.6), #2 [0.2, 0.5) -> 3 (the timed-out one no longer counts).
+    assert (m["max_output_tokens_per_s"], m["max_concurrent_requests"]) == (7.0, 3)
 
 
 def test_concurrency_and_timeline(samples):

@@ -1,5 +1,9 @@
 """`lmserve bench` / `python -m lmserve.bench`: load-test any OpenAI-compatible server like `vllm bench serve`.
 
+Flags, request bodies, metric definitions and the result file are vLLM's (args.py, client.py, metrics.py,
+result.py; docs/benchmarks.md says where the two clients still differ). Sampling flags are sent only when given,
+so the server's defaults apply, as with vLLM: pass --temperature 0 for greedy decoding.
+
 Load models (DESIGN.md, Measurement: they are different experiments):
 - closed loop: --max-concurrency C (no --request-rate): C workers, each sends its next prompt when the last ends;
 - open loop: --request-rate R [--burstiness B] [--max-concurrency C]: sends on a seeded Poisson/gamma schedule;
@@ -21,13 +25,16 @@ bad --dataset-path file or --tokenizer), 1 when the server cannot be reached at 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
 
+from lmserve.bench import args as bench_args
+from lmserve.bench.args import arrival_pattern, config_dict, validate
+
 HELP = "load-test an OpenAI-compatible server (vLLM `bench serve` definitions)"
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+__all__ = ["HELP", "add_arguments", "arrival_pattern", "build_parser", "config_dict", "main", "run", "validate"]
 
 
 class ServerUnreachable(Exception):
@@ -38,87 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The same flags and help for `lmserve bench` and `python -m lmserve.bench`.
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    target = p.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
-    target.add_argument("--endpoint", default="/v1/completions", help=" or ".join(ENDPOINTS))
-    target.add_argument("--model", default=None, help="model name to request; default: the first of GET /v1/models")
-    target.add_argument("--tokenizer", default=None,
-                        help="tokenizer (HF directory, GGUF file or lmserve registered name) for exact prompt "
-                             "lengths; default: the served model's when the server is lmserve, else none")
-    target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'; default: $OPENAI_API_KEY")
-    target.add_argument("--timeout", type=float, default=600.0, help="seconds per request (counted as timed out)")
-
-    data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "prefix", "jsonl", "chat"])
-    data.add_argument("--dataset-path", default=None, help='JSONL: {"prompt": str, "output_len"?: int} a line')
-    data.add_argument("--num-prompts", type=int, default=None, help="default: 1000 (jsonl: the file's lines)")
-    data.add_argument("--random-input-len", type=int, default=1024,
-                      help="random: prompt tokens; prefix: suffix tokens after the shared prefix")
-    data.add_argument("--random-output-len", type=int, default=128, help="max_tokens (all synthetic datasets)")
-    data.add_argument("--random-range-ratio", type=float, default=0.0,
-                      help="lengths uniform in [L*(1-r), L*(1+r)], 0 <= r < 1")
-    data.add_argument("--prefix-num-groups", type=int, default=1, help="prefix: groups sharing a prefix")
-    data.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens shared within a group")
-    data.add_argument("--prompt-format", default="tokens", choices=["tokens", "text"],
-                      help="/v1/completions prompts as token ids (exact lengths) or as text")
-    data.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival schedule")
-
-    load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="open loop: requests/s (default inf: closed loop with --max-concurrency, else burst)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
-    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    load.add_argument("--time-limit", type=float, default=None, help="seconds; no new requests after it")
-    load.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out of the results")
-
-    req = p.add_argument_group("request")
-    req.add_argument("--temperature", type=float, default=0.0)
-    req.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (vLLM/lmserve extension)')
-
-    out = p.add_argument_group("output")
-    out.add_argument("--slo", default=None, metavar="ttft=MS,tpot=MS,e2el=MS", help="goodput SLOs (any subset)")
-    out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="vLLM's form of --slo")
-    out.add_argument("--output", default=None, help="write the result JSON (with every raw sample) here")
-    out.add_argument("--plot", default=None, help="write latency CDFs and tokens/s over time to this PNG")
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-
-
-def validate(args: argparse.Namespace) -> dict[str, float]:
-    """Check what argparse cannot; returns the SLOs. Raises ValueError (exit 2)."""
-    from lmserve.bench.metrics import parse_slo
-
-    checks = [
-        (args.num_prompts is None or args.num_prompts >= 1, "--num-prompts must be >= 1"),
-        (args.num_warmups >= 0, "--num-warmups must be >= 0"),
-        (args.request_rate > 0, "--request-rate must be > 0"),
-        (args.burstiness > 0, "--burstiness must be > 0"),
-        (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
-        (args.time_limit is None or args.time_limit > 0, "--time-limit must be > 0"),
-        (args.timeout > 0, "--timeout must be > 0"),
-        (args.random_input_len >= 1 and args.random_output_len >= 1, "--random-input/output-len must be >= 1"),
-        (0 <= args.random_range_ratio < 1, "--random-range-ratio must be in [0, 1)"),
-        (args.prefix_num_groups >= 1 and args.prefix_len >= 0, "--prefix-num-groups >= 1, --prefix-len >= 0"),
-        (args.endpoint.startswith("/"), "--endpoint must start with '/', e.g. /v1/completions"),
-        (args.base_url.startswith(("http://", "https://")), "--base-url must start with http:// or https://"),
-        (args.dataset_name != "jsonl" or args.dataset_path, "--dataset-name jsonl needs --dataset-path"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    slo = parse_slo(args.slo) if args.slo else {}
-    for item in args.goodput or []:
-        slo.update(parse_slo(item, sep=":"))
-    return slo
-
-
-def arrival_pattern(args: argparse.Namespace) -> dict[str, Any]:
-    if math.isfinite(args.request_rate):
-        kind = "open"
-    else:
-        kind = "closed" if args.max_concurrency else "burst"
-    return {"kind": kind, "request_rate": args.request_rate, "burstiness": args.burstiness,
-            "max_concurrency": args.max_concurrency}
+    bench_args.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,10 +53,18 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     slo = validate(args)
+    # A bad file is a bad argument: fail before touching the server.
     if args.dataset_name == "jsonl":
         from lmserve.bench.datasets import read_jsonl
 
-        read_jsonl(args.dataset_path)  # a bad file is a bad argument: fail before touching the server
+        read_jsonl(args.dataset_path)
+    elif args.dataset_name in ("sharegpt", "custom"):
+        from lmserve.bench import file_datasets
+
+        getattr(file_datasets, f"read_{args.dataset_name}")(args.dataset_path)
+    from lmserve.bench.result import parse_metadata
+
+    args.metadata_dict = parse_metadata(args.metadata)
     try:
         return asyncio.run(_run(args, slo))
     except ServerUnreachable as exc:
@@ -211,8 +146,11 @@ def _dataset_spec(args: argparse.Namespace, chat: bool) -> Any:
     return DatasetSpec(
         name=args.dataset_name, num_prompts=args.num_prompts, num_warmups=args.num_warmups, chat=chat,
         token_ids=args.prompt_format == "tokens", input_len=args.random_input_len, output_len=args.random_output_len,
-        range_ratio=args.random_range_ratio, prefix_len=args.prefix_len, prefix_groups=args.prefix_num_groups,
-        path=args.dataset_path, seed=args.seed,
+        range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len, prefix_len=args.prefix_len,
+        prefix_groups=args.prefix_num_groups, path=args.dataset_path, seed=args.seed,
+        sharegpt_output_len=args.sharegpt_output_len, custom_output_len=args.custom_output_len,
+        skip_chat_template=args.skip_chat_template, disable_shuffle=args.disable_shuffle,
+        no_oversample=args.no_oversample,
     )
 
 
@@ -225,7 +163,7 @@ async def _run(args: argparse.Namespace, slo: dict[str, float]) -> int:
     from lmserve.bench.datasets import build_dataset
     from lmserve.bench.load import arrival_times, run_closed, run_open
 
-    base_url = args.base_url.rstrip("/")
+    base_url = args.base_url
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     models, server_version = await _probe(base_url, headers)
@@ -233,14 +171,15 @@ async def _run(args: argparse.Namespace, slo: dict[str, float]) -> int:
     if model is None:
         raise ServerUnreachable(f"{base_url}/v1/models lists no model; pass --model")
     tokenizer, tokenizer_name = _pick_tokenizer(args, model, server_version)
-    chat = args.endpoint.rstrip("/").endswith("chat/completions")
+    chat = args.backend in bench_args.CHAT_BACKENDS
     dataset = build_dataset(_dataset_spec(args, chat), tokenizer)
     pattern = arrival_pattern(args)
     # Enough connections for every request that may be in flight (an uncapped open loop: all of them).
     in_flight = args.max_concurrency or max(len(dataset.requests), len(dataset.warmups), 1)
     client = BenchClient(
-        base_url, args.endpoint, model, api_key=api_key, timeout=args.timeout, temperature=args.temperature,
-        ignore_eos=args.ignore_eos, tokenizer=tokenizer, max_connections=in_flight,
+        base_url, args.endpoint, args.served_model_name or model, api_key=api_key, timeout=args.timeout,
+        backend=args.backend, ignore_eos=args.ignore_eos, logprobs=args.logprobs, tokenizer=tokenizer,
+        max_connections=in_flight, extra_body=args.request_body,
     )
     try:
         if dataset.warmups:
@@ -250,8 +189,11 @@ async def _run(args: argparse.Namespace, slo: dict[str, float]) -> int:
             failed = sum(1 for s in warm if not s.success)
             if failed:
                 _log(f"lmserve bench: {failed} warm-up request(s) failed: {next(s.error for s in warm if s.error)}")
-        _log(f"lmserve bench: {len(dataset.requests)} request(s) to {base_url}{args.endpoint} ({model}), "
-             f"{pattern['kind']} loop")
+        _log(f"lmserve bench: {len(dataset.requests)} request(s) to {base_url}{args.endpoint} ({model}, "
+             f"backend {args.backend}), {pattern['kind']} loop")
+        if "temperature" not in args.request_body:
+            _log("lmserve bench: no temperature sent (as vllm bench serve): the server's default applies; "
+                 "--temperature 0 for greedy")
         bar = tqdm(total=len(dataset.requests), disable=args.disable_tqdm, file=sys.stderr, unit="req")
         client.origin = time.perf_counter()
 
@@ -278,17 +220,47 @@ def _finish(args: argparse.Namespace, slo: dict[str, float], samples: list, dura
             pattern: dict[str, Any], model: str, tokenizer_name: str | None, server_version: dict | None,
             base_url: str) -> None:
     from lmserve.bench.metrics import compute_metrics, length_stats
-    from lmserve.bench.result import machine_info, now_iso, print_table, sample_dicts, versions, write_json
+    from lmserve.bench.result import (
+        machine_info,
+        now_iso,
+        per_request_lists,
+        result_filename,
+        sample_dicts,
+        versions,
+        vllm_date,
+        vllm_header,
+        without_details,
+        write_json,
+    )
+    from lmserve.bench.table import print_table
 
     samples = sorted(samples, key=lambda s: s.index)
     ok = [s for s in samples if s.success]
     sources = {s.output_len_source for s in ok}
-    result = {
-        "date": now_iso(), "base_url": base_url, "endpoint": args.endpoint, "model": model,
+    date = vllm_date()
+    metrics = compute_metrics(samples, duration, slo, selected_metrics=args.selected_metrics,
+                              selected_percentiles=args.selected_percentiles, max_concurrency=args.max_concurrency,
+                              request_rate=args.request_rate)
+    details = per_request_lists(samples)
+    result = vllm_header(date=date, backend=args.backend, label=args.label, model_id=model,
+                         tokenizer_id=tokenizer_name, num_prompts=args.num_prompts or len(samples),
+                         request_rate=args.request_rate,
+                         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                         metadata=args.metadata_dict)
+    vllm_order = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                  "request_throughput", "request_goodput", "output_throughput", "total_token_throughput")
+    result.update({key: metrics[key] for key in vllm_order})
+    result.update(details)
+    result["queue_times"] = [s.start - (s.scheduled or 0.0) for s in samples]
+    result.update(max_output_tokens_per_s=metrics["max_output_tokens_per_s"],
+                  max_concurrent_requests=metrics["max_concurrent_requests"], rtfx=0.0)
+    # lmserve's extras: everything vLLM does not write, under keys vLLM does not use.
+    result.update({
+        "date_iso": now_iso(), "base_url": base_url, "endpoint": args.endpoint, "model": model,
         "tokenizer": tokenizer_name, "config": config_dict(args), "arrival_pattern": pattern,
         "dataset": args.dataset_name,
         "lengths": {
-            "input": length_stats([s.prompt_len for s in samples]),
+            "input": length_stats([s.input_len for s in samples]),
             "requested_output": length_stats([s.max_tokens for s in samples]),
             "output": length_stats([s.output_len for s in ok]),
         },
@@ -297,26 +269,24 @@ def _finish(args: argparse.Namespace, slo: dict[str, float], samples: list, dura
         "token_count_source": sources.pop() if len(sources) == 1 else ("mixed" if sources else None),
         "input_lens_approximate": dataset.input_lens_approximate,
         "machine": machine_info(), "versions": versions(server_version),
-        **compute_metrics(samples, duration, slo),
-    }
+    })
+    result.update({k: v for k, v in metrics.items() if k not in result})
     result["samples"] = sample_dicts(samples)
-    print_table(result)
+    print_table(result, args.selected_metrics, args.selected_percentiles)
     if args.output:
         write_json(result, args.output)
         _log(f"lmserve bench: wrote {args.output}")
+    if args.save_result or args.append_result:
+        path = result_filename(label=args.label, backend=args.backend, request_rate=args.request_rate,
+                               max_concurrency=args.max_concurrency, model_id=model, date=date,
+                               result_dir=args.result_dir, result_filename=args.result_filename)
+        write_json(result if args.save_detailed else without_details(result), path, append=args.append_result)
+        _log(f"lmserve bench: wrote {path}")
     if args.plot:
         from lmserve.bench.plot import plot_run
 
         plot_run(samples, duration, args.plot, title=f"{model} @ {base_url}{args.endpoint}, {pattern['kind']} loop")
         _log(f"lmserve bench: wrote {args.plot}")
-
-
-def config_dict(args: argparse.Namespace) -> dict[str, Any]:
-    """Every argument, minus the dispatch function, with the API key hidden."""
-    config = {k: v for k, v in vars(args).items() if not callable(v)}
-    if config.get("api_key"):
-        config["api_key"] = "<set>"
-    return config
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""The prompts of a benchmark: random token ids, shared prefixes, a JSONL file, or synthetic conversations.
+"""The prompts of a benchmark: random token ids, shared prefixes, a JSONL file, or synthetic conversations
+(ShareGPT and vLLM's custom JSONL: file_datasets.py).
 
 Every builder is deterministic for a given seed: it draws from numpy Generators keyed by (seed, stream), so the
 prompts do not depend on the arrival schedule or on how many warm-ups are asked for.
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-DATASET_NAMES = ("random", "prefix", "jsonl", "chat")
+DATASET_NAMES = ("random", "sharegpt", "custom", "prefix", "jsonl", "chat")
 WORDS_PER_TOKEN = 0.75
 NO_TOKENIZER_ID_RANGE = (100, 10000)
 
@@ -89,10 +90,16 @@ class DatasetSpec:
     input_len: int = 1024
     output_len: int = 128
     range_ratio: float = 0.0
+    random_prefix_len: int = 0  # random: one fixed prefix before every prompt (vLLM's --random-prefix-len)
     prefix_len: int = 256
     prefix_groups: int = 1
     path: str | None = None
     seed: int = 0
+    sharegpt_output_len: int | None = None
+    custom_output_len: int = 256
+    skip_chat_template: bool = False
+    disable_shuffle: bool = False
+    no_oversample: bool = False
 
 
 @dataclass
@@ -107,7 +114,10 @@ class Dataset:
 def build_dataset(spec: DatasetSpec, tokenizer: Tokenizer | None) -> Dataset:
     if spec.name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset '{spec.name}' (choose from {', '.join(DATASET_NAMES)})")
-    builders = {"random": _random_dataset, "prefix": _prefix_dataset, "jsonl": _jsonl_dataset, "chat": _chat_dataset}
+    from lmserve.bench.file_datasets import custom_dataset, sharegpt_dataset
+
+    builders = {"random": _random_dataset, "prefix": _prefix_dataset, "jsonl": _jsonl_dataset, "chat": _chat_dataset,
+                "sharegpt": sharegpt_dataset, "custom": custom_dataset}
     return builders[spec.name](spec, _Tokens(tokenizer))
 
 
@@ -162,10 +172,10 @@ class _Tokens:
         start = int(rng.integers(0, len(self.words)))
         return " ".join(self.words[(start + i) % len(self.words)] for i in range(count))
 
-    def count(self, text: str) -> int:
+    def count(self, text: str, add_special_tokens: bool = False) -> int:
         if self.tokenizer is None:
             return max(1, round(len(text.split()) / WORDS_PER_TOKEN))
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def count_messages(self, messages: Messages) -> int:
         tok = self.tokenizer
@@ -199,22 +209,29 @@ def _needs_text(spec: DatasetSpec, tokens: _Tokens) -> bool:
 
 
 def _random_dataset(spec: DatasetSpec, tokens: _Tokens) -> Dataset:
+    """Random prompts of sampled lengths, after one fixed --random-prefix-len prefix shared by all (vLLM's)."""
+    text_mode = _needs_text(spec, tokens)
+    shared_rng = np.random.default_rng([spec.seed, _SHARED])
+    prefix: Any = None
+    if spec.random_prefix_len:
+        prefix = (tokens.word_text(shared_rng, spec.random_prefix_len) if text_mode
+                  else tokens.ids(shared_rng, spec.random_prefix_len))
+
     def make(key: int, n: int) -> list[BenchRequest]:
         rng = np.random.default_rng([spec.seed, key])
         inputs = sample_lengths(rng, spec.input_len, spec.range_ratio, n)
         outputs = sample_lengths(rng, spec.output_len, spec.range_ratio, n)
-        return [_random_request(spec, tokens, rng, int(i), int(o)) for i, o in zip(inputs, outputs)]
+        return [_random_request(spec, tokens, rng, int(i), int(o), prefix) for i, o in zip(inputs, outputs)]
 
-    return Dataset(
-        make(_MEASURED, _count(spec)), make(_WARMUP, spec.num_warmups), input_lens_approximate=_needs_text(spec, tokens)
-    )
+    return Dataset(make(_MEASURED, _count(spec)), make(_WARMUP, spec.num_warmups), input_lens_approximate=text_mode)
 
 
 def _random_request(spec: DatasetSpec, tokens: _Tokens, rng: np.random.Generator, input_len: int,
-                    output_len: int) -> BenchRequest:
+                    output_len: int, prefix: Any = None) -> BenchRequest:
     if _needs_text(spec, tokens):
-        return _request(spec, tokens, None, tokens.word_text(rng, input_len), output_len)
-    return _request(spec, tokens, tokens.ids(rng, input_len), None, output_len)
+        text = tokens.word_text(rng, input_len)
+        return _request(spec, tokens, None, f"{prefix} {text}" if prefix else text, output_len)
+    return _request(spec, tokens, (prefix or []) + tokens.ids(rng, input_len), None, output_len)
 
 
 def _count(spec: DatasetSpec) -> int:
