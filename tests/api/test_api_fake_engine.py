@@ -54,6 +54,7 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.on_step = None
         self.default_sampling: dict[str, Any] = {}
+        self.num_outputs: dict[str, int] = {}  # request id -> outputs yielded so far
         self.timelines: dict[str, list[RequestTimeline]] = {}
 
     # --------------------------------------------------------------------------- tokenizer side
@@ -130,6 +131,7 @@ class FakeEngine:
                 outputs = [
                     self._child(i, step, word, params, finish if last else None) for i in range(params.n)
                 ]
+                self.num_outputs[request_id] = step + 1
                 yield RequestOutput(
                     request_id, prompt if isinstance(prompt, str) else None, ids, outputs, finished=last
                 )
@@ -340,6 +342,19 @@ def test_chat_content_parts_and_max_completion_tokens(oai: openai.OpenAI) -> Non
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     out = oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=2)
     assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("user: a", "length")
+
+
+def test_chat_role_chunk_comes_with_the_first_output(oai: openai.OpenAI, engine: FakeEngine) -> None:
+    # As vLLM's server: a client timing its first chunk (TTFT) must not get one before the engine's first token.
+    before = engine.ids_with_word(FOREVER)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": FOREVER}], max_completion_tokens=50, stream=True
+    )
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    (request_id,) = engine.ids_with_word(FOREVER) - before
+    assert engine.num_outputs.get(request_id, 0) >= 1  # the fake waits 20 ms before each output
+    stream.close()
 
 
 def test_chat_stream(oai: openai.OpenAI) -> None:
