@@ -25,6 +25,7 @@ from lmserve.config import DEFAULT_MODEL
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,15 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
         )
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("hf", path, path.name)
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path, path.stem)
-    raise ValueError(f"{path} is neither a directory with config.json nor a .gguf file")
+    # By content, not name: Ollama keeps its GGUFs as blobs named sha256-<digest>, with no suffix.
+    if path.is_file() and is_gguf_file(path):
+        return ModelSource("gguf", path, path.stem if path.suffix == ".gguf" else path.name)
+    raise ValueError(f"{path} is neither a directory with config.json nor a GGUF file")
+
+
+def is_gguf_file(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
 
 
 def _packaged_file(model: _PackagedModel) -> Path:
@@ -181,7 +188,7 @@ class GGUFHeader:
 def read_gguf_header(path: Path) -> GGUFHeader:
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", blob, 0)
-    if magic != b"GGUF" or version not in (2, 3):
+    if magic != GGUF_MAGIC or version not in (2, 3):
         raise ValueError(f"{path} is not a GGUF v2/v3 file")
     pos, metadata = 24, {}
     for _ in range(n_kv):

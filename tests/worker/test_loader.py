@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -89,6 +90,28 @@ def test_resolve_local_paths(tiny_llama_dir: Path, tiny_llama_gguf: Path, tmp_pa
     assert resolve_model(str(tiny_llama_gguf)) == ModelSource("gguf", tiny_llama_gguf, "tiny-llama")
     with pytest.raises(ValueError, match="config.json"):
         resolve_model(str(tmp_path))  # an empty directory
+
+
+def test_gguf_found_by_magic_whatever_its_name(
+    tiny_llama_gguf: Path, default_source: ModelSource, tmp_path: Path
+) -> None:
+    """Ollama's blobs are GGUFs named sha256-<digest>: the file's first 4 bytes decide, not its suffix."""
+    blob = tmp_path / "sha256-6a0746a1ec1aef3e7ec53868f220ff6e389f6f8ef87a01d77c96807de94ca2aa"
+    shutil.copyfile(tiny_llama_gguf, blob)
+    source, named = resolve_model(str(blob)), resolve_model(str(tiny_llama_gguf))
+    assert source == ModelSource("gguf", blob, blob.name)
+    assert load_hf_config(source).to_dict() == load_hf_config(named).to_dict()
+    weights, reference = dict(load_weights(source, torch.float32)), dict(load_weights(named, torch.float32))
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)
+    # The tokenizer too (the tiny files have no vocabulary, so the default model's, under a blob's name).
+    (tmp_path / "sha256-default").symlink_to(default_source.path)
+    assert len(load_tokenizer(resolve_model(str(tmp_path / "sha256-default")))) == 49152
+
+    not_gguf = tmp_path / "sha256-notgguf"
+    not_gguf.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="nor a GGUF file"):
+        resolve_model(str(not_gguf))
 
 
 # ------------------------------------------------------------------------------------------ architectures
