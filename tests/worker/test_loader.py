@@ -26,8 +26,10 @@ Q = gguf.GGMLQuantizationType
 
 # Worst-case rounding error of each stored type relative to the largest magnitude in a block of 32. Q4_0 spans
 # [-8, 7] steps of max/8, so values near -max on the short side clip by up to max/8; Q4_1 has 15 steps over
-# [min, max], so at most half of 2*max/15.
-WORST_RELATIVE_ERROR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 5e-3, Q.Q4_0: 0.126, Q.Q4_1: 0.067}
+# [min, max], so at most half of 2*max/15. Q5_0 and Q5_1 likewise with 32 levels: max/16 and max/31.
+WORST_RELATIVE_ERROR = {
+    Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 5e-3, Q.Q4_0: 0.126, Q.Q4_1: 0.067, Q.Q5_0: 0.063, Q.Q5_1: 0.033
+}
 
 
 def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
@@ -141,20 +143,20 @@ def test_unsupported_gguf_architecture_rejected(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type_named(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "tq1.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(1)
-    writer.add_embedding_length(32)
+    writer.add_embedding_length(256)
     writer.add_head_count(2)
     writer.add_head_count_kv(2)
     writer.add_vocab_size(8)
-    weights = np.random.default_rng(0).standard_normal((8, 32), dtype=np.float32)
-    writer.add_tensor("token_embd.weight", gguf.quants.quantize(weights, Q.Q5_0), raw_dtype=Q.Q5_0)
+    weights = np.random.default_rng(0).standard_normal((8, 256), dtype=np.float32)
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(weights, Q.TQ1_0), raw_dtype=Q.TQ1_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="Q5_0"):
+    with pytest.raises(ValueError, match="TQ1_0"):
         next(load_weights(resolve_model(str(path)), torch.float32))
 
 
@@ -221,7 +223,7 @@ def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureReque
     stored_types = {
         hf_name_from_gguf(t.name): t.tensor_type for t in gguf.GGUFReader(gguf_source.path).tensors
     }
-    assert set(stored_types.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1}
+    assert set(stored_types.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
 
     reference = dict(load_weights(hf_source, torch.float32))
     weights = dict(load_weights(gguf_source, torch.float32))
@@ -232,6 +234,20 @@ def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureReque
         qtype = stored_types[name]
         atol = _quant_tolerance(qtype, reference[name])
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=atol, msg=f"{name} ({qtype.name})")
+
+
+def test_kquant_gguf_holds_exactly_its_blocks_weights(tiny_kquant_dir: Path, tiny_kquant_gguf: Path) -> None:
+    """Every K-quant type, Q/K rows un-permuted: the loader yields exactly the dequantized blocks the HF directory
+    was saved from (the tied embedding stored as Q6_K too)."""
+    stored_types = {t.tensor_type for t in gguf.GGUFReader(tiny_kquant_gguf).tensors}
+    assert stored_types == {Q.F32, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    gguf_source = resolve_model(str(tiny_kquant_gguf))
+    assert load_hf_config(gguf_source).hidden_size == 256
+    reference = dict(load_weights(resolve_model(str(tiny_kquant_dir)), torch.float32))
+    weights = dict(load_weights(gguf_source, torch.float32))
+    assert weights.keys() == reference.keys() - {"lm_head.weight"}
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
 
 
 # ------------------------------------------------------------------------------------------ default model
@@ -301,7 +317,7 @@ def test_default_tokenizer_round_trips_and_renders_chat(default_tokenizer) -> No
 # ------------------------------------------------------------------------------------------ dequantization
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16, Q.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16], ids=lambda q: q.name)
 def test_quantize_dequantize_close(qtype: gguf.GGMLQuantizationType) -> None:
     original = np.random.default_rng(0).standard_normal((16, 256), dtype=np.float32)
     restored = gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype)

@@ -60,6 +60,9 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 GGMLType = gguf.GGMLQuantizationType
+# Each is dequantized to float on loading. The K-quants (what llama.cpp's Q4_K_M, Q5_K_M, Q6_K files and Ollama's
+# default downloads hold) have no kernel here, so `--quantization auto` gives them float16 weights; Q5_0 and Q5_1 are
+# what llama.cpp falls back to in those files for rows that are not a multiple of 256 wide.
 SUPPORTED_GGML_TYPES = (
     GGMLType.F32,
     GGMLType.F16,
@@ -67,6 +70,13 @@ SUPPORTED_GGML_TYPES = (
     GGMLType.Q8_0,
     GGMLType.Q4_0,
     GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q2_K,
+    GGMLType.Q3_K,
+    GGMLType.Q4_K,
+    GGMLType.Q5_K,
+    GGMLType.Q6_K,
 )
 
 _GGUF_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
