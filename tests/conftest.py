@@ -6,6 +6,8 @@ their weights are random, so any test can compare lmserve against transformers o
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -165,13 +167,38 @@ def _permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_freqs(config: transformers.PretrainedConfig) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) writes for a
+    llama3 rope scaling: per frequency, the divisor that Llama 3.1's scaling applies to it."""
+    rope, head_dim = config.rope_parameters, config.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    # The converter reads this from the config's top level (default 8192, Llama 3.1's value); here, from rope scaling.
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(
-    hf_dir: Path, path: Path, arch: str | None = None, blocks: dict[str, tuple[np.ndarray, Q]] | None = None
+    hf_dir: Path,
+    path: Path,
+    arch: str | None = None,
+    blocks: dict[str, tuple[np.ndarray, Q]] | None = None,
+    type_for: Callable[[str], Q] = gguf_type_for,
 ) -> Path:
-    """Write the weights of an HF directory as a llama.cpp-style GGUF (metadata, names, Q/K permutation).
+    """Write the weights of an HF directory as a llama.cpp-style GGUF (metadata, names, Q/K permutation, rope_freqs).
 
     `blocks`: GGUF tensor name -> (raw blocks, type) stored as given instead of quantizing the HF weight (which they
-    must dequantize to)."""
+    must dequantize to). `type_for`: the type each other tensor is stored in."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     arch = arch or config.model_type
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -189,12 +216,15 @@ def write_gguf(
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
 
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
+
     tied = config.tie_word_embeddings
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp leaves the head out when it is the embedding
         name = _gguf_name(hf_name)
-        data, qtype = blocks[name] if blocks and name in blocks else (tensor.numpy(), gguf_type_for(name))
+        data, qtype = blocks[name] if blocks and name in blocks else (tensor.numpy(), type_for(name))
         if arch == "llama" and ".attn_q." in name:
             data = _permute_rotary(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
@@ -218,6 +248,13 @@ def write_gguf(
 @pytest.fixture(scope="session")
 def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
     return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama3_dir: Path) -> Path:
+    """Llama 3.1's rope scaling as llama.cpp stores it (a rope_freqs tensor); float32 weights, exactly the HF dir's."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama3.gguf"
+    return write_gguf(tiny_llama3_dir, path, type_for=lambda name: Q.F32)
 
 
 @pytest.fixture(scope="session")

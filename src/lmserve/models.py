@@ -154,11 +154,13 @@ def _gguf_config(path: Path) -> transformers.PretrainedConfig:
         raise ValueError(
             f"{path}: rope scaling '{scaling}' is not supported in GGUF files; use an HF directory"
         )
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1-style scaling is baked into a frequency tensor whose parameters we can't recover.
-        raise ValueError(
-            f"{path}: GGUF rope_freqs (Llama 3 rope scaling) is not supported; use an HF directory"
-        )
+    rope_freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        # llama.cpp's converter bakes Llama 3.1's rope scaling into per-dimension divisors of the default
+        # frequencies and keeps none of its parameters, so the model applies the divisors themselves (llama.py).
+        if scaling != "none":
+            raise ValueError(f"{path}: rope_freqs together with rope scaling '{scaling}' is not supported")
+        kwargs["rope_freqs"] = read_gguf_tensor(path, rope_freqs).tolist()
 
     return transformers.AutoConfig.for_model(arch, **kwargs)
 
@@ -208,6 +210,16 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     data_start = -(-pos // alignment) * alignment  # tensor data starts at the next aligned offset
     tensors = [GGUFTensorInfo(name, shape, t, data_start + offset) for name, shape, t, offset in entries]
     return GGUFHeader(metadata, tensors)
+
+
+def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor, dequantized to float32, in torch order (rows first)."""
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    row_bytes = info.shape[-1] // block_size * block_bytes
+    rows = int(np.prod(info.shape[:-1]))
+    raw = np.memmap(path, mode="r", dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes))
+    return gguf.quants.dequantize(raw, qtype).reshape(info.shape)
 
 
 def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:

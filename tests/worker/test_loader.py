@@ -21,6 +21,7 @@ from lmserve.models import (
     resolve_model,
 )
 from lmserve.worker.loader import hf_name_from_gguf, load_weights
+from lmserve.worker.models.llama import RotaryEmbedding
 
 Q = gguf.GGMLQuantizationType
 
@@ -248,6 +249,26 @@ def test_kquant_gguf_holds_exactly_its_blocks_weights(tiny_kquant_dir: Path, tin
     assert weights.keys() == reference.keys() - {"lm_head.weight"}
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_gguf_rope_freqs_give_transformers_llama3_frequencies(tiny_llama3_dir: Path, tiny_llama3_gguf: Path) -> None:
+    """A GGUF's rope_freqs divisors (what llama.cpp's converter writes for Llama 3.1's rope scaling) give the cos/sin
+    tables transformers computes from the HF config's llama3 rope_scaling; ignoring them would not."""
+    hf_config = load_hf_config(resolve_model(str(tiny_llama3_dir)))
+    gguf_config = load_hf_config(resolve_model(str(tiny_llama3_gguf)))
+    assert gguf_config.rope_parameters["rope_type"] == "default"  # the file names no scaling, only the tensor
+    assert gguf_config.rope_freqs == pytest.approx([1, 2.4423, 8, 8, 8, 8, 8, 8], rel=1e-4)  # one smoothed
+    positions = torch.arange(128)
+    expected_cos, expected_sin = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)(
+        torch.zeros(1), positions[None]
+    )
+    ours = RotaryEmbedding(gguf_config, head_dim=16, max_position=128)
+    torch.testing.assert_close(ours.cos, expected_cos[0, :, :8], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours.sin, expected_sin[0, :, :8], rtol=0, atol=1e-5)
+    del gguf_config.rope_freqs
+    assert (RotaryEmbedding(gguf_config, head_dim=16, max_position=128).cos - ours.cos).abs().max() > 0.5
+    # The tensor is config, not a weight.
+    assert not any("rope" in name for name, _ in load_weights(resolve_model(str(tiny_llama3_gguf)), torch.float32))
 
 
 # ------------------------------------------------------------------------------------------ default model

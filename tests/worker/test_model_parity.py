@@ -15,7 +15,8 @@ decodes padded to the longest context).
 The reference for an HF directory comes from `from_pretrained` (independent of our loader). For GGUF files it is
 built from the weights our loader dequantizes, since the point is the model code, not the quantization; except where
 the test wrote the GGUF from an HF directory that holds exactly its weights (REFERENCE_DIRS): then that directory, so
-the loader is checked too (K-quant blocks, for which gguf-py has no quantizer).
+the loader is checked too (K-quant blocks, for which gguf-py has no quantizer; Llama 3.1 rope scaling, which a GGUF
+stores as a rope_freqs tensor).
 
 The same checks run with `--quantization fp16` (float16 weights, float32 arithmetic) against a reference whose linear
 weights are rounded to float16: the kernels must compute exactly that model, to float32 rounding. The default model
@@ -55,9 +56,11 @@ DEFAULT_ATOL = 1e-3
 KERNELS = {"cpp": ("paged-cpu", "cpu"), "torch": ("sdpa", "none")}
 TINY_MODELS = [
     "tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf", "tiny_kquant_gguf",
+    "tiny_llama3_gguf",
 ]  # fmt: skip
-# GGUF fixture -> the HF directory transformers runs as its reference.
-REFERENCE_DIRS = {"tiny_kquant_gguf": "tiny_kquant_dir"}
+# GGUF fixture -> the HF directory transformers runs as its reference (for tiny_llama3_gguf: transformers' llama3 rope
+# scaling against lmserve applying the file's rope_freqs tensor).
+REFERENCE_DIRS = {"tiny_kquant_gguf": "tiny_kquant_dir", "tiny_llama3_gguf": "tiny_llama3_dir"}
 
 
 def hf_reference(source_path: Path | str, fp16_weights: bool = False) -> transformers.PreTrainedModel:

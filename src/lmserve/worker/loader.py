@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 import transformers
 from safetensors import safe_open
 
-from lmserve.models import ModelSource, ggml_type_name, load_hf_config, read_gguf_header
+from lmserve.models import ModelSource, ggml_type_name, load_hf_config, read_gguf_header, read_gguf_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +111,11 @@ def _gguf_weights(path: Path, config: transformers.PretrainedConfig) -> Iterator
         raise ValueError(f"{path} holds tensors of GGUF type {found}; lmserve dequantizes {supported}")
     # llama.cpp interleaves the two rotary halves of each Q/K head for its llama arch only (not qwen2).
     permuted = config.model_type in ("llama", "mistral")
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
     for info in tensors:
+        if info.name == "rope_freqs.weight":
+            continue  # read into the config by lmserve.models; the rotary embedding applies it
         name = hf_name_from_gguf(info.name)
-        qtype = GGMLType(info.ggml_type)
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        row_bytes = info.shape[-1] // block_size * block_bytes
-        raw = blob[info.offset : info.offset + math.prod(info.shape[:-1]) * row_bytes]
-        array = gguf.quants.dequantize(raw.reshape(*info.shape[:-1], row_bytes), qtype)
+        array = read_gguf_tensor(path, info)
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         if permuted and ".self_attn.q_proj." in name:
             tensor = _unpermute_rotary(tensor, config.num_attention_heads)

@@ -85,6 +85,12 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         else:
             raise ValueError(f"unsupported rope type {rope_type!r}")
+        rope_freqs = getattr(config, "rope_freqs", None)
+        if rope_freqs is not None:
+            # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
+            if rope_type != "default" or len(rope_freqs) != head_dim // 2:
+                raise ValueError(f"rope_freqs of {len(rope_freqs)} values for {rope_type} rope, head_dim {head_dim}")
+            inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.float())
         # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16.
         self.cos = freqs.cos() * scaling
