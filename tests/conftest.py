@@ -112,6 +112,16 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) 
     return _save_tiny_model(directory, transformers.Qwen2ForCausalLM, config, default_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Qwen3: per-head q/k RMSNorm, no q/k/v bias, and a head_dim (32) that is not hidden_size / heads (16)."""
+    config = transformers.Qwen3Config(
+        **TINY_SIZES, **_token_ids(default_tokenizer), head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True
+    )
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    return _save_tiny_model(directory, transformers.Qwen3ForCausalLM, config, default_tokenizer)
+
+
 # --------------------------------------------------------------------------------------------------- GGUF
 
 _HF_TO_GGUF = {
@@ -123,6 +133,8 @@ _HF_TO_GGUF = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -210,6 +222,9 @@ def write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
@@ -260,6 +275,11 @@ def tiny_llama3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama3_dir: 
 @pytest.fixture(scope="session")
 def tiny_qwen2_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Path:
     return write_gguf(tiny_qwen2_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Path:
+    return write_gguf(tiny_qwen3_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf")
 
 
 # ------------------------------------------------------------------------------------------------ K-quants

@@ -24,7 +24,7 @@ from lmserve.config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
 
 
@@ -144,6 +144,8 @@ def _gguf_config(path: Path) -> transformers.PretrainedConfig:
         if "tokenizer.ggml.tokens" not in metadata:
             raise ValueError(f"{path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         kwargs["vocab_size"] = metadata["tokenizer.ggml.tokens"]
+    if f"{arch}.attention.key_length" in metadata:  # written where head_dim is not hidden / heads (Qwen3)
+        kwargs["head_dim"] = metadata[f"{arch}.attention.key_length"]
     # llama.cpp drops output.weight when the head shares the embedding.
     kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
 

@@ -33,11 +33,14 @@ WORST_RELATIVE_ERROR = {
 }
 
 
+def head_dim(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a llama-family checkpoint holds, in HF naming, with its shape."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    q_out, kv_out = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -60,6 +63,9 @@ def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[in
                 f"{layer}.self_attn.k_proj.bias": (kv_out,),
                 f"{layer}.self_attn.v_proj.bias": (kv_out,),
             }
+        if config.model_type == "qwen3":
+            norm = (head_dim(config),)
+            shapes |= {f"{layer}.self_attn.q_norm.weight": norm, f"{layer}.self_attn.k_norm.weight": norm}
     return shapes
 
 
@@ -164,14 +170,15 @@ def test_unsupported_quant_type_named(tmp_path: Path) -> None:
 def test_unknown_gguf_tensor_name_rejected() -> None:
     assert hf_name_from_gguf("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name_from_gguf("output.weight") == "lm_head.weight"
-    with pytest.raises(ValueError, match="attn_q_norm"):
-        hf_name_from_gguf("blk.0.attn_q_norm.weight")
+    assert hf_name_from_gguf("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"  # Qwen3
+    with pytest.raises(ValueError, match="ffn_gate_exps"):
+        hf_name_from_gguf("blk.0.ffn_gate_exps.weight")  # a mixture of experts
 
 
 # -------------------------------------------------------------------------------------------- HF directory
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_hf_dir_loads_every_parameter(fixture: str, request: pytest.FixtureRequest) -> None:
     directory: Path = request.getfixturevalue(fixture)
     source = resolve_model(str(directory))
@@ -207,7 +214,7 @@ def _quant_tolerance(qtype: gguf.GGMLQuantizationType, reference: torch.Tensor) 
     return WORST_RELATIVE_ERROR[qtype] * reference.abs().max().item() + 1e-7
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureRequest) -> None:
     hf_source = resolve_model(str(request.getfixturevalue(f"{fixture}_dir")))
     gguf_source = resolve_model(str(request.getfixturevalue(f"{fixture}_gguf")))
@@ -217,6 +224,7 @@ def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureReque
         "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "eos_token_id",
     ):  # fmt: skip
         assert getattr(gguf_config, attr) == getattr(hf_config, attr), attr
+    assert head_dim(gguf_config) == head_dim(hf_config)
     assert gguf_config.rope_parameters["rope_theta"] == hf_config.rope_parameters["rope_theta"]
     assert gguf_config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)
 

@@ -56,7 +56,7 @@ DEFAULT_ATOL = 1e-3
 KERNELS = {"cpp": ("paged-cpu", "cpu"), "torch": ("sdpa", "none")}
 TINY_MODELS = [
     "tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf", "tiny_kquant_gguf",
-    "tiny_llama3_gguf",
+    "tiny_llama3_gguf", "tiny_qwen3_dir", "tiny_qwen3_gguf",
 ]  # fmt: skip
 # GGUF fixture -> the HF directory transformers runs as its reference (for tiny_llama3_gguf: transformers' llama3 rope
 # scaling against lmserve applying the file's rope_freqs tensor).

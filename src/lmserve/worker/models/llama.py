@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat batch of positions and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of positions and a paged KV cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
 matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.quantization import LAYER_TYPES, OUTPUT_LAYER_METHOD, quantize_linears
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
 NUMPY_BLAS = os.environ.get("LMSERVE_BLAS", "numpy") == "numpy"
 
@@ -118,11 +118,19 @@ class Attention(nn.Module):
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3 normalizes each head of q and k before RoPE, one weight of head_dim shared by the heads.
+        qk_norm = config.model_type == "qwen3"
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.fused = None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
+            q.copy_(self.q_norm(q)[0])
+            k.copy_(self.k_norm(k)[0])
         if self.fused is not None:
             self.fused.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads)  # q and k, in place
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
