@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of positions and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of positions and a paged KV
+cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
 matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
