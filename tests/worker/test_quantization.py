@@ -36,6 +36,12 @@ def test_auto_picks_fp16_only_where_it_runs() -> None:
     assert check_quantization("fp16", CPU, torch.float32) == "fp16"
 
 
+def test_auto_gives_k_quant_files_fp16(tiny_kquant_gguf) -> None:
+    """No kernel reads K-quant super-blocks: a Q4_K_M-like file (Q4_K and Q6_K layers) and a pure Q4_K one get fp16."""
+    assert stored_linear_format(resolve_model(str(tiny_kquant_gguf))) is None  # mixed types
+    assert check_quantization("auto", CPU, torch.float32, "q4_k") == "fp16"
+
+
 @pytest.mark.parametrize(("method", "device", "dtype", "message"), [
     ("fp16", CPU, torch.bfloat16, "float32 activations only"),
     ("fp16", CUDA, torch.float32, "runs on CPU"),

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 import transformers
 from safetensors import safe_open
 
-from lmserve.models import ModelSource, ggml_type_name, load_hf_config, read_gguf_header
+from lmserve.models import ModelSource, ggml_type_name, load_hf_config, read_gguf_header, read_gguf_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +58,9 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 GGMLType = gguf.GGMLQuantizationType
+# Each is dequantized to float on loading. The K-quants (what llama.cpp's Q4_K_M, Q5_K_M, Q6_K files and Ollama's
+# default downloads hold) have no kernel here, so `--quantization auto` gives them float16 weights; Q5_0 and Q5_1 are
+# what llama.cpp falls back to in those files for rows that are not a multiple of 256 wide.
 SUPPORTED_GGML_TYPES = (
     GGMLType.F32,
     GGMLType.F16,
@@ -67,6 +68,13 @@ SUPPORTED_GGML_TYPES = (
     GGMLType.Q8_0,
     GGMLType.Q4_0,
     GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q2_K,
+    GGMLType.Q3_K,
+    GGMLType.Q4_K,
+    GGMLType.Q5_K,
+    GGMLType.Q6_K,
 )
 
 _GGUF_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -76,6 +84,8 @@ _GGUF_PER_LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -103,14 +113,11 @@ def _gguf_weights(path: Path, config: transformers.PretrainedConfig) -> Iterator
         raise ValueError(f"{path} holds tensors of GGUF type {found}; lmserve dequantizes {supported}")
     # llama.cpp interleaves the two rotary halves of each Q/K head for its llama arch only (not qwen2).
     permuted = config.model_type in ("llama", "mistral")
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
     for info in tensors:
+        if info.name == "rope_freqs.weight":
+            continue  # read into the config by lmserve.models; the rotary embedding applies it
         name = hf_name_from_gguf(info.name)
-        qtype = GGMLType(info.ggml_type)
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        row_bytes = info.shape[-1] // block_size * block_bytes
-        raw = blob[info.offset : info.offset + math.prod(info.shape[:-1]) * row_bytes]
-        array = gguf.quants.dequantize(raw.reshape(*info.shape[:-1], row_bytes), qtype)
+        array = read_gguf_tensor(path, info)
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         if permuted and ".self_attn.q_proj." in name:
             tensor = _unpermute_rotary(tensor, config.num_attention_heads)

@@ -5,7 +5,9 @@ Decoding a small model on a CPU is bound by the bytes of weights read per step. 
 kernel, which on this project's AVX2 machines also beats float32 OpenBLAS at the few-row products of decoding.
 Against the float32 model the output distribution is unchanged to within rounding (benchmarks/quantization.py:
 perplexity 63.080 vs 63.075, 99.6% same top token), so `auto` picks fp16 on CPU with float32 for models whose file
-holds no block format below.
+holds no block format below. That includes llama.cpp's K-quants (Q4_K_M, Q6_K... files): the loader dequantizes them
+and no kernel here reads their 256-wide super-blocks, so they run as float16 weights (2 bytes per weight rather than
+the file's ~0.6), with the file's values to within float16 rounding.
 
 q4_1 and q8_0 are llama.cpp's block formats (0.625 and 1.0625 bytes per weight). The C++ kernels in
 kernels/quantized_linear.cpp widen them in registers and multiply in float32, so only the weights are rounded, never

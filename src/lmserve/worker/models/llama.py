@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat batch of positions and a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of positions and a paged KV
+cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
 matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
@@ -18,7 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.quantization import LAYER_TYPES, OUTPUT_LAYER_METHOD, quantize_linears
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
 NUMPY_BLAS = os.environ.get("LMSERVE_BLAS", "numpy") == "numpy"
 
@@ -85,6 +86,12 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         else:
             raise ValueError(f"unsupported rope type {rope_type!r}")
+        rope_freqs = getattr(config, "rope_freqs", None)
+        if rope_freqs is not None:
+            # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
+            if rope_type != "default" or len(rope_freqs) != head_dim // 2:
+                raise ValueError(f"rope_freqs of {len(rope_freqs)} values for {rope_type} rope, head_dim {head_dim}")
+            inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.float())
         # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16.
         self.cos = freqs.cos() * scaling
@@ -112,11 +119,19 @@ class Attention(nn.Module):
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3 normalizes each head of q and k before RoPE, one weight of head_dim shared by the heads.
+        qk_norm = config.model_type == "qwen3"
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.fused = None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
+            q.copy_(self.q_norm(q)[0])
+            k.copy_(self.k_norm(k)[0])
         if self.fused is not None:
             self.fused.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads)  # q and k, in place
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
