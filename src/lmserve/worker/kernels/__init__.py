@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp")
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
 # vector versions; the kernels never compute with infinities (a softmax's running max starts at the lowest float).
 BUILD_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
 
 
 @functools.cache
@@ -51,6 +54,26 @@ def build_directory() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _only_builder(directory: Path) -> Iterator[None]:
+    """Holds an exclusive lock on the build directory while building or loading.
+
+    torch's own lock is a file whose existence means "a build is running": a build that was killed (a server stopped
+    while it compiled) leaves it behind, and every later start would wait on it forever. The kernel's lock is released
+    by the kernel when its holder dies, so whoever holds it knows that any torch lock file left is stale.
+    """
+    with open(directory / "lmserve-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / TORCH_BUILD_LOCK
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cpu_kernels():
     """The `torch.ops.lmserve` namespace with every CPU kernel (SOURCES), building them if needed; raises
@@ -58,16 +81,18 @@ def cpu_kernels():
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
+    directory = build_directory()
     try:
-        cpp_extension.load(
-            name="lmserve_cpu_kernels",
-            sources=[str(SOURCE_DIR / name) for name in SOURCES],
-            extra_cflags=BUILD_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_directory()),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _only_builder(directory):
+            cpp_extension.load(
+                name="lmserve_cpu_kernels",
+                sources=[str(SOURCE_DIR / name) for name in SOURCES],
+                extra_cflags=BUILD_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja shows up as one of several exception types
         raise RuntimeError(f"could not build lmserve's CPU kernels: {exc}") from exc
     logger.debug("CPU kernels ready in %.1fs", time.perf_counter() - started)
