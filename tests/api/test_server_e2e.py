@@ -213,40 +213,6 @@ def test_errors_from_the_real_engine(server: Server) -> None:
     assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_idle_server_uses_almost_no_cpu(server: Server) -> None:
-    pids = [server.process.pid, server.engine_pid]
-    idle_free_blocks(server)
-    before = sum(cpu_seconds(p) for p in pids)
-    time.sleep(2.0)
-    used = sum(cpu_seconds(p) for p in pids) - before
-    assert used < 0.1, f"idle server used {used:.2f} CPU-seconds in 2 s"
-
-
-def test_sigterm_shuts_down_cleanly(server: Server) -> None:
-    engine_pid = server.engine_pid
-    assert server.stop(signal.SIGTERM) == 0
-    assert wait_until(lambda: not alive(engine_pid), timeout=5), "engine process outlived the server"
-
-
-def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
-    srv = start_server(tmp_path, "--max-model-len", "512", "--kv-cache-memory", "64MiB")
-    try:
-        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=30)
-        stream = client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2,", max_tokens=400,
-                                           stream=True, extra_body={"ignore_eos": True})
-        next(iter(stream))
-        os.kill(srv.engine_pid, signal.SIGKILL)
-        with pytest.raises((openai.APIError, httpx.HTTPError)):
-            for _ in stream:
-                pass
-        assert wait_until(lambda: httpx.get(f"{srv.base_url}/health", timeout=2).status_code == 503, timeout=3)
-        new = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "hi"}, timeout=5)
-        assert new.status_code == 503
-        assert srv.process.wait(20) != 0
-    finally:
-        srv.stop(signal.SIGKILL)
-
-
 MODEL = "smollm2-135m-instruct"
 
 
@@ -327,3 +293,37 @@ def test_vllm_prompt_logprobs_field_on_both_endpoints(client: openai.OpenAI, off
     assert all(len(entry) == 1 for entry in served[1:])
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"prompt_logprobs": 21})
+
+
+def test_idle_server_uses_almost_no_cpu(server: Server) -> None:
+    pids = [server.process.pid, server.engine_pid]
+    idle_free_blocks(server)
+    before = sum(cpu_seconds(p) for p in pids)
+    time.sleep(2.0)
+    used = sum(cpu_seconds(p) for p in pids) - before
+    assert used < 0.1, f"idle server used {used:.2f} CPU-seconds in 2 s"
+
+
+def test_sigterm_shuts_down_cleanly(server: Server) -> None:
+    engine_pid = server.engine_pid
+    assert server.stop(signal.SIGTERM) == 0
+    assert wait_until(lambda: not alive(engine_pid), timeout=5), "engine process outlived the server"
+
+
+def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
+    srv = start_server(tmp_path, "--max-model-len", "512", "--kv-cache-memory", "64MiB")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0, timeout=30)
+        stream = client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2,", max_tokens=400,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(srv.engine_pid, signal.SIGKILL)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in stream:
+                pass
+        assert wait_until(lambda: httpx.get(f"{srv.base_url}/health", timeout=2).status_code == 503, timeout=3)
+        new = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert new.status_code == 503
+        assert srv.process.wait(20) != 0
+    finally:
+        srv.stop(signal.SIGKILL)
