@@ -235,6 +235,7 @@ class _HermesStream(ToolCallStream):
             if start < 0:
                 if not self.started:
                     self._release(out, len(self.text) - held_back(self.text, self.sent, start_tag))
+                    self.pos = self.sent  # no block starts before what was released: don't search it again
                 return
             if not self.started:
                 self._release(out, start)
