@@ -1,0 +1,343 @@
+"""Tool calls in a model's own text format, found after generation (`extract`) or while it streams (`streaming`).
+
+Parsers are chosen by vLLM's `--tool-call-parser` names (TOOL_PARSERS). They are pure text: no tokenizer, no engine.
+
+Agreement between the two paths: for any output, the streamed content concatenates to `extract(text).content`
+(or "" where that is None) and each streamed call's argument fragments concatenate to its `arguments`. A stream
+gets there by emitting early only what can no longer change, and at `finish()` it reconciles with `extract` of the
+whole text. The one exception: a malformed call *after* calls already streamed makes `extract` return the whole
+text as content with no calls, but a stream cannot take back what it sent; it then sends nothing more.
+
+Arguments are always `json.dumps(parsed, ensure_ascii=False)`, so both paths normalise the model's spacing the
+same way. A call is streamed whole (id, name and all its arguments in one delta) as soon as it is complete;
+arguments are not streamed piecemeal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# OpenAI's id shape (`call_` + 24 alphanumerics) rather than vLLM's `chatcmpl-tool-<hex>`: clients and agent
+# frameworks only echo it back, and some validate the prefix. Its own generator, so that code seeding the global
+# `random` (sampling seeds, tests) cannot make two requests' ids collide.
+_ID_ALPHABET = string.ascii_letters + string.digits
+_id_random = random.Random()
+JSON_WHITESPACE = " \t\n\r"
+
+
+def make_tool_call_id() -> str:
+    return "call_" + "".join(_id_random.choices(_ID_ALPHABET, k=24))
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI's `function.arguments`
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+@dataclass
+class DeltaToolCall:
+    """One entry of a streamed `delta.tool_calls`: the first for a call has id and name, later ones only index."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+
+def call_from_object(obj: Any) -> ToolCall | None:
+    """`{"name": str, "arguments" | "parameters": {...}}` as a ToolCall; None for anything else."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    # Llama 3's template says "parameters", Hermes' says "arguments"; models trained on either mix them up.
+    arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(make_tool_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def call_from_json(text: str) -> ToolCall | None:
+    try:
+        return call_from_object(json.loads(text))
+    except (ValueError, RecursionError):  # RecursionError: thousands of nested brackets
+        return None
+
+
+def held_back(text: str, start: int, marker: str) -> int:
+    """How many trailing characters of text[start:] could be the beginning of `marker` (so are not yet content)."""
+    for k in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ObjectScanner:
+    """Finds the JSON objects that open `depth` brackets deep in a growing text, looking at each character once."""
+
+    def __init__(self, depth: int) -> None:
+        self.base = depth
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.start: int | None = None
+        self.pos = 0
+
+    def scan(self, text: str) -> list[tuple[int, int]]:
+        """The (start, end) spans of the objects that closed in the text added since the last call."""
+        spans = []
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                if c == "{" and self.depth == self.base:
+                    self.start = i
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if c == "}" and self.depth == self.base and self.start is not None:
+                    spans.append((self.start, i + 1))
+                    self.start = None
+        self.pos = len(text)
+        return spans
+
+
+# ------------------------------------------------------------------------------------------------ parsers
+
+
+class ToolParser:
+    name: ClassVar[str]
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        raise NotImplementedError
+
+    def streaming(self) -> ToolCallStream:
+        raise NotImplementedError
+
+
+class ToolCallStream:
+    """State of one streamed choice. Subclasses release content and complete calls early in `_advance`."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # the content streamed so far is always text[:sent]
+        self.calls = 0  # tool calls streamed so far
+        self.plain = False  # decided: there are no tool calls, everything is content
+        self.stopped = False  # a call after streamed ones was malformed: nothing more is sent
+
+    def feed(self, delta_text: str) -> StreamDelta:
+        self.text += delta_text
+        out = StreamDelta()
+        if self.plain:
+            self._release(out, len(self.text))
+        elif not self.stopped:
+            self._advance(out)
+        return out
+
+    def finish(self) -> StreamDelta:
+        out = StreamDelta()
+        result = self.parser.extract(self.text)
+        if result.tool_calls:
+            # What was held back of the content, then the calls not yet streamed (the earlier ones are equal).
+            out.content = (result.content or "")[self.sent:]
+            for call in result.tool_calls[self.calls:]:
+                self._emit(out, call)
+        elif self.calls == 0:
+            self._release(out, len(self.text))
+        # else: a later call was malformed; extract() drops them all, but those streamed cannot be taken back.
+        return out
+
+    def _advance(self, out: StreamDelta) -> None:
+        raise NotImplementedError
+
+    def _release(self, out: StreamDelta, end: int) -> None:
+        out.content += self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+
+    def _emit(self, out: StreamDelta, call: ToolCall) -> None:
+        out.tool_calls.append(DeltaToolCall(self.calls, call.id, call.name, call.arguments))
+        self.calls += 1
+
+    def _malformed(self, out: StreamDelta) -> None:
+        """A call that cannot be parsed: if it is the first, the whole text is content (as extract() says)."""
+        if self.calls == 0:
+            self.plain = True
+            self._release(out, len(self.text))
+        else:
+            self.stopped = True
+
+
+class HermesToolParser(ToolParser):
+    """Qwen 2.5 / Hermes 2 Pro: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks.
+
+    Text before the first block is content; text between and after blocks is dropped (as vLLM). The last block
+    may lack its end tag (generation stopped on EOS right after the JSON)."""
+
+    name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        first = text.find(self.START)
+        if first < 0:
+            return ExtractedToolCalls(text, [])
+        calls = []
+        start = first
+        while start >= 0:
+            body_start = start + len(self.START)
+            end = text.find(self.END, body_start)
+            call = call_from_json(text[body_start:] if end < 0 else text[body_start:end])
+            if call is None:
+                return ExtractedToolCalls(text, [])
+            calls.append(call)
+            start = -1 if end < 0 else text.find(self.START, end + len(self.END))
+        return ExtractedToolCalls(text[:first] or None, calls)
+
+    def streaming(self) -> ToolCallStream:
+        return _HermesStream(self)
+
+
+class _HermesStream(ToolCallStream):
+    def __init__(self, parser: HermesToolParser) -> None:
+        super().__init__(parser)
+        self.pos = 0  # where to look for the next block
+        self.started = False  # a block has begun: no more content
+
+    def _advance(self, out: StreamDelta) -> None:
+        start_tag, end_tag = HermesToolParser.START, HermesToolParser.END
+        while not self.plain:
+            start = self.text.find(start_tag, self.pos)
+            if start < 0:
+                if not self.started:
+                    self._release(out, len(self.text) - held_back(self.text, self.sent, start_tag))
+                    self.pos = self.sent  # no block starts before what was released: don't search it again
+                return
+            if not self.started:
+                self._release(out, start)
+                self.started = True
+            end = self.text.find(end_tag, start + len(start_tag))
+            if end < 0:
+                self.pos = start  # an open block waits for its end tag, or for finish()
+                return
+            call = call_from_json(self.text[start + len(start_tag):end])
+            if call is None:
+                self._malformed(out)
+                return
+            self._emit(out, call)
+            self.pos = end + len(end_tag)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2 JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}` (or
+    "arguments"), optionally after `<|python_tag|>`, several separated by `;`. Anything else is content."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def body_start(self, text: str) -> int:
+        """Where the JSON starts: after leading whitespace and the python tag."""
+        pos = len(text) - len(text.lstrip(JSON_WHITESPACE))
+        if text.startswith(self.PYTHON_TAG, pos):
+            pos += len(self.PYTHON_TAG)
+            pos = len(text) - len(text[pos:].lstrip(JSON_WHITESPACE))
+        return pos
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        pos = self.body_start(text)
+        if not text.startswith("{", pos):
+            return ExtractedToolCalls(text, [])
+        decoder = json.JSONDecoder()
+        calls = []
+        while pos < len(text):
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except (ValueError, RecursionError):
+                return ExtractedToolCalls(text, [])
+            call = call_from_object(obj)
+            if call is None:
+                return ExtractedToolCalls(text, [])
+            calls.append(call)
+            rest = text[pos:].lstrip(JSON_WHITESPACE)
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip(JSON_WHITESPACE)  # a trailing ";" is allowed
+            elif rest:
+                return ExtractedToolCalls(text, [])
+            pos = len(text) - len(rest)
+        return ExtractedToolCalls(None, calls)
+
+    def streaming(self) -> ToolCallStream:
+        return _Llama3JsonStream(self)
+
+
+class _Llama3JsonStream(ToolCallStream):
+    def __init__(self, parser: Llama3JsonToolParser) -> None:
+        super().__init__(parser)
+        self.llama = parser
+        self.tools = False  # decided: the output is tool calls
+        self.scanner = ObjectScanner(depth=0)
+        self.pending: list[tuple[int, int]] = []  # complete objects not yet known to be followed by ";"
+
+    def _advance(self, out: StreamDelta) -> None:
+        if not self.tools:
+            pos = self.llama.body_start(self.text)
+            if pos == len(self.text):
+                return  # whitespace or (part of) the python tag: undecided
+            tag = Llama3JsonToolParser.PYTHON_TAG
+            if self.text.startswith("{", pos):
+                self.tools = True
+            elif not tag.startswith(self.text.lstrip(JSON_WHITESPACE)):
+                self.plain = True
+                self._release(out, len(self.text))
+                return
+            else:
+                return
+        self.pending += self.scanner.scan(self.text)
+        # A call is final once a ";" follows it; the last one waits for finish(), which also checks what follows.
+        while self.pending:
+            start, end = self.pending[0]
+            after = self.text[end:].lstrip(JSON_WHITESPACE)
+            if not after:
+                return
+            call = call_from_json(self.text[start:end]) if after.startswith(";") else None
+            if call is None:
+                self._malformed(out)
+                return
+            self._emit(out, call)
+            self.pending.pop(0)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    HermesToolParser.name: HermesToolParser,
+    Llama3JsonToolParser.name: Llama3JsonToolParser,
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}")
+    return TOOL_PARSERS[name]()

@@ -1,0 +1,231 @@
+"""Tool-call parsers: extract() on whole outputs, and streams that agree with it however the text is split."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmserve.api.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolParser,
+    get_tool_parser,
+)
+
+hermes = HermesToolParser()
+llama = Llama3JsonToolParser()
+
+
+def hermes_block(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def calls_of(parser: ToolParser, text: str) -> list[tuple[str, str]]:
+    return [(c.name, c.arguments) for c in parser.extract(text).tool_calls]
+
+
+def stream(parser: ToolParser, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Feeds the chunks, checks OpenAI's delta shape, and returns the content and each call's (name, arguments)."""
+    s = parser.streaming()
+    content, calls = "", []
+    for delta in [s.feed(chunk) for chunk in chunks] + [s.finish()]:
+        content += delta.content
+        for d in delta.tool_calls:
+            if d.index == len(calls):  # a call's first delta: id and name
+                assert d.id is not None and d.name is not None
+                calls.append([d.name, d.arguments])
+            else:
+                assert d.index == len(calls) - 1 and d.id is None and d.name is None
+                calls[d.index][1] += d.arguments
+    return content, [tuple(c) for c in calls]
+
+
+def assert_stream_agrees(parser: ToolParser, text: str, chunks: list[str]) -> None:
+    assert "".join(chunks) == text
+    expected = parser.extract(text)
+    content, calls = stream(parser, chunks)
+    assert content == (expected.content or "")
+    assert calls == [(c.name, c.arguments) for c in expected.tool_calls]
+
+
+def splits(text: str, points: list[int]) -> list[str]:
+    cuts = sorted({min(p, len(text)) for p in points})
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+# ------------------------------------------------------------------------------------------------ extract
+
+
+def test_hermes_one_call() -> None:
+    result = hermes.extract(hermes_block("get_weather", {"city": "Zürich"}))
+    assert result.content is None
+    [call] = result.tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Zürich"}')  # ensure_ascii=False
+    assert re.fullmatch(r"call_[A-Za-z0-9]{24}", call.id)
+
+
+def test_hermes_two_calls_after_content() -> None:
+    text = "Let me check.\n" + hermes_block("a", {"x": 1}) + "\n" + hermes_block("b", {})
+    result = hermes.extract(text)
+    assert result.content == "Let me check.\n"
+    assert calls_of(hermes, text) == [("a", '{"x": 1}'), ("b", "{}")]
+    assert result.tool_calls[0].id != result.tool_calls[1].id
+
+
+def test_hermes_normalises_arguments_and_accepts_an_unclosed_last_block() -> None:
+    text = '<tool_call>{"name":"a","arguments":{"x":[1,2]}}'
+    assert calls_of(hermes, text) == [("a", '{"x": [1, 2]}')]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": }\n</tool_call>",  # bad JSON
+    "<tool_call>\n{\"arguments\": {}}\n</tool_call>",  # no name
+    "<tool_call>\n{\"name\": \"a\", \"arguments\": [1]}\n</tool_call>",  # arguments not an object
+    "hi " + hermes_block("a", {}) + "<tool_call>{\"name\": \"b\"",  # a later block cut short
+    "<tool_call></tool_call>",
+])
+def test_hermes_malformed_is_content(text: str) -> None:
+    result = hermes.extract(text)
+    assert result.content == text and result.tool_calls == []
+
+
+@pytest.mark.parametrize("text", ["", "Hello there.", "a <tool_ b", "</tool_call>"])
+def test_no_calls_is_content(text: str) -> None:
+    for parser in (hermes, llama):
+        assert parser.extract(text).content == text and parser.extract(text).tool_calls == []
+
+
+def test_llama_one_call_with_python_tag_and_parameters() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    result = llama.extract(text)
+    assert result.content is None
+    assert calls_of(llama, text) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_llama_two_calls_separated_by_semicolons() -> None:
+    text = '{"name": "a", "arguments": {"s": "x;}{"}} ; {"name":"b","parameters":{}};'
+    assert calls_of(llama, text) == [("a", '{"s": "x;}{"}'), ("b", "{}")]
+
+
+@pytest.mark.parametrize("text", [
+    '{"answer": 42}',  # JSON, but not a call
+    '{"name": "a", "parameters": {}} and then some text',
+    '{"name": "a", "parameters": {"x": }}',
+    'Sure: {"name": "a", "parameters": {}}',  # a call not at the start is prose
+    '<|python_tag|>print("hi")',  # Llama's code interpreter, not a JSON call
+])
+def test_llama_malformed_or_prose_is_content(text: str) -> None:
+    result = llama.extract(text)
+    assert result.content == text and result.tool_calls == []
+
+
+def test_registry() -> None:
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
+    assert isinstance(get_tool_parser("hermes"), HermesToolParser)
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        get_tool_parser("mistral")
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+EXAMPLES = [
+    (hermes, "Let me check.\n" + hermes_block("a", {"x": 1, "s": "<tool_call>"}) + "\n" + hermes_block("b", {})),
+    (hermes, hermes_block("only", {"q": "é ü"})),
+    (hermes, "plain answer with < and <tool and </tool_call> in it"),
+    (hermes, "before <tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": }\n</tool_call> after"),
+    (hermes, "cut short <tool_call>{\"name\": \"a\", \"arguments\": {}}"),
+    (hermes, "ends in a marker prefix <tool_"),
+    (llama, '<|python_tag|>{"name": "a", "parameters": {"x": "}{;"}}; {"name": "b", "arguments": {}}'),
+    (llama, '  {"name": "a", "parameters": {}}'),
+    (llama, '{"answer": 42}'),
+    (llama, '{"name": "a", "parameters": {}} trailing prose'),
+    (llama, "<|python_tag|>print(1)"),
+    (llama, "<|pyth not a tag"),
+    (llama, "Just prose."),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), EXAMPLES)
+def test_stream_one_character_at_a_time(parser: ToolParser, text: str) -> None:
+    assert_stream_agrees(parser, text, list(text))
+
+
+@pytest.mark.parametrize(("parser", "text"), EXAMPLES)
+def test_stream_all_at_once(parser: ToolParser, text: str) -> None:
+    assert_stream_agrees(parser, text, [text])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(EXAMPLES), st.lists(st.integers(0, 200), max_size=12))
+def test_stream_random_splits(example: tuple[ToolParser, str], points: list[int]) -> None:
+    parser, text = example
+    assert_stream_agrees(parser, text, splits(text, points))
+
+
+arguments = st.dictionaries(st.text(max_size=4), st.one_of(st.integers(), st.text(alphabet="a<>{};\"\\_ é", max_size=6)),
+                            max_size=3)
+names = st.from_regex(r"[a-z_]{1,8}", fullmatch=True)
+prose = st.text(alphabet="ab <>_/tol|c{}", max_size=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prose, st.lists(st.tuples(names, arguments), max_size=3), st.lists(st.integers(0, 400), max_size=12))
+def test_hermes_generated_outputs(content: str, calls: list, points: list[int]) -> None:
+    text = content + "\n".join(hermes_block(n, a) for n, a in calls)
+    assert_stream_agrees(hermes, text, splits(text, points))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["", "<|python_tag|>", " "]), st.lists(st.tuples(names, arguments), min_size=1, max_size=3),
+       st.lists(st.integers(0, 400), max_size=12))
+def test_llama_generated_outputs(prefix: str, calls: list, points: list[int]) -> None:
+    text = prefix + "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    assert_stream_agrees(llama, text, splits(text, points))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([hermes, llama]), st.text(alphabet='<tool_call>/{}"name:arguments;|python_tag ', max_size=60),
+       st.lists(st.integers(0, 60), max_size=8))
+def test_any_text_never_raises_and_agrees_unless_a_streamed_call_is_contradicted(
+        parser: ToolParser, text: str, points: list[int]) -> None:
+    expected = parser.extract(text)
+    content, calls = stream(parser, splits(text, points))
+    if expected.tool_calls or not calls:
+        assert content == (expected.content or "")
+        assert calls == [(c.name, c.arguments) for c in expected.tool_calls]
+
+
+def test_hermes_holds_back_a_possible_marker_then_releases_it() -> None:
+    s = hermes.streaming()
+    assert s.feed("Hello <tool_").content == "Hello "
+    assert s.feed("box> and <").content == "<tool_box> and "
+    assert s.finish().content == "<"
+
+
+def test_hermes_streams_a_call_when_its_block_closes() -> None:
+    s = hermes.streaming()
+    assert s.feed("Hi <tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n").tool_calls == []
+    [delta] = s.feed("</tool_call>").tool_calls
+    assert (delta.index, delta.name, delta.arguments) == (0, "a", "{}")
+    assert s.finish().tool_calls == []
+
+
+def test_hermes_stream_after_a_malformed_first_block_is_all_content() -> None:
+    s = hermes.streaming()
+    assert s.feed("A <tool_call>{oops}").content == "A "
+    assert s.feed("</tool_call> B").content == "<tool_call>{oops}</tool_call> B"
+    assert s.feed(" C").content == " C"
+
+
+def test_llama_stream_decides_on_the_first_character() -> None:
+    s = llama.streaming()
+    assert s.feed(" ").content == ""
+    assert s.feed("Hello").content == " Hello"
+    s = llama.streaming()
+    assert s.feed("<|python").content == ""
+    assert s.feed('_tag|>{"name": "a", "parameters": {}};').tool_calls[0].name == "a"
