@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +30,54 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# A grammar is a few KiB in practice; these bound what one request may make the grammar compiler chew on.
+MAX_GRAMMAR_CHARS = 64 * 1024  # a JSON schema (as text), a regex or an EBNF grammar
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 64 * 1024  # all choices together
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs`: exactly one constraint on what the request may generate."""
+
+    json: str | dict | None = None  # a JSON schema (as a dict or as its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json, ensure_ascii=False)  # key order kept: it is the generation order
+        set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        set_fields += ["json_object"] if self.json_object else []
+        if len(set_fields) != 1:
+            raise ValueError("invalid sampling parameter structured_outputs: set exactly one of json, regex, choice, "
+                             f"grammar or json_object (got {', '.join(set_fields) or 'none'})")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"invalid sampling parameter structured_outputs.{name}: must be a non-empty string "
+                                 f"of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES
+            or any(not isinstance(c, str) or not c for c in self.choice) or sum(map(len, self.choice)) > MAX_CHOICE_CHARS
+        ):
+            raise ValueError(f"invalid sampling parameter structured_outputs.choice: 1 to {MAX_CHOICES} non-empty "
+                             f"strings, at most {MAX_CHOICE_CHARS} characters together")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the cache key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return kind, "\x00".join(value) if kind == "choice" else ("" if kind == "json_object" else str(value))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -52,6 +101,8 @@ class SamplingParams:
     # vLLM's: None, or k: each prompt token's logprob (given the tokens before it) plus the top k at its position.
     # The request then skips the prefix cache, since a cached position is never computed.
     prompt_logprobs: int | None = None
+    # Constrained decoding (xgrammar): the output follows this JSON schema, regex, choice list or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -103,6 +154,10 @@ class SamplingParams:
             check_int("logprobs", 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", 0, MAX_LOGPROBS)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from lmserve.config import CacheConfig, SchedulerConfig
+from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
@@ -27,12 +28,14 @@ def make_scheduler(
     block_size: int = 4,
     max_model_len: int = 1024,
     caching: bool = True,
+    grammar: GrammarManager | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(budget, max_num_seqs, threshold, policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,
         max_model_len,
+        grammar,
     )
 
 

@@ -6,10 +6,12 @@ The offline `LLM` drives it in-process; the server runs the same class in its ow
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from lmserve.config import EngineConfig
+from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.outputs import EngineCoreOutput, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
@@ -22,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # How many recent requests keep their position counts for debugging (bounded: the server runs for days).
 TRACKED_REQUESTS = 4096
+GRAMMAR_WAIT_S = 0.002
 
 
 class EngineCore:
@@ -30,7 +33,10 @@ class EngineCore:
         self.runner = ModelRunner(config.model, config.cache, config.placement)
         # All of the model's EOS ids (config and generation_config.json); requests carry their own copy.
         self.eos_token_ids = model_eos_token_ids(resolve_model(config.model.model), self.runner.hf_config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len)
+        self.grammar = GrammarManager(config.model.tokenizer or config.model.model, self.runner.vocab_size,
+                                      self.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len,
+                                   self.grammar)
         self.last_step: StepRecord | None = None
         self.num_steps = 0
         self.num_preemptions = 0
@@ -70,6 +76,8 @@ class EngineCore:
         during the step stop their requests before any of their output is processed."""
         started = now()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.num_waiting:
+            time.sleep(GRAMMAR_WAIT_S)  # only grammars still compiling: give their thread the CPU, do not spin
         forward_started = now()
         runner_output = self.runner.execute(scheduler_output)
         forward_s = now() - forward_started

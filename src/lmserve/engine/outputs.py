@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
@@ -41,6 +42,10 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     num_batched_tokens: int = 0
+    # Constrained requests that sample this step: xgrammar's packed allowed-token bits (a torch int32 tensor, one
+    # row each) and their request ids in row order.
+    grammar_bitmask: Any = None
+    grammar_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

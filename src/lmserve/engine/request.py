@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class Request:
     index: int = 0
     # Scored prompt tokens (sampling_params.prompt_logprobs): entry i is token i + 1's, given tokens 0..i.
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
+    grammar: Any = None  # engine.grammar.GrammarState of a constrained request (structured_outputs)
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

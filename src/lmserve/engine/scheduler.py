@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from lmserve.config import CacheConfig, SchedulerConfig
+from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
@@ -28,8 +29,13 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        grammar: GrammarManager | None = None,
     ) -> None:
+        """`grammar`: compiles and advances constrained requests' grammars (None: no structured output)."""
         self.config = scheduler_config
+        self.grammar = grammar
+        # Outputs made outside a step's update (a grammar that failed to compile): returned by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -63,9 +69,29 @@ class Scheduler:
                 f"the prompt has {request.num_prompt_tokens} tokens, more than max_model_len="
                 f"{self.max_model_len}{why}"
             )
+        if request.sampling_params.structured_outputs is not None:
+            if self.grammar is None:
+                raise ValueError("this engine has no grammar support for structured_outputs")
+            self.grammar.add(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue(request, front=False)
+
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request that may start: one whose grammar is still compiling waits without holding up
+        the others (vLLM's WAITING_FOR_FSM); one whose grammar failed ends here."""
+        if self.grammar is None:
+            return self.waiting[0] if self.waiting else None
+        for request in list(self.waiting):
+            if not self.grammar.is_ready(request):
+                continue
+            if request.grammar is not None and request.grammar.error is not None:
+                self.waiting.remove(request)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self._pending_outputs.append(self._output(request, []))
+                continue
+            return request
+        return None
 
     def _priority_key(self, request: Request) -> tuple[float, float]:
         return (request.priority, request.arrival_time)
@@ -236,7 +262,9 @@ class Scheduler:
         # just freed belong to the preempted requests at the head of the queue, and taking them would start a storm.
         promised = self._blocks_promised_to_prefills() if self.waiting and not preempted else 0
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_admissible()
+            if request is None:
+                break
             hits, num_hit = kv.get_computed_blocks(request, record_stats=False)
             # Admit only when the whole remaining prompt fits in blocks nobody else was promised, so an admitted
             # prefill is never preempted by its own later chunks, nor by another admitted prefill's.
@@ -247,7 +275,7 @@ class Scheduler:
             if not kv.allocate_slots(request, num_new, hits, num_hit):
                 break
             kv.record_prefix_lookup(request.num_tokens, num_hit)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -259,12 +287,18 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids | preempted, set()
         batch = list(scheduled.values())
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled=batch,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
             num_batched_tokens=sum(s.num_tokens for s in batch),
         )
+        if self.grammar is not None:
+            sampling = [self.requests[s.request_id] for s in batch if s.samples]
+            bitmask = self.grammar.bitmask(sampling)
+            if bitmask is not None:
+                output.grammar_bitmask, output.grammar_request_ids = bitmask
+        return output
 
     # ---- results -------------------------------------------------------------------------------------------
 
@@ -273,7 +307,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Appends each sampled token, ends requests that stop, and returns one output per request that got a
         token. Requests that ended while the step ran (aborts, stop strings) are skipped."""
-        outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for planned in scheduler_output.scheduled:
             request = self.requests.get(planned.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -284,6 +318,8 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
+            if request.grammar is not None and self.grammar is not None and self.grammar.accept(request, token):
+                status = status or RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

@@ -37,6 +37,7 @@ from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
 from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
+from lmserve.structured_output import check_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,10 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         inputs.check_params(params, priority)  # before the tokenizer spends anything on the prompt
         self._check_queue_room(params.n)
+        if params.structured_outputs is not None:
+            # A bad schema is the client's 400 here, not a failed request later; building it can take a while for
+            # a large schema, so off the event loop (the grammar cache makes a repeated schema instant).
+            await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
         processed = inputs.tokenize(prompt)
         requests = [inputs.make_request(request_id, processed, p, priority, arrival, cache_salt)
                     for p in child_params(params)]

@@ -16,6 +16,7 @@ from lmserve.generation_config import default_sampling
 from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SEED_RANGE, SamplingParams
+from lmserve.structured_output import check_structured_outputs
 
 
 def child_params(params: SamplingParams) -> list[SamplingParams]:
@@ -113,6 +114,8 @@ class LLM:
 
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
         request_id = str(next(self._ids))
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         processed = self.input_processor.tokenize(prompt)
         children = child_params(params)
         requests = [

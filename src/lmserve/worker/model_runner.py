@@ -217,6 +217,8 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
+        if scheduler_output.grammar_bitmask is not None:
+            self._add_grammar(metadata, scheduler_output, batch)
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.token_ids.tolist()
         ids = [r.request_id for r in batch.sampling]
@@ -225,6 +227,16 @@ class ModelRunner:
             logprobs={rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None},
             prompt_logprobs=prompt_logprobs,
         )
+
+    @staticmethod
+    def _add_grammar(metadata: SamplingMetadata, scheduler_output: SchedulerOutput, batch: BatchInputs) -> None:
+        """The scheduler's bitmask rows, moved to the rows of the requests in logits order."""
+        row_of = {r.request_id: i for i, r in enumerate(batch.sampling)}
+        mask = scheduler_output.grammar_bitmask
+        full = torch.full((len(batch.sampling), mask.shape[1]), -1, dtype=mask.dtype)
+        rows = [row_of[rid] for rid in scheduler_output.grammar_request_ids]
+        full[rows] = mask
+        metadata.grammar_bitmask, metadata.grammar_rows = full, rows
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         seed = r.sampling_params.seed

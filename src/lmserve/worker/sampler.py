@@ -62,6 +62,9 @@ class SamplingMetadata:
     # Logprobs: which rows want them, and how many top entries each.
     logprob_rows: list[int] = field(default_factory=list)
     num_logprobs: list[int] = field(default_factory=list)
+    # Constrained decoding: xgrammar's packed allowed-token bits, one row per batch row; applied to grammar_rows.
+    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32
+    grammar_rows: list[int] = field(default_factory=list)
 
     @property
     def any_penalties(self) -> bool:
@@ -71,6 +74,7 @@ class SamplingMetadata:
     def any_masks(self) -> bool:
         return (
             self.allowed_rows is not None or self.bias_index is not None or self.min_tokens_index is not None
+            or self.grammar_bitmask is not None
         )
 
     @classmethod
@@ -219,6 +223,14 @@ def apply_masks(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+def apply_grammar(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.grammar_bitmask is not None:
+        import xgrammar as xgr  # only constrained batches get here; the engine checked that it imports
+
+        xgr.apply_token_bitmask_inplace(logits, md.grammar_bitmask.to(logits.device), indices=md.grammar_rows)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Repetition (HF/vLLM: prompt + output), then frequency and presence (OpenAI: output only)."""
     if md.output_token_ids is None:
@@ -327,6 +339,7 @@ class Sampler(torch.nn.Module):
             # A private float32 copy: the stages work in place.
             x = logits.to(torch.float32, copy=True)
             x = apply_masks(x, md)
+            x = apply_grammar(x, md)  # before temperature: greedy, seeded and top-p draws all stay inside it
             x = apply_penalties(x, md)
             greedy_ids = None if md.all_random else x.argmax(dim=-1)
             if md.all_greedy:

@@ -1,0 +1,100 @@
+"""Constrained decoding in the engine: outputs follow the grammar at any sampling setting; a grammar still compiling
+holds back only its own request; a grammar that fails ends its request instead of running it unconstrained."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+from test_scheduler import FakeRunner, make_scheduler, step
+
+from lmserve import LLM, SamplingParams
+from lmserve.engine.grammar import GrammarManager
+from lmserve.engine.request import Request
+from lmserve.sampling_params import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer", "minimum": 0, "maximum": 8},
+    "tags": {"type": "array", "items": {"enum": ["pet", "wild", "farm"]}, "maxItems": 2}},
+    "required": ["name", "legs", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=512, kv_cache_memory="64MiB")
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.5, "top_p": 0.9, "seed": 2},
+    {"temperature": 1.0, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "seed": 3},
+])
+def test_offline_outputs_follow_the_schema_at_any_sampling(llm: LLM, sampling: dict) -> None:
+    params = SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA), **sampling)
+    for out in llm.generate(["An animal as JSON:", "Describe a dog."], params):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_offline_choice_and_bad_regex(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["left", "right"]))
+    assert llm.generate("Which way?", params)[0].outputs[0].text in ("left", "right")
+    with pytest.raises(ValueError, match="regex"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="([")))
+
+
+class AnyToken:
+    """A matcher that allows every token and never ends."""
+
+    def fill_next_token_bitmask(self, mask: torch.Tensor, row: int) -> None:
+        pass
+
+    def accept_token(self, token_id: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class FakeXgrammar:
+    GrammarMatcher = staticmethod(lambda compiled: compiled)
+    allocate_token_bitmask = staticmethod(lambda n, v: torch.full((n, (v + 31) // 32), -1, dtype=torch.int32))
+
+
+class SlowGrammars(GrammarManager):
+    """Compiles only once `release` is set, or fails for the grammar "fail"."""
+
+    def __init__(self) -> None:
+        super().__init__("unused", vocab_size=64, eos_token_ids=[0])
+        self.release = threading.Event()
+
+    def _compile(self, kind: str, text: str) -> object:
+        self.release.wait(10)
+        if text == "fail":
+            raise RuntimeError("cannot compile")
+        return AnyToken()
+
+
+def test_a_compiling_grammar_waits_alone_and_a_failed_one_ends_its_request(monkeypatch) -> None:
+    grammars = SlowGrammars()
+    monkeypatch.setattr("lmserve.engine.grammar.xgrammar", FakeXgrammar)
+    sched = make_scheduler(grammar=grammars)
+    constrained = Request("constrained", [1, 2, 3], SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[a-z]")))
+    failing = Request("failing", [1, 2, 3], SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="fail")))
+    plain = Request("plain", [4, 5, 6], SamplingParams(max_tokens=2))
+    for request in (constrained, failing, plain):
+        sched.add_request(request)
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["plain"]  # behind two compiling grammars, it still runs
+    grammars.release.set()
+    grammars._executor.shutdown(wait=True)
+    out, outputs = step(sched, FakeRunner(lambda _: 7))
+    assert "constrained" in [s.request_id for s in out.scheduled]
+    assert out.grammar_request_ids == ["constrained"] and out.grammar_bitmask.shape == (1, 2)
+    failed = [o for o in outputs if o.request_id == "failing"]
+    assert failed and failed[0].finish_reason == "abort"
