@@ -51,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from lmserve.api.serve import ShutdownRequested, serve
+    from lmserve.api.serving import ToolConfig
     from lmserve.config import make_engine_config, parse_cpus
 
     def stop(signum: int, _frame: object) -> None:
@@ -65,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
         api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
+        tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
     ))
 
 
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: no limit)")
     srv.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                      metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let the model decide to call tools (tool_choice "auto"), parsed by --tool-call-parser')
+    srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                     help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+)")
     srv.set_defaults(func=cmd_serve)
 
     # These parsers import only argparse; the load generator and the planners import the rest when they run.

@@ -432,9 +432,16 @@ def test_bad_request(http: httpx.Client, path: str, body: dict, param: str) -> N
     assert error["message"]
 
 
-def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
+def test_unknown_fields_are_refused_and_bookkeeping_fields_accepted(http: httpx.Client) -> None:
+    # As vLLM: a field lmserve does not implement is a 400 naming it, never silently dropped.
     response = http.post("/v1/completions", json={**COMPLETION, "suffix": "x", "best_of": 1, "made_up": {"a": 1}})
-    assert response.status_code == 200, response.text
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "suffix" and "suffix, best_of, made_up" in error["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "p"}], "response_formt": {"type": "text"}}
+    assert http.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "response_formt"
+    harmless = {"user": "u", "store": False, "metadata": {"k": "v"}, "service_tier": "auto"}
+    assert http.post("/v1/completions", json={**COMPLETION, **harmless}).status_code == 200
 
 
 def test_malformed_json(http: httpx.Client) -> None:

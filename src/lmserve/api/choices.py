@@ -23,6 +23,7 @@ from lmserve.api.protocol import (
     echo_logprobs,
     prompt_logprobs_out,
 )
+from lmserve.api.tool_output import ChoiceToolStream, ToolOutput
 from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
 
 
@@ -197,10 +198,13 @@ class CompletionChoices(Choices):
 
 class ChatChoices(Choices):
     def __init__(
-        self, n: int, num_top_logprobs: int | None, decode_token: DecodeToken, num_prompt_logprobs: int | None = None
+        self, n: int, num_top_logprobs: int | None, decode_token: DecodeToken, num_prompt_logprobs: int | None = None,
+        tool_output: ToolOutput | None = None,
     ) -> None:
         super().__init__(n, num_prompt_logprobs, decode_token)
         self.num_top_logprobs = num_top_logprobs
+        self.tool_output = tool_output  # None: the text is the answer
+        self.tool_streams: dict[int, ChoiceToolStream] = {}
 
     def response_fields(self) -> dict[str, Any]:
         # vLLM puts a chat request's prompt logprobs on the response: its one prompt is every choice's.
@@ -212,20 +216,37 @@ class ChatChoices(Choices):
         return chat_logprobs(entries, self.decode_token, self.num_top_logprobs)
 
     def stream_choices(self, prompt_index: int, out: RequestOutput) -> list[ChatCompletionStreamChoice]:
-        return [
-            ChatCompletionStreamChoice(
-                index=index, delta=DeltaMessage(content=text), logprobs=self._logprobs(child.logprobs or []),
-                finish_reason=child.finish_reason, stop_reason=child.stop_reason,
-            )
-            for index, _, text, child in self.update(prompt_index, out)
-            if _worth_sending(text, child)
-        ]
+        choices = []
+        for index, _, text, child in self.update(prompt_index, out):
+            delta = DeltaMessage(content=text)
+            finish_reason = child.finish_reason
+            if self.tool_output is not None:
+                stream = self.tool_streams.setdefault(index, self.tool_output.stream())
+                content, calls = stream.feed(text, finished=child.finish_reason is not None)
+                delta = DeltaMessage(content=content, tool_calls=calls or None)
+                if finish_reason is not None and stream.num_calls:
+                    finish_reason = self.tool_output.calls_finish_reason
+                if not (content or calls or finish_reason or child.logprobs):
+                    continue
+            elif not _worth_sending(text, child):
+                continue
+            choices.append(ChatCompletionStreamChoice(
+                index=index, delta=delta, logprobs=self._logprobs(child.logprobs or []),
+                finish_reason=finish_reason, stop_reason=child.stop_reason,
+            ))
+        return choices
 
     def final_choices(self) -> list[ChatCompletionChoice]:
-        return [
-            ChatCompletionChoice(
-                index=index, message=ChatMessageOut(content=state.text), logprobs=self._logprobs(state.logprobs),
-                finish_reason=state.finish_reason, stop_reason=state.stop_reason,
-            )
-            for index, state in self.sorted_states()
-        ]
+        choices = []
+        for index, state in self.sorted_states():
+            message, finish_reason = ChatMessageOut(content=state.text), state.finish_reason
+            if self.tool_output is not None:
+                content, calls = self.tool_output.final(state.text)
+                message = ChatMessageOut(content=content, tool_calls=calls or None)
+                if calls and finish_reason is not None:
+                    finish_reason = self.tool_output.calls_finish_reason
+            choices.append(ChatCompletionChoice(
+                index=index, message=message, logprobs=self._logprobs(state.logprobs),
+                finish_reason=finish_reason, stop_reason=state.stop_reason,
+            ))
+        return choices

@@ -64,6 +64,10 @@ def _validation_message(exc: RequestValidationError | InvalidBodyError) -> tuple
     if not errors:
         return "invalid request", None
     first = errors[0]
+    unknown = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown and len(unknown) == len(errors):
+        return f"unsupported request field(s): {', '.join(unknown[:20])} (lmserve does not implement them)", unknown[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]

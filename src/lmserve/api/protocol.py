@@ -8,6 +8,7 @@ Ranges are SamplingParams' (lmserve.sampling_params) and the front-end's, so the
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from lmserve.api.structured_request import ResponseFormat, StructuredOutputsRequest, structured_outputs_of
+from lmserve.api.tools import ToolChoice, Tools
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import MAX_TOKEN_ID_ENTRIES, SamplingParams
 
@@ -44,7 +47,7 @@ class RequestError(ValueError):
     @classmethod
     def from_value_error(cls, error: ValueError) -> RequestError:
         """A ValueError from SamplingParams or the front-end; `param` is the field it names, if any."""
-        match = re.search(r"parameter (\w+)=", str(error))
+        match = re.search(r"parameter (\w+)[=.:]", str(error))
         return cls(str(error), match.group(1) if match else None)
 
 
@@ -75,8 +78,18 @@ _PASSTHROUGH_FIELDS = (
 )
 
 
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _SamplingRequest(OpenAIRequestModel):
-    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras).
+
+    A field lmserve does not implement is a 400 naming it (as vLLM), never a silent ignore: a client that sends
+    `suffix` or a format we do not know must not believe it was honoured. The few OpenAI fields that change nothing
+    about the answer (user, store, metadata, ...) are accepted.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     n: int | None = None
@@ -89,7 +102,20 @@ class _SamplingRequest(OpenAIRequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's bookkeeping fields: accepted, no effect on the answer.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -124,6 +150,13 @@ class _SamplingRequest(OpenAIRequestModel):
         kwargs["max_tokens"] = None if uses_default_length else max_tokens
         kwargs.update({name: value for name in _PASSTHROUGH_FIELDS if (value := getattr(self, name)) is not None})
         kwargs.update(logprobs=logprobs, logit_bias=self._token_logit_bias())
+        try:
+            kwargs["structured_outputs"] = structured_outputs_of(
+                self.response_format, self.structured_outputs,
+                {name: value for name in _GUIDED_FIELDS if (value := getattr(self, name)) is not None},
+            )
+        except ValueError as exc:
+            raise RequestError.from_value_error(exc) from None
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
@@ -249,6 +282,15 @@ class ChatMessage(BaseModel):
     def to_template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude={"content"})
         message["content"] = self._text_content()
+        # OpenAI sends a call's arguments as JSON text; chat templates (Qwen's, Llama's) render them with tojson and
+        # expect the object, as vLLM hands them over.
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # not JSON: the template gets the text as sent
         return message
 
     def _text_content(self) -> str:
@@ -270,6 +312,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; "required" may call several tools, others at most as parsed
     # vLLM extras
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -423,9 +468,48 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCallOut(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI
+
+
+class ToolCallOut(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed piece of a tool call: the first carries id, type and name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_keys(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        data = handler(self)
+        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
+        return {k: v for k, v in data.items() if v is not None}
+
+
 class ChatMessageOut(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_tool_calls(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -450,6 +534,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset_keys(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import os
 import uvicorn
 
 from lmserve.api.server import build_app
+from lmserve.api.serving import ToolConfig
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineConfig
 from lmserve.frontend.async_llm import AsyncLLM
 
@@ -33,6 +34,7 @@ async def serve(
     api_cpus: list[int] | None = None,
     max_queued_requests: int | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tools: ToolConfig | None = None,
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
     llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper(),
@@ -42,7 +44,7 @@ async def serve(
         os.sched_setaffinity(0, api_cpus)
     llm.start()
     app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log,
-                    max_request_body_bytes=max_request_body_bytes)
+                    max_request_body_bytes=max_request_body_bytes, tools=tools)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
     )

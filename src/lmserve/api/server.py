@@ -28,7 +28,7 @@ from lmserve.api.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from lmserve.api.serving import OpenAIServing
+from lmserve.api.serving import OpenAIServing, ToolConfig
 from lmserve.api.sse import json_response
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from lmserve.frontend.engine_client import EngineClient
@@ -128,13 +128,14 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 def build_app(
     client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
     request_log: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tools: ToolConfig | None = None,
 ) -> FastAPI:
     app = FastAPI(title="lmserve", version=__version__)
     app.state.max_request_body_bytes = max_request_body_bytes
     model_name = served_model_name or client.model_name
     recorder = StatsRecorder(model_name, request_log)
     client.on_step = recorder.on_step
-    serving = OpenAIServing(client, model_name, recorder)
+    serving = OpenAIServing(client, model_name, recorder, tools)
     app.state.serving = serving
     app.state.recorder = recorder
     app.include_router(v1)

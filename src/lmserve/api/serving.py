@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -39,20 +41,41 @@ from lmserve.api.sse import (
     trailer,
     until_disconnect,
 )
+from lmserve.api.tool_output import ToolOutput
+from lmserve.api.tool_parsers import TOOL_PARSERS, get_tool_parser
+from lmserve.api.tools import check_tool_choice, constraint_schema
 from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.outputs import RequestOutput
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+@dataclass
+class ToolConfig:
+    """vLLM's --enable-auto-tool-choice and --tool-call-parser."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}: use one of "
+                             f"{', '.join(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
 
 
 class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, client: EngineClient, model_name: str, recorder: StatsRecorder) -> None:
+    def __init__(
+        self, client: EngineClient, model_name: str, recorder: StatsRecorder, tools: ToolConfig | None = None,
+    ) -> None:
         self.client = client
         self.model_name = model_name
         self.recorder = recorder
+        self.tools = tools or ToolConfig()
         self.num_requests_aborted = 0  # by this server (client disconnects, failures); for /metrics
 
     def check_model(self, requested: str | None) -> None:
@@ -175,10 +198,34 @@ class OpenAIServing:
         except ValueError as exc:
             raise RequestError(str(exc), "tokens") from exc
 
+    def _tool_output(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolOutput | None:
+        """What the chat's tools make of its output; a forced call (required, named) constrains the decoding to the
+        function's schema, so its arguments always parse."""
+        choice = req.tool_choice
+        if choice is None:  # OpenAI's default is "auto" with tools; without a parser here, that means plain text
+            choice = "auto" if req.tools and self.tools.enable_auto_tool_choice else "none"
+        if choice == "auto" and not self.tools.enable_auto_tool_choice:
+            raise RequestError('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                               "--tool-call-parser", "tool_choice")
+        check_tool_choice(req.tools, choice)
+        if choice == "none" or not req.tools:
+            return None
+        if choice == "auto":
+            return ToolOutput(choice, get_tool_parser(self.tools.tool_call_parser or ""))
+        if params.structured_outputs is not None:
+            raise RequestError("a forced tool call cannot be combined with response_format or structured_outputs",
+                               "tool_choice")
+        schema = constraint_schema(req.tools, choice)
+        params.structured_outputs = StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
+        return ToolOutput(choice)
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params(self.client.default_sampling)
+        tool_output = self._tool_output(req, params)
         messages, template_kwargs = req.template_messages(), req.template_kwargs()
+        if req.tools:
+            template_kwargs = {**template_kwargs, "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
         try:
             prompt_token_ids = self.client.render_chat(messages, req.add_generation_prompt is not False,
                                                        template_kwargs)
@@ -187,7 +234,7 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = self._group(req, [prompt_token_ids], params, [response_id], raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs)
+        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs, tool_output)
         # OpenAI's first chunk of each choice carries the role.
         roles = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                  for i in range(choices.n)]

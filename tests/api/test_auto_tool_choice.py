@@ -1,0 +1,66 @@
+"""tool_choice "auto" with --enable-auto-tool-choice --tool-call-parser hermes: the model's own <tool_call> blocks
+become OpenAI tool calls, whole and streamed (the fake engine answers with the prompt's words)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from test_api_fake_engine import MODEL, FakeEngine, ServerThread
+
+from lmserve.api.server import build_app
+from lmserve.api.serving import ToolConfig
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALLING = 'Checking. <tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
+
+
+@pytest.fixture(scope="module")
+def oai() -> Iterator[openai.OpenAI]:
+    app = build_app(FakeEngine(), tools=ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    with ServerThread(app) as running:
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def ask(oai: openai.OpenAI, content: str, stream: bool):
+    return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                       tools=[WEATHER], stream=stream)
+
+
+def test_a_hermes_tool_call_becomes_tool_calls_whole_and_streamed(oai: openai.OpenAI) -> None:
+    whole = ask(oai, CALLING, stream=False).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert whole.message.content == "user: Checking. "
+
+    content, arguments, names, finish = "", {}, {}, None
+    for chunk in ask(oai, CALLING, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                if delta.id is not None:
+                    names[delta.index] = delta.function.name
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert content == whole.message.content and finish == "tool_calls"
+    assert names == {0: "get_weather"} and arguments == {0: call.function.arguments}
+
+
+def test_an_answer_without_a_call_is_plain_content(oai: openai.OpenAI) -> None:
+    whole = ask(oai, "just words", stream=False).choices[0]
+    assert whole.message.tool_calls is None and whole.finish_reason == "stop"
+    assert whole.message.content == "user: just words assistant:"
+    streamed = "".join(c.choices[0].delta.content or "" for c in ask(oai, "just words", stream=True) if c.choices)
+    assert streamed == whole.message.content
+
+
+def test_tool_flags_are_checked_at_start() -> None:
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ToolConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="hermes"):
+        ToolConfig(tool_call_parser="nope")
