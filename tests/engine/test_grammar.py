@@ -38,6 +38,16 @@ def test_offline_outputs_follow_the_schema_at_any_sampling(llm: LLM, sampling: d
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
+def test_greedy_drawn_unmasked_first_equals_greedy_masked_first(llm: LLM) -> None:
+    # Greedy rows draw without the mask and redraw only when refused; top_k=1 at temperature 1 is the same argmax
+    # but is masked before drawing: both must give the same tokens.
+    spec = StructuredOutputsParams(json=SCHEMA)
+    prompts = ["An animal as JSON:", "Describe a dog.", "A farm animal:"]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=spec))
+    top1 = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=120, structured_outputs=spec))
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+
+
 def test_offline_choice_and_bad_regex(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, seed=4, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(choice=["left", "right"]))
@@ -58,9 +68,22 @@ class AnyToken:
     def is_terminated(self) -> bool:
         return False
 
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+
+class FakeBatchMatcher:
+    def __init__(self, threads: int) -> None:
+        pass
+
+    def batch_fill_next_token_bitmask(self, matchers: list, mask: torch.Tensor) -> None:
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(mask, row)
+
 
 class FakeXgrammar:
     GrammarMatcher = staticmethod(lambda compiled: compiled)
+    BatchGrammarMatcher = FakeBatchMatcher
     allocate_token_bitmask = staticmethod(lambda n, v: torch.full((n, (v + 31) // 32), -1, dtype=torch.int32))
 
 
@@ -95,6 +118,6 @@ def test_a_compiling_grammar_waits_alone_and_a_failed_one_ends_its_request(monke
     grammars._executor.shutdown(wait=True)
     out, outputs = step(sched, FakeRunner(lambda _: 7))
     assert "constrained" in [s.request_id for s in out.scheduled]
-    assert out.grammar_request_ids == ["constrained"] and out.grammar_bitmask.shape == (1, 2)
+    assert list(out.grammar.matchers) == ["constrained"] and out.grammar.fill(["constrained"]).shape == (1, 2)
     failed = [o for o in outputs if o.request_id == "failing"]
     assert failed and failed[0].finish_reason == "abort"

@@ -19,6 +19,8 @@ from lmserve.structured_output import build_grammar, xgrammar
 
 logger = logging.getLogger(__name__)
 
+MASK_THREADS = 1  # xgrammar's threads for one step's masks (the forward pass has the cores)
+
 
 @dataclass
 class GrammarState:
@@ -37,6 +39,7 @@ class GrammarManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._batch_matcher: Any = None
         self._compiler: Any = None  # built on the first constrained request: most servers never need one
 
     def add(self, request: Request) -> None:
@@ -67,17 +70,18 @@ class GrammarManager:
             state.error = str(exc)
         return True
 
-    def bitmask(self, requests: list[Request]) -> tuple[Any, list[str]] | None:
-        """The allowed next tokens of the constrained requests among these (packed bits, one row each), and their
-        ids in row order; None when none is constrained."""
+    def batch(self, requests: list[Request]) -> GrammarBatch | None:
+        """The grammars of the constrained requests among this step's sampling ones (None when there are none)."""
         constrained = [r for r in requests if r.grammar is not None and r.grammar.matcher is not None]
         if not constrained:
             return None
-        xgr = xgrammar()
-        mask = xgr.allocate_token_bitmask(len(constrained), self.vocab_size)
-        for row, request in enumerate(constrained):
-            request.grammar.matcher.fill_next_token_bitmask(mask, row)
-        return mask, [r.request_id for r in constrained]
+        if self._batch_matcher is None:
+            self._batch_matcher = xgrammar().BatchGrammarMatcher(MASK_THREADS)
+        return GrammarBatch(
+            {r.request_id: r.grammar.matcher for r in constrained},
+            [r.request_id for r in constrained if not _exact_by_rejection(r)],
+            self._batch_matcher, self.vocab_size,
+        )
 
     @staticmethod
     def accept(request: Request, token_id: int) -> bool:
@@ -92,3 +96,43 @@ class GrammarManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+
+def _exact_by_rejection(request: Request) -> bool:
+    """Whether drawing without the mask and redrawing with it only when the token breaks the grammar gives exactly
+    the masked distribution. It does for greedy rows (the argmax, if allowed, is the masked argmax) and for plain
+    temperature sampling (rejection sampling: p(t) + (1 - p(A)) p(t) / p(A) = p(t) / p(A) for t in the allowed set
+    A). top-k, top-p and min-p cut the distribution before drawing, and cutting the masked one is not the same, so
+    those rows get their mask up front."""
+    params = request.sampling_params
+    return params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0)
+
+
+@dataclass
+class GrammarBatch:
+    """One step's constrained requests, for the runner's sampler.
+
+    A mask costs up to a millisecond per request (xgrammar checks every token one by one inside a maxLength string,
+    and holds the GIL for a single fill), while the model's own choice is almost always allowed. So the runner
+    draws first and fills masks only for the requests whose token the grammar refuses, and for those whose sampling
+    needs the mask up front (`masked_first`).
+    """
+
+    matchers: dict[str, Any]  # request id -> xgrammar.GrammarMatcher
+    masked_first: list[str]
+    batch_matcher: Any
+    vocab_size: int
+
+    def fill(self, request_ids: list[str]) -> Any:
+        """The allowed next tokens of these requests, packed as xgrammar's bitmask (int32, one row each)."""
+        mask = xgrammar().allocate_token_bitmask(len(request_ids), self.vocab_size)
+        self.batch_matcher.batch_fill_next_token_bitmask([self.matchers[r] for r in request_ids], mask)
+        return mask
+
+    def allows(self, request_id: str, token_id: int) -> bool:
+        matcher = self.matchers[request_id]
+        if not matcher.accept_token(token_id):
+            return False
+        matcher.rollback(1)  # only a test: the engine accepts the token after the step
+        return True

@@ -42,10 +42,8 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     num_batched_tokens: int = 0
-    # Constrained requests that sample this step: xgrammar's packed allowed-token bits (a torch int32 tensor, one
-    # row each) and their request ids in row order.
-    grammar_bitmask: Any = None
-    grammar_request_ids: list[str] = field(default_factory=list)
+    # The grammars of the constrained requests that sample this step (engine.grammar.GrammarBatch), or None.
+    grammar: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -295,9 +295,7 @@ class Scheduler:
         )
         if self.grammar is not None:
             sampling = [self.requests[s.request_id] for s in batch if s.samples]
-            bitmask = self.grammar.bitmask(sampling)
-            if bitmask is not None:
-                output.grammar_bitmask, output.grammar_request_ids = bitmask
+            output.grammar = self.grammar.batch(sampling)
         return output
 
     # ---- results -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -208,33 +209,56 @@ class ModelRunner:
         if not batch.sampling:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        metadata = SamplingMetadata.build(
-            params=[r.sampling_params for r in batch.sampling],
-            prompt_token_ids=[r.prompt_token_ids for r in batch.sampling],
-            output_token_ids=[r.output_token_ids for r in batch.sampling],
-            generators=[self._generator(r) for r in batch.sampling],
-            eos_token_ids=[r.eos_token_ids for r in batch.sampling],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        if scheduler_output.grammar_bitmask is not None:
-            self._add_grammar(metadata, scheduler_output, batch)
-        sampled = self.sampler(logits, metadata)
-        token_ids = sampled.token_ids.tolist()
+        token_ids, logprobs = self._sample(logits, batch.sampling, scheduler_output.grammar)
         ids = [r.request_id for r in batch.sampling]
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
-            logprobs={rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None},
+            logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
             prompt_logprobs=prompt_logprobs,
         )
 
+    def _metadata(self, rows: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            params=[r.sampling_params for r in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
+            generators=[self._generator(r) for r in rows],
+            eos_token_ids=[r.eos_token_ids for r in rows],
+            vocab_size=vocab_size,
+            device=self.device,
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: Any
+    ) -> tuple[list[int], list[Logprobs | None]]:
+        """One token per row. Constrained rows (engine.grammar.GrammarBatch) draw without their mask first and again
+        with it only when the grammar refuses the token, which gives the masked distribution exactly for the rows
+        the grammar lets do so; the others are masked before the first draw."""
+        metadata = self._metadata(rows, logits.shape[-1])
+        row_of = {r.request_id: i for i, r in enumerate(rows)}
+        if grammar is not None and grammar.masked_first:
+            self._mask(metadata, grammar, [row_of[rid] for rid in grammar.masked_first], grammar.masked_first,
+                       len(rows))
+        sampled = self.sampler(logits, metadata)
+        token_ids, logprobs = sampled.token_ids.tolist(), list(sampled.logprobs)
+        if grammar is None:
+            return token_ids, logprobs
+        first = set(grammar.masked_first)
+        refused = [rid for rid in grammar.matchers
+                   if rid not in first and not grammar.allows(rid, token_ids[row_of[rid]])]
+        if refused:
+            redo = [row_of[rid] for rid in refused]
+            metadata = self._metadata([rows[i] for i in redo], logits.shape[-1])
+            self._mask(metadata, grammar, list(range(len(redo))), refused, len(redo))
+            again = self.sampler(logits[redo], metadata)
+            for k, (i, token) in enumerate(zip(redo, again.token_ids.tolist(), strict=True)):
+                token_ids[i], logprobs[i] = token, again.logprobs[k]
+        return token_ids, logprobs
+
     @staticmethod
-    def _add_grammar(metadata: SamplingMetadata, scheduler_output: SchedulerOutput, batch: BatchInputs) -> None:
-        """The scheduler's bitmask rows, moved to the rows of the requests in logits order."""
-        row_of = {r.request_id: i for i, r in enumerate(batch.sampling)}
-        mask = scheduler_output.grammar_bitmask
-        full = torch.full((len(batch.sampling), mask.shape[1]), -1, dtype=mask.dtype)
-        rows = [row_of[rid] for rid in scheduler_output.grammar_request_ids]
+    def _mask(metadata: SamplingMetadata, grammar: Any, rows: list[int], request_ids: list[str], num_rows: int) -> None:
+        mask = grammar.fill(request_ids)
+        full = torch.full((num_rows, mask.shape[1]), -1, dtype=mask.dtype)
         full[rows] = mask
         metadata.grammar_bitmask, metadata.grammar_rows = full, rows
 
