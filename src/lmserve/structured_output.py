@@ -15,6 +15,8 @@ from typing import Any
 
 from lmserve.sampling_params import StructuredOutputsParams
 
+MAX_SCHEMA_COUNT = 100_000
+_COUNT_KEYWORDS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"}
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -45,6 +47,7 @@ def build_grammar(kind: str, text: str) -> Any:
             schema = json.loads(text)
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
+            _check_counts(schema)
             return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
         if kind == "json_object":  # any object, compact like the schemas (strict_mode off: any keys)
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
@@ -61,6 +64,22 @@ def build_grammar(kind: str, text: str) -> Any:
         message = _XGRAMMAR_PREFIX.sub("", message)  # "[06:35:06] /project/cpp/regex_converter.cc:83: "
         raise GrammarError(f"invalid {kind} for structured output: {message[:500]}") from None
     raise GrammarError(f"unknown structured output kind {kind!r}")
+
+
+def _check_counts(node: Any) -> None:
+    """Length and item counts bounded: xgrammar's compile time grows with them (maxLength 10**9: 2.6 s), and no
+    answer of a context-bounded model gets near the bound anyway."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if key in _COUNT_KEYWORDS and isinstance(value, int | float) and value > MAX_SCHEMA_COUNT:
+                    raise GrammarError(f"invalid json for structured output: {key}={value} is above "
+                                       f"{MAX_SCHEMA_COUNT}")
+                stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:

@@ -198,6 +198,7 @@ def test_forced_tool_calls_validate_and_stream_the_same(client: openai.OpenAI) -
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      None, "nonsense"),
     ({"structured_outputs": {"regex": "(["}}, None, "regex"),
+    ({"structured_outputs": {"json": {"type": "string", "maxLength": 10**9}}}, None, "maxLength"),
     ({"structured_outputs": {"grammar": "root ::= "}}, None, "grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
