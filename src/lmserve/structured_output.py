@@ -17,6 +17,13 @@ from lmserve.sampling_params import StructuredOutputsParams
 
 MAX_SCHEMA_COUNT = 100_000
 _COUNT_KEYWORDS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"}
+# JSON schema keywords xgrammar 0.2.8 accepts but does not enforce (a violating value completes the grammar).
+_IGNORED_BY_XGRAMMAR = {"not", "if", "then", "else", "allOf", "uniqueItems", "contains", "minContains", "maxContains",
+                        "dependentRequired", "dependentSchemas"}
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
+_SUBSCHEMA_LISTS = {"anyOf", "oneOf", "prefixItems"}
+_SUBSCHEMAS = {"items", "additionalProperties", "propertyNames", "additionalItems", "unevaluatedProperties"}
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -47,11 +54,13 @@ def build_grammar(kind: str, text: str) -> Any:
             schema = json.loads(text)
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
-            _check_counts(schema)
+            _check_schema(schema)
             return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
         if kind == "json_object":  # any object, compact like the schemas (strict_mode off: any keys)
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if kind == "regex":
+            if _LOOKAROUND.search(text):  # xgrammar would warn and drop it
+                raise GrammarError("invalid regex for structured output: lookaround is not supported")
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(text.split("\x00")))
@@ -66,20 +75,30 @@ def build_grammar(kind: str, text: str) -> Any:
     raise GrammarError(f"unknown structured output kind {kind!r}")
 
 
-def _check_counts(node: Any) -> None:
-    """Length and item counts bounded: xgrammar's compile time grows with them (maxLength 10**9: 2.6 s), and no
-    answer of a context-bounded model gets near the bound anyway."""
-    stack = [node]
+def _check_schema(root: Any) -> None:
+    """Refuses what xgrammar would let the output break: keywords it ignores (checked by generating against them),
+    and length or item counts that make its compile slow (maxLength 10**9: 2.6 s), far beyond any answer a
+    context-bounded model can give."""
+    stack = [root]
     while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                if key in _COUNT_KEYWORDS and isinstance(value, int | float) and value > MAX_SCHEMA_COUNT:
-                    raise GrammarError(f"invalid json for structured output: {key}={value} is above "
-                                       f"{MAX_SCHEMA_COUNT}")
+        schema = stack.pop()
+        if not isinstance(schema, dict):
+            continue
+        for key, value in schema.items():
+            if key in _IGNORED_BY_XGRAMMAR and not (key == "uniqueItems" and value is False):
+                raise GrammarError(f"unsupported JSON schema feature {key!r}: the grammar cannot enforce it")
+            if key == "multipleOf" and schema.get("type") != "integer":
+                raise GrammarError("unsupported JSON schema feature 'multipleOf' outside an integer")
+            if key == "pattern" and isinstance(value, str) and _LOOKAROUND.search(value):
+                raise GrammarError("unsupported JSON schema feature: lookaround in a pattern")
+            if key in _COUNT_KEYWORDS and isinstance(value, int | float) and value > MAX_SCHEMA_COUNT:
+                raise GrammarError(f"invalid json for structured output: {key}={value} is above {MAX_SCHEMA_COUNT}")
+            if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+                stack.extend(value)
+            elif key in _SUBSCHEMAS:
                 stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:
