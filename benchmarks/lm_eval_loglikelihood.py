@@ -15,14 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-import httpx
+from timing import start_lmserve
 
 from lmserve import LLM, SamplingParams
 from lmserve.models import load_tokenizer, resolve_model
@@ -37,27 +33,6 @@ EXAMPLES = [
 ]
 
 
-def start_server(model: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    lmserve = Path(sys.executable).parent / "lmserve"
-    process = subprocess.Popen([str(lmserve), "serve", model, "--port", str(port)], start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(360):
-        if process.poll() is not None:
-            raise RuntimeError(f"lmserve serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)
-    raise RuntimeError("server did not become healthy")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -67,7 +42,7 @@ def main() -> int:
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    process, url = start_server(args.model)
+    process, url = start_lmserve(args.model)
     try:
         with tempfile.TemporaryDirectory() as tokenizer_dir:
             # lm-eval loads its tokenizer with AutoTokenizer, which cannot open a GGUF: hand it a saved copy.

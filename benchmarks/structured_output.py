@@ -17,14 +17,12 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
+from timing import start_lmserve
 
 MODEL = "smollm2-135m-instruct"
 
@@ -54,24 +52,6 @@ def compile_times() -> tuple[list[float], list[float]]:
             compiler.compile_json_schema(text, any_whitespace=False)
             times.append(time.perf_counter() - started)
     return cold, cached
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    lmserve = Path(sys.executable).parent / "lmserve"
-    process = subprocess.Popen([str(lmserve), "serve", "--port", str(port), "--max-model-len", "1024"],
-                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server did not start")
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict) -> list[float]:
@@ -114,7 +94,7 @@ async def max_gap(client: httpx.AsyncClient, url: str, with_compiles: bool, base
 
 
 async def served(rounds: int) -> dict:
-    process, url = start_server()
+    process, url = start_lmserve("--max-model-len", "1024")
     try:
         async with httpx.AsyncClient(timeout=600) as client:
             await tpot_round(client, url, constrained=True)  # compile the 16 schemas; warm up

@@ -1,10 +1,16 @@
-"""The one timing helper the benchmark scripts share (they run as scripts, so `from timing import median_ms`)."""
+"""The helpers the benchmark scripts share (they run as scripts, so `from timing import median_ms`)."""
 
 from __future__ import annotations
 
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import httpx
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 30) -> float:
@@ -16,3 +22,25 @@ def median_ms(fn: Callable[[], object], repeats: int = 30) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
+
+
+def start_lmserve(*args: str) -> tuple[subprocess.Popen, str]:
+    """`lmserve serve ARGS` on a free port, in its own process group (stop it with os.killpg); (process, base URL)
+    once /health answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lmserve = Path(sys.executable).parent / "lmserve"
+    process = subprocess.Popen([str(lmserve), "serve", *args, "--port", str(port)], start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        if process.poll() is not None:
+            raise RuntimeError(f"lmserve serve exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("lmserve serve did not become healthy")
