@@ -143,6 +143,18 @@ def test_min_p() -> None:
     assert_matches(counts, expected / expected.sum())
 
 
+def test_min_p_in_logit_space_keeps_what_the_softmax_keeps() -> None:
+    """p_i < min_p * p_max compared as logits: the same kept set as the softmax version (issue 22) on random rows,
+    and min_p 0 keeps everything, -inf included."""
+    x = torch.cat([torch.randn(64, 3000) * s for s in (0.1, 1.0, 4.0, 10.0)])
+    x[::7, ::5] = float("-inf")
+    min_p = torch.rand(x.shape[0]) * 0.3
+    min_p[::9] = 0.0
+    probs = x.softmax(-1)
+    want = probs >= probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    assert torch.equal(torch.isfinite(apply_min_p(x.clone(), min_p)), want & torch.isfinite(x))
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_temperature(temperature: float) -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])

@@ -263,13 +263,15 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor | None) ->
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the most likely token's."""
+    """Drop tokens whose probability is below min_p times the most likely token's.
+
+    p_i < min_p * p_max is l_i - l_max < log(min_p) in logit space, so no softmax is needed: one max and one compare.
+    A row with min_p 0 gets the threshold -inf and keeps everything.
+    """
     if min_p is None:
         return logits
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill_(probs < threshold, _NEG_INF)
-
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
 # Candidate-set sizes tried, in order, for rows with top_p: a topk of this many (or of top_k + 1, if larger) usually
