@@ -514,6 +514,22 @@ def test_top_p_sorts_only_rows_whose_nucleus_is_not_among_the_candidates(monkeyp
     assert sorted_rows == []
 
 
+def test_random_sample_frequencies() -> None:
+    from lmserve.worker.sampler import random_sample
+
+    V = 12
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.2, 0.001, 0.149, 0.1, 0.1, 0.05, 0.05, 0.0])
+    n = 40000
+    out = random_sample(probs.expand(n, V).clone() * 3.0, {})  # unnormalized is fine
+    counts = torch.bincount(out, minlength=V).double()
+    assert_matches(counts, probs.double() / probs.sum())
+    # A seeded row draws from its generator only: alone or among others, the same stream of tokens.
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    alone = [int(random_sample(probs.unsqueeze(0).clone(), {0: gen_a})[0]) for _ in range(50)]
+    batch = [int(random_sample(probs.expand(3, V).clone(), {1: gen_b})[1]) for _ in range(50)]
+    assert alone == batch and len(set(alone)) > 3
+
+
 @pytest.mark.parametrize(("V", "scale"), [(49152, 6.0), (49152, 4.0), (4096, 0.3)])
 def test_top_p_samples_the_nucleus(V: int, scale: float) -> None:
     """Frequencies of the whole Sampler with top_p 0.9: a nucleus of ~60 tokens (first candidate set), of ~300

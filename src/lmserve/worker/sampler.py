@@ -391,18 +391,25 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, without a CDF.
+    """Inverse CDF: one uniform u per row picks the first token whose cumulative probability exceeds u * total.
 
-    Seeded rows draw their own noise, one row at a time, so their tokens do not depend on the batch.
+    One random number per row instead of one per token (an exponential race over 49,152 tokens spends ~1.3 ms on
+    its noise alone); the CDF is summed in float64 so a token's chance is its probability to ~1e-16, not to a
+    float32 rounding of the running sum. Seeded rows draw their uniform from their own generator, one number a step,
+    so their tokens do not depend on the batch. `probs` need not be normalized.
     """
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+    B = probs.shape[0]
+    u = torch.empty((B, 1), dtype=torch.float64, device=probs.device)
+    if len(generators) < B:
+        u.uniform_()
     for i, gen in generators.items():
-        q[i].exponential_(generator=gen)
-    # A zero draw would turn 0/0 into NaN, which argmax would pick.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+        u[i].uniform_(generator=gen)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    # u < 1, but u * total can round up to total, which no token's interval contains; stay strictly below it.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    # right=True: the first token whose CDF exceeds the target, so tokens of probability 0 (empty intervals) never win.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 @dataclass
