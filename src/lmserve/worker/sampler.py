@@ -315,7 +315,11 @@ def apply_top_k_top_p(
         K = max(size, largest_k + 1)
         if K >= V:
             break
-        kept, found = _candidate_nucleus(logits[pending], sub_k, top_p[pending], K)
+        every_row = pending.numel() == logits.shape[0]
+        # The common case, every row pending (and batch 1), copies no rows in or out.
+        kept, found = _candidate_nucleus(logits if every_row else logits[pending], sub_k, top_p[pending], K)
+        if every_row and bool(found.all()):
+            return kept
         logits[pending[found]] = kept[found]
         pending = pending[~found]
     if pending.numel() > 0:
@@ -358,7 +362,9 @@ def _candidate_nucleus(
     # support, else of the whole row (one pass, no sort).
     lse = vals.logsumexp(dim=-1, keepdim=True)
     open_rows = ~closed.squeeze(1)
-    if bool(open_rows.any()):
+    if bool(open_rows.all()):
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+    elif bool(open_rows.any()):
         lse[open_rows] = logits[open_rows].logsumexp(dim=-1, keepdim=True)
     probs = (vals - lse).exp().double()
     above = probs.cumsum(dim=-1) - probs  # the mass ranked above each candidate
