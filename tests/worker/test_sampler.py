@@ -143,6 +143,18 @@ def test_min_p() -> None:
     assert_matches(counts, expected / expected.sum())
 
 
+def test_min_p_in_logit_space_keeps_what_the_softmax_keeps() -> None:
+    """p_i < min_p * p_max compared as logits: the same kept set as the softmax version (issue 22) on random rows,
+    and min_p 0 keeps everything, -inf included."""
+    x = torch.cat([torch.randn(64, 3000) * s for s in (0.1, 1.0, 4.0, 10.0)])
+    x[::7, ::5] = float("-inf")
+    min_p = torch.rand(x.shape[0]) * 0.3
+    min_p[::9] = 0.0
+    probs = x.softmax(-1)
+    want = probs >= probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    assert torch.equal(torch.isfinite(apply_min_p(x.clone(), min_p)), want & torch.isfinite(x))
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_temperature(temperature: float) -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
@@ -362,3 +374,191 @@ def test_mixed_batch() -> None:
     # The seeded row alone gives the same token.
     alone = sample(logits[2:3], params[2:3], generators=[torch.Generator().manual_seed(11)])
     assert alone.tolist() == [tok[2]]
+
+
+# Issue 22: top-k/top-p from a bounded topk instead of a sort of the whole vocabulary, and an inverse-CDF draw.
+
+
+def reference_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, stable: bool = True
+) -> torch.Tensor:
+    """apply_top_k_top_p before issue 22: sort the whole row. With stable=False it is exactly the old code, whose
+    unstable sort decided which of several equal logits at the cut stay; stable=True ranks them by token id."""
+    if top_k is None and top_p is None:
+        return logits
+    V = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=stable)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (V - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def logit_rows(V: int) -> torch.Tensor:
+    """Rows of every shape the cut must handle: peaked, model-like, near-flat, exactly flat, heavy ties, -inf."""
+    rows = [
+        torch.randn(V) * 8,  # peaked: the nucleus is a handful of tokens
+        torch.randn(V) * 3,
+        torch.randn(V),
+        torch.randn(V) * 0.05,  # near flat: the nucleus is most of the vocabulary
+        torch.zeros(V),  # flat: every token ties
+        torch.randint(0, 3, (V,)).float(),  # three values, thousands of ties each
+        torch.randint(0, 40, (V,)).float() * 0.5,
+    ]
+    few = torch.full((V,), float("-inf"))
+    few[torch.randperm(V)[:5]] = torch.randn(5)  # an allowed_token_ids row: 5 finite logits
+    sparse = torch.full((V,), float("-inf"))
+    sparse[torch.randperm(V)[: V // 3]] = torch.randn(V // 3) * 2
+    one_top = torch.zeros(V)
+    one_top[7] = 12.0  # one token holds almost everything, the rest tie
+    return torch.stack([*rows, few, sparse, one_top])
+
+
+def kept(x: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(x)
+
+
+def check_against_full_sort(base: torch.Tensor, ks: list[int | None], ps: list[float | None]) -> None:
+    B, V = base.shape
+    for k in ks:
+        for p in ps:
+            top_k = torch.full((B,), k, dtype=torch.int64) if k is not None else None
+            top_p = torch.full((B,), p) if p is not None else None
+            got = apply_top_k_top_p(base.clone(), top_k, top_p, max_top_k=k if k is not None and k < V else 0)
+            want = reference_top_k_top_p(base.clone(), top_k, top_p)
+            if p == 1.0:
+                # The sort drops tokens whose probability underflows to 0 when p is 1; nothing else differs.
+                live = base.softmax(-1) > 0
+                assert torch.equal(kept(got) & live, kept(want) & live), (k, p)
+            else:
+                assert_same_nucleus(base, top_k, p, kept(got), kept(want))
+            assert torch.equal(got[kept(got)], base[kept(got)])  # kept logits are untouched
+
+
+def assert_same_nucleus(
+    base: torch.Tensor, top_k: torch.Tensor | None, p: float | None, got: torch.Tensor, want: torch.Tensor
+) -> None:
+    """Equal kept sets, except where a row's mass lies within float32 rounding of p: both sum float32
+    probabilities, in different orders, so one token exactly at the cut may go either way."""
+    for row in (got != want).any(-1).nonzero().flatten().tolist():
+        assert p is not None, (row, "top_k alone must match exactly")
+        small, large = sorted([got[row], want[row]], key=lambda m: int(m.sum()))
+        assert int(large.sum()) - int(small.sum()) == 1 and not (small & ~large).any(), row
+        after_k = reference_top_k_top_p(base[row : row + 1].clone(), None if top_k is None else top_k[:1], None)
+        mass_above_cut = after_k.double().softmax(-1)[0][small].sum().item()
+        assert abs(mass_above_cut - p) < 1e-6, (row, mass_above_cut, p)
+
+
+@pytest.mark.parametrize("V", [50, 300, 3000])
+def test_top_k_top_p_keeps_what_the_full_sort_keeps(V: int) -> None:
+    ks = [None, 1, 2, 5, 40, 127, 128, 129, 500, 1023, 1024, 1025, V - 1, V]
+    ps = [None, 1e-4, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0]
+    check_against_full_sort(logit_rows(V), [k for k in ks if k is None or k <= V], ps)
+
+
+def test_top_k_top_p_keeps_what_the_full_sort_keeps_over_the_real_vocabulary() -> None:
+    check_against_full_sort(logit_rows(49152), [None, 1, 40, 128, 1025], [None, 0.5, 0.95, 1.0])
+
+
+def test_top_k_top_p_per_row_settings_match_the_full_sort() -> None:
+    V = 3000
+    x = torch.cat([logit_rows(V)] * 4)
+    B = x.shape[0]
+    top_k = torch.tensor([[V, 1, 40, 129, 1500, 2999][i % 6] for i in range(B)])
+    top_p = torch.tensor([[1.0, 0.3, 0.9, 0.95, 0.999][i % 5] for i in range(B)])
+    got = apply_top_k_top_p(x.clone(), top_k, top_p, max_top_k=2999)
+    want = reference_top_k_top_p(x.clone(), top_k, top_p)
+    live = x.softmax(-1) > 0
+    assert torch.equal(kept(got) & live, kept(want) & live)
+
+
+def test_only_ties_at_the_cut_can_differ_from_the_unstable_sort() -> None:
+    """The old code sorted unstably, so which of several equal logits at the top-p cut stayed was up to the sort.
+    The new cut keeps as many, and the same tokens above the tied value."""
+    V = 5000
+    x = torch.randint(0, 6, (4, V)).float()
+    for p in (0.3, 0.5, 0.9):
+        top_p = torch.full((4,), p)
+        got = apply_top_k_top_p(x.clone(), None, top_p)
+        old = reference_top_k_top_p(x.clone(), None, top_p, stable=False)
+        assert torch.equal(kept(got).sum(-1), kept(old).sum(-1))
+        cut = torch.where(kept(got), x, float("inf")).amin(-1, keepdim=True)
+        differ = kept(got) != kept(old)
+        assert torch.equal(differ & (x != cut), torch.zeros_like(differ))
+
+
+def test_top_p_sorts_only_rows_whose_nucleus_is_not_among_the_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmserve.worker import sampler
+
+    sorted_rows: list[int] = []
+    full_sort = sampler._sorted_top_k_top_p
+
+    def counting(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+        sorted_rows.append(logits.shape[0])
+        return full_sort(logits, top_k, top_p)
+
+    monkeypatch.setattr(sampler, "_sorted_top_k_top_p", counting)
+    V = 49152
+    peaked = torch.randn(3, V) * 6
+    wide = torch.randn(1, V) * 0.5  # the 0.95 nucleus is most of the vocabulary
+    x = torch.cat([peaked, wide])
+    apply_top_k_top_p(x.clone(), None, torch.full((4,), 0.95))
+    assert sorted_rows == [1]
+    sorted_rows.clear()
+    apply_top_k_top_p(x.clone(), torch.full((4,), 40), torch.full((4,), 0.95), max_top_k=40)
+    assert sorted_rows == []
+
+
+def test_random_sample_frequencies() -> None:
+    from lmserve.worker.sampler import random_sample
+
+    V = 12
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.2, 0.001, 0.149, 0.1, 0.1, 0.05, 0.05, 0.0])
+    n = 40000
+    out = random_sample(probs.expand(n, V).clone() * 3.0, {})  # unnormalized is fine
+    counts = torch.bincount(out, minlength=V).double()
+    assert_matches(counts, probs.double() / probs.sum())
+    # A seeded row draws from its generator only: alone or among others, the same stream of tokens.
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    alone = [int(random_sample(probs.unsqueeze(0).clone(), {0: gen_a})[0]) for _ in range(50)]
+    batch = [int(random_sample(probs.expand(3, V).clone(), {1: gen_b})[1]) for _ in range(50)]
+    assert alone == batch and len(set(alone)) > 3
+
+
+@pytest.mark.parametrize(("V", "scale"), [(49152, 6.0), (49152, 4.0), (4096, 0.3)])
+def test_top_p_samples_the_nucleus(V: int, scale: float) -> None:
+    """Frequencies of the whole Sampler with top_p 0.9: a nucleus of ~60 tokens (first candidate set), of ~300
+    (second) and of ~3400 (full sort), bucketed so that every bucket expects plenty of draws."""
+    logits = torch.randn(V) * scale
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    out = torch.cat([draws(logits, params, 500) for _ in range(4)])
+    want = reference_top_k_top_p(logits.clone().unsqueeze(0), None, torch.tensor([0.9]))[0].softmax(-1).double()
+    # 20 buckets of about 1/20 of the nucleus's mass each, in descending probability.
+    order = want.argsort(descending=True)
+    bucket = torch.empty(V, dtype=torch.int64)
+    bucket[order] = (want[order].cumsum(0) * 20).clamp(max=19.999).long()
+    counts = torch.bincount(bucket[out], minlength=20).double()
+    expected = torch.zeros(20, dtype=torch.float64).index_add_(0, bucket, want)
+    assert set(out.tolist()) <= set(torch.nonzero(want).flatten().tolist())
+    assert_matches(counts, expected)
+
+
+def test_seeded_top_p_row_is_independent_of_neighbours_that_need_the_full_sort() -> None:
+    V = 4000
+    target = torch.randn(1, V) * 4
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=9)
+    gen_alone, gen_mixed = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    alone: list[int] = []
+    mixed: list[int] = []
+    for _ in range(20):
+        alone.append(int(sample(target.clone(), [params], generators=[gen_alone])[0]))
+        flat = torch.randn(2, V) * 0.05  # their nucleus is most of the vocabulary: the full-sort path
+        x = torch.cat([flat[:1], target, flat[1:]])
+        others = SamplingParams(temperature=1.0, top_p=0.95)
+        mixed.append(int(sample(x, [others, params, others], generators=[None, gen_mixed, None])[1]))
+    assert alone == mixed and len(set(alone)) > 1
