@@ -7,7 +7,8 @@ bench` client (this tree's) measures each turn:
   W4: 128-token prompts, 128 output tokens, 3 requests one at a time: 1/TPOT (tokens/s).
 It reports the median of each over the rounds, and the ratio working tree / base.
 
-    .venv/bin/python benchmarks/serve_ab.py --base dffb348 [--rounds 3]
+    .venv/bin/python benchmarks/serve_ab.py --base dffb348 [--rounds 3] [--workloads W4] \
+        [--bench-args "--temperature 1 --top-p 0.95"]   (later flags win over the greedy default)
 """
 
 from __future__ import annotations
@@ -53,30 +54,39 @@ def serve(source: Path, port: int, log: Path) -> subprocess.Popen:
     return process
 
 
-def bench(port: int, workload: str, result: Path) -> dict:
+def bench(port: int, workload: str, result: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "lmserve.bench", "--base-url", f"http://127.0.0.1:{port}", "--ignore-eos",
-           "--temperature", "0", "--disable-tqdm", "--seed", "0", "--output", str(result), *WORKLOADS[workload]]
+           "--temperature", "0", "--disable-tqdm", "--seed", "0", "--output", str(result), *WORKLOADS[workload],
+           *extra]
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
     return json.loads(result.read_text())
 
 
-def measure(source: Path, tmp: Path, tag: str) -> dict[str, float]:
+def measure(source: Path, tmp: Path, tag: str, workloads: list[str], extra: list[str]) -> dict[str, float]:
     port = free_port()
     process = serve(source, port, tmp / f"{tag}.log")
+    results = {}
     try:
-        w1 = bench(port, "W1", tmp / f"{tag}-w1.json")
-        w4 = bench(port, "W4", tmp / f"{tag}-w4.json")
+        for workload in workloads:
+            result = bench(port, workload, tmp / f"{tag}-{workload}.json", extra)
+            if workload == "W1":
+                results["W1 output tok/s"] = result["output_throughput"]
+            else:
+                results["W4 1/TPOT tok/s"] = 1000.0 / result["median_tpot_ms"]
     finally:
         process.terminate()
         process.wait(30)
-    return {"W1 output tok/s": w1["output_throughput"], "W4 1/TPOT tok/s": 1000.0 / w4["median_tpot_ms"]}
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the git revision to compare against")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="W1,W4", help="comma-separated: W1, W4")
+    parser.add_argument("--bench-args", default="", help="extra lmserve bench flags, e.g. sampling settings")
     args = parser.parse_args()
+    workloads, extra = args.workloads.split(","), args.bench_args.split()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         worktree = tmp / "base"
@@ -88,11 +98,12 @@ def main() -> None:
             for round_index in range(args.rounds):
                 order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
                 for side in order:
-                    results[side].append(measure(sides[side], tmp, f"{side}-{round_index}"))
+                    results[side].append(measure(sides[side], tmp, f"{side}-{round_index}", workloads, extra))
                     print(f"round {round_index} {side}: {results[side][-1]}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
-    print(f"\n{platform.machine()}, python {platform.python_version()}, base {args.base}, {args.rounds} rounds")
+    print(f"\n{platform.machine()}, python {platform.python_version()}, base {args.base}, {args.rounds} rounds, "
+          f"bench args {args.bench_args!r}")
     print("| metric | base (median) | working tree (median) | ratio |")
     print("|---|---|---|---|")
     for metric in results["base"][0]:
