@@ -562,3 +562,16 @@ def test_seeded_top_p_row_is_independent_of_neighbours_that_need_the_full_sort()
         others = SamplingParams(temperature=1.0, top_p=0.95)
         mixed.append(int(sample(x, [others, params, others], generators=[None, gen_mixed, None])[1]))
     assert alone == mixed and len(set(alone)) > 1
+
+
+def test_a_row_with_no_allowed_token_still_gets_a_token_inside_the_vocabulary() -> None:
+    # allowed_token_ids and a grammar can leave a row no finite logit; a drawn id past the vocabulary would crash
+    # the next step's embedding lookup.
+    vocab = 64
+    logits = torch.randn(3, vocab)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=5)]
+    md = SamplingMetadata.build(params, [[1]] * 3, [[]] * 3, [None] * 3, [[0]] * 3, vocab, torch.device("cpu"))
+    md.grammar_bitmask, md.grammar_rows = torch.zeros((3, 2), dtype=torch.int32), [0, 1, 2]  # nothing allowed
+    out = Sampler()(logits, md)
+    assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()

@@ -452,6 +452,10 @@ class Sampler(torch.nn.Module):
                 token_ids = random_sample(x.softmax(dim=-1), md.generators)
                 if md.greedy_mask is not None and greedy_ids is not None:
                     token_ids = torch.where(md.greedy_mask, greedy_ids, token_ids)
+                # A row whose masks leave no token (allowed_token_ids disjoint from a grammar, say) has no
+                # distribution to draw from: give it the model's own choice rather than an id past the vocabulary,
+                # which the next step's embedding lookup could not take. Its grammar then ends the request.
+                token_ids = torch.where(token_ids < logits.shape[-1], token_ids, logits.argmax(dim=-1))
 
         logprobs: list[Logprobs | None] = [None] * md.num_reqs
         if raw_logprobs is not None:
