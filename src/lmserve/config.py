@@ -149,16 +149,57 @@ class PlacementConfig:
         parse=lambda v: parse_cpus(v) if isinstance(v, str) else v)
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is split across ranks (tensor, pipeline) and how many engine replicas serve it (data), with
+    vLLM's flag names. One engine's ranks share its scheduler; each replica has its own."""
+
+    tensor_parallel_size: int = setting(1, "ranks that split each layer (Megatron: heads and MLP columns)",
+                                        short="-tp")
+    pipeline_parallel_size: int = setting(1, "stages that each run consecutive layers", short="-pp")
+    data_parallel_size: int = setting(1, "engine replicas behind one front-end, each with its own KV cache",
+                                      short="-dp")
+    distributed_executor_backend: str | None = setting(
+        None, "how an engine runs its ranks: uni (in the engine process, one rank), mp (one process per rank), "
+        "ray (Ray actors, possibly on several machines); default: uni for one rank, mp for more",
+        choices=EXECUTOR_BACKENDS)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"unknown distributed_executor_backend {self.distributed_executor_backend!r}: "
+                             f"use one of {', '.join(EXECUTOR_BACKENDS)}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend uni runs one rank; tensor x pipeline parallel "
+                             f"{self.world_size} needs mp or ray")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine (data-parallel replicas each have this many)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                             "placement": PlacementConfig}
+                             "placement": PlacementConfig, "parallel": ParallelConfig}
 
 
 def engine_settings() -> Iterator[tuple[str, str, dataclasses.Field, type]]:
