@@ -205,7 +205,7 @@ def test_bfloat16_batch_variance_measured() -> None:
     The sampled token's logprob (logprobs=0) also shows how far batching moves the numbers when no token flips.
     """
     llm = LLM(dtype="bfloat16", num_blocks=128, enable_prefix_caching=False)
-    assert {p.dtype for p in llm.engine.runner.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in llm.engine.executor.runner.model.parameters()} == {torch.bfloat16}
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
     alone = [llm.generate(p, params)[0].outputs[0] for p in PROMPTS]
     batch = [out.outputs[0] for out in llm.generate(PROMPTS, params)]

@@ -16,7 +16,7 @@ def test_float16_cache_holds_twice_the_blocks_and_answers_alike() -> None:
     runs = {}
     for dtype in ("float32", "float16", "auto"):
         llm = LLM(kv_cache_memory="64MiB", kv_cache_dtype=dtype, enable_prefix_caching=False)
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         runs[dtype] = (runner.kv_caches[0][0].dtype, runner.num_blocks,
                        llm.generate([prompt], params)[0].outputs[0].token_ids)
     assert runs["float32"][0] == torch.float32 and runs["float16"][0] == torch.float16

@@ -1,24 +1,28 @@
-"""The engine core: scheduler → model runner → update, one step at a time.
+"""The engine core: scheduler → executor → update, one step at a time.
 
-The offline `LLM` drives it in-process; the server runs the same class in its own process (core_proc.py).
+The offline `LLM` drives it in-process; the server runs the same class in its own process (core_proc.py). The
+executor runs each step on the engine's ranks (lmserve.executor). With pipeline stages the engine keeps one batch in
+flight per stage (vLLM V1's batch queue): it schedules the next batch while the earlier ones move down the stages,
+and the scheduler never puts a request in two batches in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 from lmserve.config import EngineConfig
 from lmserve.engine.grammar import GrammarManager
-from lmserve.engine.outputs import EngineCoreOutput, SchedulerOutput
+from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
+from lmserve.executor.base import Executor, make_executor
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, StepRecord
-from lmserve.models import model_eos_token_ids, resolve_model
-from lmserve.worker.model_runner import ModelRunner
+from lmserve.models import load_hf_config, model_eos_token_ids, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +34,18 @@ GRAMMAR_WAIT_S = 0.002
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.placement)
+        self.executor: Executor = make_executor(config)
+        info = self.executor.info
+        self.num_blocks = info.num_blocks
+        self._vocab_size = info.vocab_size
+        source = resolve_model(config.model.model)
         # All of the model's EOS ids (config and generation_config.json); requests carry their own copy.
-        self.eos_token_ids = model_eos_token_ids(resolve_model(config.model.model), self.runner.hf_config)
-        self.grammar = GrammarManager(config.model.tokenizer or config.model.model, self.runner.vocab_size,
+        self.eos_token_ids = model_eos_token_ids(source, load_hf_config(source))
+        self.grammar = GrammarManager(config.model.tokenizer or config.model.model, info.vocab_size,
                                       self.eos_token_ids)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.runner.max_model_len,
-                                   self.grammar)
+        self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len, self.grammar)
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
+        self._finished_not_sent: set[str] = set()
         self.last_step: StepRecord | None = None
         self.num_steps = 0
         self.num_preemptions = 0
@@ -50,7 +59,7 @@ class EngineCore:
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return self._vocab_size
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -69,18 +78,65 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def check_health(self) -> None:
+        """Raises when a rank is gone (the engine checks while idle too, so a dead rank never waits for traffic)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if not self.executor.in_process and scheduler_output.grammar is not None:
+            # Remote ranks cannot call into this process's grammar matchers: ship the masks instead.
+            scheduler_output.grammar = scheduler_output.grammar.precomputed()
+        return self.executor.submit(scheduler_output)
 
     def step(self, after_execute: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """One iteration. `after_execute` runs between the forward pass and the update, so that aborts arriving
-        during the step stop their requests before any of their output is processed."""
+        during the step stop their requests before any of their output is processed.
+
+        With several batches in flight, an iteration that only started a batch returns no outputs and leaves
+        last_step None; the one that finishes a batch records it."""
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_with_batch_queue(after_execute)
         started = now()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.num_waiting:
             time.sleep(GRAMMAR_WAIT_S)  # only grammars still compiling: give their thread the CPU, do not spin
         forward_started = now()
-        runner_output = self.runner.execute(scheduler_output)
-        forward_s = now() - forward_started
+        if self.executor.in_process:
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            runner_output = self._submit(scheduler_output).result()
+        return self._update(scheduler_output, runner_output, started, now() - forward_started, after_execute)
+
+    def _step_with_batch_queue(self, after_execute: Callable[[], None] | None) -> list[EngineCoreOutput]:
+        started = now()
+        if len(self.batch_queue) < self.executor.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            scheduler_output.finished_request_ids |= self._finished_not_sent
+            if scheduler_output.is_empty:
+                self._finished_not_sent = scheduler_output.finished_request_ids
+            else:
+                self._finished_not_sent = set()
+                self.batch_queue.append((scheduler_output, self._submit(scheduler_output), started))
+                if len(self.batch_queue) < self.executor.max_concurrent_batches:
+                    self.last_step = None
+                    return []  # fill the pipeline before waiting for its first batch
+        if not self.batch_queue:
+            self.last_step = None
+            if self.scheduler.num_waiting:
+                time.sleep(GRAMMAR_WAIT_S)
+            return []
+        scheduler_output, future, started = self.batch_queue.popleft()
+        forward_started = now()
+        runner_output = future.result()
+        return self._update(scheduler_output, runner_output, started, now() - forward_started, after_execute)
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, started: float,
+                forward_s: float, after_execute: Callable[[], None] | None) -> list[EngineCoreOutput]:
         if after_execute is not None:
             after_execute()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

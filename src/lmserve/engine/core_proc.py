@@ -61,7 +61,7 @@ class EngineCoreProc:
             logger.exception("engine failed to start")
             self.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
             raise
-        self.send(Ready(self.engine.max_model_len, self.engine.vocab_size, self.engine.runner.num_blocks,
+        self.send(Ready(self.engine.max_model_len, self.engine.vocab_size, self.engine.num_blocks,
                         config.cache.block_size, self.engine.eos_token_ids))
 
     def send(self, message: EngineOutput) -> None:
@@ -105,6 +105,7 @@ class EngineCoreProc:
         """Handles every waiting input in arrival order; with block, first waits for one (or the parent check)."""
         if block and not self.input.poll(PARENT_CHECK_MS):
             self.check_parent()
+            self.engine.check_health()
             return
         while self.running:
             try:
@@ -122,14 +123,18 @@ class EngineCoreProc:
                 if not self.running or not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step(after_execute=lambda: self.drain(block=False))
-                # Sent even without outputs: a prefill chunk's step belongs in the requests' timelines.
-                self.send(StepOutputs(outputs, step=self.engine.last_step))
+                # Sent even without outputs: a prefill chunk's step belongs in the requests' timelines. An
+                # iteration that only started a pipeline batch (last_step None) has nothing to tell.
+                if outputs or self.engine.last_step is not None:
+                    self.send(StepOutputs(outputs, step=self.engine.last_step))
                 self.check_parent()
         except Exception as exc:
             self.send(EngineFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
             raise
 
     def close(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
         self.input.close(linger=0)
         self.output.close(linger=1000)
         self.ctx.term()

@@ -136,3 +136,25 @@ class GrammarBatch:
             return False
         matcher.rollback(1)  # only a test: the engine accepts the token after the step
         return True
+
+    def precomputed(self) -> PrecomputedGrammarBatch:
+        """The same constraints for ranks in other processes, which cannot reach the matchers: every row's mask
+        filled here, applied before the first draw (the masked distribution, as masked_first gives it)."""
+        ids = list(self.matchers)
+        mask = self.fill(ids) if ids else None
+        return PrecomputedGrammarBatch({rid: i for i, rid in enumerate(ids)}, ids, mask)
+
+
+@dataclass
+class PrecomputedGrammarBatch:
+    """A GrammarBatch whose masks are already filled: plain data, so it pickles."""
+
+    matchers: dict[str, int]  # request id -> its row of mask
+    masked_first: list[str]
+    mask: Any
+
+    def fill(self, request_ids: list[str]) -> Any:
+        return self.mask[[self.matchers[r] for r in request_ids]]
+
+    def allows(self, request_id: str, token_id: int) -> bool:
+        raise AssertionError("every row of a precomputed grammar batch is masked before its draw")

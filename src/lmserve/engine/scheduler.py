@@ -50,6 +50,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, which is the order they get positions
         # Ended since the last schedule(): the next SchedulerOutput tells the runner to drop their state.
         self._finished_ids: set[str] = set()
+        # Scheduled in a batch whose output has not come back (pipeline stages keep several batches in flight):
+        # such a request waits for its output before it is scheduled again.
+        self._in_flight: set[str] = set()
 
     # ---- queue management ----------------------------------------------------------------------------------
 
@@ -81,9 +84,10 @@ class Scheduler:
         """The first waiting request that may start: one whose grammar is still compiling waits without holding up
         the others (vLLM's WAITING_FOR_FSM); one whose grammar failed ends here."""
         if self.grammar is None:
-            return self.waiting[0] if self.waiting else None
+            head = self.waiting[0] if self.waiting else None
+            return None if head is None or head.request_id in self._in_flight else head
         for request in list(self.waiting):
-            if not self.grammar.is_ready(request):
+            if request.request_id in self._in_flight or not self.grammar.is_ready(request):
                 continue
             if request.grammar is not None and request.grammar.error is not None:
                 self.waiting.remove(request)
@@ -243,8 +247,8 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.request_id in self._in_flight:
+                continue  # preempted earlier in this loop, or its previous batch is still in flight
             num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
@@ -287,6 +291,7 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids | preempted, set()
         batch = list(scheduled.values())
+        self._in_flight.update(scheduled)
         output = SchedulerOutput(
             scheduled=batch,
             finished_request_ids=finished,
@@ -307,6 +312,7 @@ class Scheduler:
         token. Requests that ended while the step ran (aborts, stop strings) are skipped."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for planned in scheduler_output.scheduled:
+            self._in_flight.discard(planned.request_id)
             request = self.requests.get(planned.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue

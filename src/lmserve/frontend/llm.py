@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
@@ -98,6 +98,16 @@ class LLM:
             processed = self._step()
             yield from (d for d in processed if d.request_id == request_id)
         self.output_processor.remove(request_id)
+
+    def shutdown(self) -> None:
+        """Stops the engine's ranks (processes or Ray actors with more than one rank); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """As vLLM's: SamplingParams with the model's generation_config.json defaults (--generation-config)."""

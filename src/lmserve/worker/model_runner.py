@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memory
+from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.models import load_hf_config, resolve_model, stored_linear_format
@@ -75,8 +76,12 @@ class PromptScoring:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, placement: PlacementConfig | None = None
+        self, model_config: ModelConfig, cache_config: CacheConfig, placement: PlacementConfig | None = None,
+        parallel: ParallelGroups | None = None,
     ) -> None:
+        """`parallel`: this rank's place among the engine's ranks (default: the only rank)."""
+        self.parallel = parallel or ParallelGroups(RankLayout(0))
+        self.layout = self.parallel.layout
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         source = resolve_model(model_config.model)
@@ -95,7 +100,7 @@ class ModelRunner:
         started = time.perf_counter()
         torch.manual_seed(model_config.seed)
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.hf_config, self.max_model_len).to(self.dtype)
+            model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.parallel).to(self.dtype)
         model.load_weights(load_weights(source, self.dtype))
         if self.quantization != "none":
             model.quantize(self.quantization)
@@ -115,8 +120,10 @@ class ModelRunner:
         )
         self.kv_cache_dtype = check_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.attention_backend)
         logger.info("attention backend: %s, KV cache in %s", self.attention_backend, self.kv_cache_dtype)
+        # Every rank holds as many blocks (one block table serves them all): size them for the largest stage.
+        largest_stage = len(stage_layers(self.hf_config.num_hidden_layers, self.layout.pp_size, 0))
         per_block = kv_bytes_per_block(
-            model.num_layers, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
+            largest_stage, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
         )
         if cache_config.num_blocks:
             self.num_blocks = cache_config.num_blocks
@@ -196,19 +203,41 @@ class ModelRunner:
                 entries.extend(token_logprobs(lp, tokens, [s.num_top] * len(targets)))
         return scored
 
+    def _stage_forward(self, batch: BatchInputs) -> torch.Tensor | None:
+        """This pipeline stage's layers: hidden states from the previous stage in, to the next stage out. The last
+        stage returns the final hidden states, the others None."""
+        intermediate = None
+        if not self.layout.is_first_stage:
+            shape = (batch.input_ids.shape[0], self.hf_config.hidden_size)
+            hidden, residual = self.parallel.recv_from_previous_stage([shape, shape], self.dtype, self.device)
+            intermediate = (hidden, residual)
+        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
+        if not self.layout.is_last_stage:
+            self.parallel.send_to_next_stage(list(out))
+            return None
+        return out
+
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's sampled tokens on the driver rank (the only rank with one rank); None on the other ranks,
+        which take their part in the same forward pass."""
         # A preempted request keeps its generator: resumed, it must draw what it would have drawn unpreempted.
         for request_id in scheduler_output.finished_request_ids - scheduler_output.preempted_request_ids:
             self.generators.pop(request_id, None)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
         batch = self.prepare_inputs(scheduler_output.scheduled)
-        hidden = self._hidden_states(batch)
+        hidden = self._stage_forward(batch)
+        if hidden is None:
+            return None
+        # Every tensor rank of the last stage computes logits (their all-gather needs each); the driver samples.
         prompt_logprobs = self._score_prompts(hidden, batch) if batch.prompt_scoring else {}
         if not batch.sampling:
-            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs) \
+                if self.layout.is_driver else None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if not self.layout.is_driver:
+            return None
         token_ids, logprobs = self._sample(logits, batch.sampling, scheduler_output.grammar)
         ids = [r.request_id for r in batch.sampling]
         return ModelRunnerOutput(

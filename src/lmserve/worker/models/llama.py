@@ -3,6 +3,12 @@ cache.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
 matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
+
+Split across ranks as Megatron splits it (distributed/parallel_state.py): each tensor rank holds its share of the
+attention heads and MLP columns (q/k/v and gate/up split by output rows, o_proj and down_proj by input columns, then
+one all-reduce each per layer) and its share of the vocabulary (embedding rows, output-layer rows); each pipeline
+stage holds consecutive layers, the first stage the embedding, the last the final norm and output layer. With one
+rank every split is the whole and every collective a no-op.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.quantization import LAYER_TYPES, OUTPUT_LAYER_METHOD, quantize_linears
 
@@ -108,12 +115,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
+    """Megatron's split needs whole heads and whole MLP columns on every rank."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for what, count in (("attention heads", heads), ("KV heads", kv_heads),
+                        ("MLP columns", config.intermediate_size)):
+        if count % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide the model's {count} {what}")
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        tp = parallel.tp_size
+        self.parallel = parallel
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp  # this rank's heads
+        self.num_kv_heads = total_kv_heads // tp
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
@@ -139,13 +159,14 @@ class Attention(nn.Module):
             qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
             q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.parallel = parallel
+        self.intermediate = config.intermediate_size // parallel.tp_size  # this rank's columns
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -157,18 +178,18 @@ class MLP(nn.Module):
         if self.fused is not None:
             out = gate_up.new_empty(gate_up.shape[0], self.intermediate)
             self.fused.silu_and_mul(out, gate_up)
-            return self.down_proj(out)
+            return self.parallel.all_reduce(self.down_proj(out))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.parallel.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, parallel)
 
     def forward(self, rope, x, residual, kv_cache, md):
         x, residual = self.input_layernorm(x, residual)
@@ -177,42 +198,108 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def vocab_rows(full: torch.Tensor, parallel: ParallelGroups) -> torch.Tensor:
+    """This tensor rank's rows of a [vocab, hidden] tensor, zero-padded so that every rank holds as many."""
+    per_rank = -(-full.shape[0] // parallel.tp_size)
+    rows = full[parallel.tp_rank * per_rank : (parallel.tp_rank + 1) * per_rank]
+    if rows.shape[0] < per_rank:
+        rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], *rows.shape[1:])])
+    return rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the vocabulary (padded so that every rank holds as many); a token another rank holds
+    looks up zeros here, and the all-reduce adds the rank that holds it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelGroups) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.rows_per_rank = -(-vocab_size // parallel.tp_size)
+        self.first_row = parallel.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.first_row
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.parallel.all_reduce(x)
+
+
+
+class MissingLayer(nn.Identity):
+    """A layer another pipeline stage runs: keeps the layer indices (and so the checkpoint's names) in place."""
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_position: int, parallel: ParallelGroups | None = None) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture {config.model_type!r}: lmserve supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        parallel = parallel or ParallelGroups(RankLayout(0))
+        check_tensor_parallel(config, parallel.tp_size)
+        layout = parallel.layout
         self.config = config
+        self.parallel = parallel
+        self.vocab_size = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.stage_layers = layout.stage_layers(config.num_hidden_layers)
+        # The embedding lives on the first stage, and on the last too when it is also the output layer.
+        needs_embedding = layout.is_first_stage or (layout.is_last_stage and self.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) if needs_embedding else None
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, parallel) if i in self.stage_layers else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        last = layout.is_last_stage
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        rows_per_rank = -(-config.vocab_size // parallel.tp_size)
+        self.lm_head = (
+            Linear(config.hidden_size, rows_per_rank, bias=False) if last and not self.tie_word_embeddings else None
+        )
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        """Layers this rank runs (and holds KV for)."""
+        return len(self.stage_layers)
 
     @property
     def kv_shape(self) -> tuple[int, int]:
-        attn = self.layers[0].self_attn
+        attn = self.layers[self.stage_layers.start].self_attn
         return attn.num_kv_heads, attn.head_dim
 
-    def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The last stage returns the final hidden states; the others (hidden states, residual) for the next stage,
+        which passes them back in as `intermediate`."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         rope = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        layers = [self.layers[i] for i in self.stage_layers]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, md)
+        if self.norm is None:
+            return x, x if residual is None else residual
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return blas_matmul(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = blas_matmul(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.parallel.tp_size == 1:
+            return logits
+        return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
 
     def use_fused_ops(self, ops) -> None:
         """Run RMSNorm + residual, SiLU-and-multiply and RoPE through `ops` (torch.ops.lmserve: kernels/fused_ops.cpp)
@@ -226,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer, in
         OUTPUT_LAYER_METHOD's format where the method names one."""
         quantize_linears(self.layers, method)
-        if output_layer:
+        if output_layer and self.parallel.layout.is_last_stage:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = LAYER_TYPES[OUTPUT_LAYER_METHOD.get(method, method)](head, None)
 
@@ -239,25 +326,45 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # Split by input columns across tensor ranks (their outputs are summed by an all-reduce).
+    _ROW_PARALLEL: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj")
+    _VOCAB_PARALLEL: ClassVar[tuple[str, ...]] = ("embed_tokens.weight", "lm_head.weight")
+
+    def _is_other_ranks(self, name: str) -> bool:
+        """Whether a checkpoint weight belongs to another pipeline stage (or, tied, is not needed at all)."""
+        parts = name.split(".")
+        if parts[0] == "layers":
+            return int(parts[1]) not in self.stage_layers
+        if name == "embed_tokens.weight":
+            return self.embed_tokens is None
+        if name == "lm_head.weight":
+            return self.tie_word_embeddings or self.lm_head is None
+        if parts[0] == "norm":
+            return self.norm is None
+        return False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        tp, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or self._is_other_ranks(name):
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: the embedding serves as the output layer
             parts = name.split(".")
             fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
             if fused is not None:
                 parts[-2] = fused[0]
                 target = ".".join(parts)
-                self._load_shard(params[target], fused[0], fused[1], tensor)
+                self._load_shard(params[target], fused[0], fused[1], tensor.chunk(tp, dim=0)[tp_rank])
             else:
                 target = name
                 if target not in params:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+                if name in self._VOCAB_PARALLEL:
+                    tensor = vocab_rows(tensor, self.parallel)
+                elif len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight":
+                    tensor = tensor.chunk(tp, dim=1)[tp_rank]
                 params[target].data.copy_(tensor)
             loaded.add(target)
         missing = set(params) - loaded
@@ -265,10 +372,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
 
     def _load_shard(self, param: torch.Tensor, fused_name: str, shard: int, tensor: torch.Tensor) -> None:
+        """`tensor` is this tensor rank's rows of q, k, v, gate or up; they go to their place in the fused matrix."""
+        layer = self.layers[self.stage_layers.start]
         if fused_name == "qkv_proj":
-            attn = self.layers[0].self_attn
+            attn = layer.self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
+            sizes = [layer.mlp.intermediate] * 2
         offset = sum(sizes[:shard])
         param.data[offset : offset + sizes[shard]].copy_(tensor)

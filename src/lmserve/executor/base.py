@@ -1,0 +1,60 @@
+"""The executor: the engine core's one handle on its ranks. The engine hands it each step's plan; it runs the plan on
+every rank and gives back the driver rank's output. Which executor runs the ranks is --distributed-executor-backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+
+from lmserve.config import EngineConfig
+from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from lmserve.worker.worker import WorkerInfo
+
+
+class RankFailedError(RuntimeError):
+    """A rank died or raised: the engine cannot go on (its KV cache is split across ranks)."""
+
+
+class Executor(ABC):
+    info: WorkerInfo
+    # Ranks in the engine process share its objects; remote ranks get each step's plan serialized.
+    in_process: bool = False
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine may keep in flight: one per pipeline stage, so that no stage waits for another."""
+        return 1
+
+    @abstractmethod
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Starts the step on every rank; the future holds the driver rank's output."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(scheduler_output).result()
+
+    def check_health(self) -> None:
+        """Raises RankFailedError when a rank is gone."""
+
+    @abstractmethod
+    def communication_stats(self) -> list[dict[str, int]]:
+        """Bytes each rank has put on the wire so far (all-reduce, all-gather, pipeline sends), by rank."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops every rank; leaves no process behind."""
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    backend = config.parallel.executor_backend
+    if backend == "uni":
+        from lmserve.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    if backend == "mp":
+        from lmserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from lmserve.executor.ray import RayExecutor
+
+    return RayExecutor(config)

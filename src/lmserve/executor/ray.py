@@ -1,0 +1,166 @@
+"""Ranks as Ray actors, possibly on several machines (`--distributed-executor-backend ray`).
+
+Set-up is Ray's own: `ray start --head` on one machine, `ray start --address HEAD:6379` on the others, then
+`lmserve serve ... --distributed-executor-backend ray` on the head. Without a running cluster the engine starts a
+local Ray instance. A placement group reserves one bundle (one CPU, or one GPU on CUDA) per rank; the ranks meet
+through torch.distributed at the address and a free port of rank 0's node, which rank 0's actor reports.
+
+Each step's plan goes to every actor as an actor call; the driver rank's result is the step's output. A failed or
+dead actor fails the engine (RankFailedError) with Ray's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from typing import Any
+
+from lmserve.config import EngineConfig
+from lmserve.distributed.parallel_state import RankLayout
+from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from lmserve.executor.base import Executor, RankFailedError
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60
+POLL_S = 0.1
+
+
+class RankActor:
+    """The body of one rank's actor (wrapped by ray.remote in RayExecutor)."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def node_address(self) -> tuple[str, int]:
+        import ray
+
+        from lmserve.executor.multiproc import free_local_port
+
+        return ray.util.get_node_ip_address(), free_local_port()
+
+    def start(self, config: EngineConfig, rank: int, init_method: str) -> Any:
+        from lmserve.worker.worker import Worker
+
+        logging.basicConfig(level=os.environ.get("LMSERVE_LOG_LEVEL", "INFO"),
+                            format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
+        self.worker = Worker(config, rank, init_method)
+        return self.worker.info
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(scheduler_output)
+
+    def communication_stats(self) -> dict[str, int]:
+        return self.worker.communication_stats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+class RayOutput(Future):
+    """The driver rank's output of one step; waiting for it also watches the other ranks, so that a dead rank
+    fails the step at once instead of leaving its peers in a collective until it times out."""
+
+    def __init__(self, refs: list[Any], driver: int) -> None:
+        super().__init__()
+        self._refs, self._driver = refs, driver
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        import ray
+
+        if not self.done():
+            remaining = list(self._refs)
+            try:
+                while remaining:
+                    ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=POLL_S)
+                    ray.get(ready)  # raises if that rank failed
+                self.set_result(ray.get(self._refs[self._driver]))
+            except (ray.exceptions.RayError, ray.exceptions.RayActorError) as exc:
+                raise RankFailedError(f"a Ray rank failed: {exc}") from exc
+        return super().result(timeout)
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.pp_size = parallel.pipeline_parallel_size
+        self.driver_rank = RankLayout.driver_rank(parallel.tensor_parallel_size, self.pp_size)
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            # Joins the cluster of `ray start` (RAY_ADDRESS or this machine's), else starts a local one.
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+        cuda = config.model.device == "cuda" or (config.model.device == "auto" and _cuda_available())
+        bundle = {"GPU": 1} if cuda else {"CPU": 1}
+        self._placement = placement_group([bundle] * self.world_size, strategy="PACK")
+        self._remove_placement_group = remove_placement_group
+        if not self._placement.wait(PLACEMENT_TIMEOUT_S):
+            self._remove_placement_group(self._placement)
+            raise RuntimeError(
+                f"the Ray cluster cannot place {self.world_size} ranks of {bundle} within {PLACEMENT_TIMEOUT_S}s "
+                f"(resources: {ray.cluster_resources()})"
+            )
+        actor_class = ray.remote(num_cpus=0 if cuda else 1, num_gpus=1 if cuda else 0)(RankActor)
+        self.actors = [
+            actor_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._placement, placement_group_bundle_index=rank)).remote()
+            for rank in range(self.world_size)
+        ]
+        try:
+            host, port = ray.get(self.actors[0].node_address.remote())
+            init_method = f"tcp://{host}:{port}"
+            infos = ray.get([a.start.remote(config, rank, init_method) for rank, a in enumerate(self.actors)])
+        except Exception:
+            self.shutdown()
+            raise
+        self.info = infos[self.driver_rank]
+        logger.info("%d Ray ranks ready (rendezvous %s)", self.world_size, init_method)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.pp_size
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        import ray
+
+        ref = ray.put(scheduler_output)  # serialized once for every rank
+        return RayOutput([a.execute_model.remote(ref) for a in self.actors], self.driver_rank)
+
+    def check_health(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.node_address.remote() for a in self.actors], timeout=10)
+        except Exception as exc:
+            raise RankFailedError(f"a Ray rank is gone: {exc}") from exc
+
+    def communication_stats(self) -> list[dict[str, int]]:
+        import ray
+
+        return ray.get([a.communication_stats.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor)
+        self.actors = []
+        if getattr(self, "_placement", None) is not None:
+            self._remove_placement_group(self._placement)
+            self._placement = None
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

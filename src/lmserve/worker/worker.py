@@ -1,0 +1,64 @@
+"""One rank of an engine: joins the engine's ranks, builds its share of the model and KV cache, runs steps.
+
+The executor (lmserve.executor) owns the ranks: in the engine process for one rank, in one process each (mp) or as
+Ray actors otherwise. Every rank runs every step; the driver rank's output is the step's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lmserve.config import EngineConfig
+from lmserve.distributed.parallel_state import RankLayout, destroy_parallel_groups, init_parallel_groups
+from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from lmserve.worker.model_runner import ModelRunner, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine needs to know of its ranks' model and cache (the same on every rank)."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    kv_bytes_per_block: int
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None) -> None:
+        parallel_config = config.parallel
+        self.layout = RankLayout(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
+        device = resolve_device(config.model.device)
+        if device.type == "cuda" and self.layout.world_size > 1:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        self.parallel = init_parallel_groups(self.layout, init_method, device)
+        self.runner = ModelRunner(config.model, config.cache, self._placement(config), self.parallel)
+
+    def _placement(self, config: EngineConfig):
+        """Ranks on one machine share its CPUs: by default each gets its share of threads, not all of them."""
+        placement = config.placement
+        if self.layout.world_size == 1 or placement.engine_threads:
+            return placement
+        cpus = len(placement.engine_cpus or os.sched_getaffinity(0))
+        return dataclasses.replace(placement, engine_threads=max(1, cpus // self.layout.world_size))
+
+    @property
+    def info(self) -> WorkerInfo:
+        runner = self.runner
+        return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute(scheduler_output)
+
+    def communication_stats(self) -> dict[str, int]:
+        return self.parallel.stats.as_dict()
+
+    def shutdown(self) -> None:
+        destroy_parallel_groups()
