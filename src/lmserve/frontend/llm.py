@@ -15,6 +15,7 @@ from lmserve.frontend.tokenizer import load_frontend_tokenizer
 from lmserve.generation_config import default_sampling
 from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
+from lmserve.plan.layout import check_layout
 from lmserve.sampling_params import SEED_RANGE, SamplingParams
 from lmserve.structured_output import check_structured_outputs
 
@@ -39,6 +40,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         """Keyword arguments are those of lmserve.config.make_engine_config (dtype, max_model_len, num_blocks, ...)."""
         self.config = make_engine_config(model, **kwargs)
+        check_layout(self.config)  # the model splits as asked and the ranks fit: before any weight loads
         self.tokenizer = load_frontend_tokenizer(self.config.model)
         self.default_sampling = default_sampling(
             resolve_model(model), self.config.model.generation_config, self.config.model.override_generation_config

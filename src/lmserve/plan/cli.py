@@ -6,6 +6,7 @@ Imports only argparse at load time: building the top-level parser must not pay f
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from lmserve.config import DEFAULT_MODEL, SchedulerConfig
 
@@ -24,10 +25,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=None, help="tokens per request; default: max-model-len")
     p.add_argument("--concurrency", type=int, default=1, help="target concurrent requests per replica")
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device; default: this machine's RAM")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--replicas", type=int, default=None, help="default: gpus / (tp × pp)")
+    p.add_argument("--gpus", type=int, default=None, help="devices to lay out; default: tp × pp × replicas")
+    # The engine's flag names too (lmserve serve -tp/-pp/-dp), so that a plan and a serve command read alike.
+    p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--replicas", "-dp", "--data-parallel-size", dest="replicas", type=int, default=None,
+                   help="data-parallel replicas; default: gpus / (tp × pp)")
+    p.add_argument("--devices-per-node", type=int, default=None,
+                   help="devices of one machine: a layout on more of them is served with Ray (default: unknown)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--block-size", type=int, default=16)
@@ -40,6 +45,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from lmserve.plan.comm import comm_per_token, render_comm
     from lmserve.plan.memory import (
         DEFAULT_OVERHEAD_GIB,
         GiB,
@@ -50,9 +56,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         make_plan,
         render_plan,
     )
+    from lmserve.plan.serve_command import recommended_plan, serve_command
 
     spec = load_spec(args.model if args.model or args.config else DEFAULT_MODEL, args.config)
     group = args.tp * args.pp
+    if args.gpus is None:  # `lmserve plan -tp 2` plans two devices, as `lmserve serve -tp 2` runs two ranks
+        args.gpus = group * (args.replicas or 1)
     if min(args.gpus, args.tp, args.pp) < 1:
         raise ValueError("--gpus, --tp and --pp must be >= 1")
     replicas = args.replicas if args.replicas is not None else args.gpus // group
@@ -66,13 +75,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
         layout=Layout(args.tp, args.pp, replicas), max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, overhead=int(overhead * GiB),
     )
+    if args.devices_per_node is not None and args.devices_per_node < 1:
+        raise ValueError("--devices-per-node must be >= 1")
     plan = make_plan(spec, settings)
     options = compare_layouts(spec, settings, args.gpus) if args.gpus > 1 else []
+    comm = comm_per_token(spec, plan.layout, plan.dtype)
+    serve = recommended_plan(plan, options)
+    model = args.model or (_model_of_config(args.config) if args.config else DEFAULT_MODEL)
+    command = serve_command(model, serve, args.devices_per_node)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "compared": [o.to_dict() for o in options]}, indent=2))
+        print(json.dumps({
+            **plan.to_dict(), "compared": [o.to_dict() for o in options], "comm_per_token": {**asdict(comm), "per_rank_max": comm.per_rank_max},
+            "serve_command": command, "serve_layout": asdict(serve.layout),
+        }, indent=2))
     else:
         print(render_plan(plan, options))
+        print("\n".join(["", *render_comm(comm), ""]))
+        if serve is not plan:
+            which = f"instead: TP{serve.layout.tp}×PP{serve.layout.pp}×{serve.layout.replicas}, which fits"
+        else:
+            which = "this layout" if plan.fits else "this layout, which does not fit"
+        print(f"serve ({which}):\n  {command}")
     return 0 if plan.fits else 1
+
+
+def _model_of_config(config_file: str) -> str:
+    """An HF directory's config.json stands for the directory; a lone config file for no model lmserve can load."""
+    from pathlib import Path
+
+    path = Path(config_file)
+    return str(path.parent) if path.name == "config.json" else "MODEL"
 
 
 def add_schedule_parser(sub: argparse._SubParsersAction) -> None:

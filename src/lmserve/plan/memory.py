@@ -9,6 +9,7 @@ and work where torch is not installed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Stated, not measured: CUDA context, allocator fragmentation, communication buffers. Override with --overhead-gib.
 DEFAULT_OVERHEAD_GIB = 1.0
 # The same list as lmserve.worker.models.llama (not imported: that module needs torch).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Shipped configs so that planning works offline for models not on disk. The default engine model
@@ -65,6 +66,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    qk_norm: bool = False  # Qwen3 normalizes each head's q and k (one RMSNorm weight of head_dim each per layer)
 
     @classmethod
     def from_hf_dict(cls, name: str, cfg: dict) -> ModelSpec:
@@ -93,6 +95,7 @@ class ModelSpec:
             # As the model code decides it (worker/models/llama.py): Qwen2 always has q/k/v biases.
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            qk_norm=model_type == "qwen3",
         )
 
     @property
@@ -122,11 +125,11 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
     shipped = SHIPPED_CONFIGS.get(model.lower().rsplit("/", 1)[-1].removeprefix("meta-"))
     if shipped is not None and not path.exists():
         return ModelSpec.from_hf_dict(model, _read_json(CONFIG_DIR / shipped))
-    # GGUF files and registered names: the engine's own loader reads the header (it needs torch, so import late).
-    from lmserve.models import REGISTERED_MODELS, load_hf_config, resolve_model
+    # GGUF files and registered names: the engine's own reader of the header (imported late: it needs transformers).
+    from lmserve.models import REGISTERED_MODELS, read_config_dict, resolve_model
 
     if path.exists() or model in REGISTERED_MODELS:
-        return ModelSpec.from_hf_dict(model, load_hf_config(resolve_model(model)).to_dict())
+        return ModelSpec.from_hf_dict(model, read_config_dict(resolve_model(model)))
     names = sorted({*SHIPPED_CONFIGS, *REGISTERED_MODELS})
     raise ValueError(
         f"unknown model {model!r}: not a shipped config ({', '.join(names)}), and no such path "
@@ -159,19 +162,27 @@ class Layout:
 
 
 def check_layout(spec: ModelSpec, layout: Layout) -> None:
+    """The splits lmserve's engine runs, so that the planner never recommends one `lmserve serve` refuses (it checks
+    with this same function, plan/layout.py): TP divides the attention heads, the KV heads (each rank caches whole
+    heads of its own, none replicated) and the MLP's intermediate size; PP gives every stage at least one layer."""
     tp, pp = layout.tp, layout.pp
     if min(tp, pp, layout.replicas) < 1:
-        raise ValueError(f"tp, pp and replicas must be >= 1, got {layout}")
-    if spec.num_heads % tp:
-        raise ValueError(f"TP {tp} does not divide the {spec.num_heads} attention heads of {spec.name}")
-    if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-        raise ValueError(f"TP {tp} and the {spec.num_kv_heads} KV heads of {spec.name} do not divide each other")
+        raise ValueError(f"-tp, -pp and -dp must be >= 1, got {tp}, {pp} and {layout.replicas}")
+    sizes = {"attention heads": spec.num_heads, "KV heads": spec.num_kv_heads,
+             "MLP intermediate size": spec.intermediate_size}
+    undivided = [f"{n} {what}" if what.endswith("heads") else f"{what} {n}" for what, n in sizes.items() if n % tp]
+    if undivided:
+        common = math.gcd(*sizes.values())
+        fitting = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+        raise ValueError(f"-tp {tp} does not divide the {' / '.join(undivided)} of {spec.name}; "
+                         f"sizes that do: {fitting}")
     if pp > spec.num_layers:
-        raise ValueError(f"PP {pp} is more stages than the {spec.num_layers} layers of {spec.name}")
+        raise ValueError(f"-pp {pp} is more stages than the {spec.num_layers} layers of {spec.name}; "
+                         f"at most {spec.num_layers}")
 
 
 def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
-    # With more ranks than KV heads every rank keeps a copy of its head (as vLLM does): KV stops shrinking.
+    # check_layout admits only a TP that divides the KV heads (lmserve replicates none, unlike vLLM).
     return max(1, spec.num_kv_heads // tp)
 
 
@@ -186,7 +197,8 @@ def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> dict[str, int]:
     kv = kv_heads_per_rank(spec, tp) * spec.head_dim
     inter = blocks_needed(spec.intermediate_size, tp)
     attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0)
-    per_layer = attention + 3 * h * inter + 2 * h  # q/k/v/o, gate/up/down, two RMSNorms
+    qk_norms = 2 * spec.head_dim if spec.qk_norm else 0  # replicated on every rank, as the other norms
+    per_layer = attention + 3 * h * inter + 2 * h + qk_norms  # q/k/v/o, gate/up/down, two RMSNorms
     embedding = blocks_needed(spec.vocab_size, tp) * h  # vocabulary-parallel under TP
     first, last = stage == 0, stage == layout.pp - 1
     # Tied embeddings under PP: the last stage keeps its own copy of the embedding to serve as the head.
@@ -324,8 +336,6 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     notes = []
     if max_model_len > spec.max_position_embeddings:
         notes.append(f"max_model_len {max_model_len} exceeds the model's {spec.max_position_embeddings} positions")
-    if spec.num_kv_heads < layout.tp:
-        notes.append(f"TP {layout.tp} > {spec.num_kv_heads} KV heads: each KV head is replicated")
 
     devices = []
     for stage in range(layout.pp):

@@ -1,0 +1,165 @@
+"""Will every rank of an engine configuration fit this machine's memory? The planner's numbers, checked at start.
+
+An engine of -tp × -pp ranks, -dp times over, on one CPU machine: every rank is a process holding its share of the
+weights, its own KV cache (--kv-cache-memory is per rank), its activations and a Python + torch runtime. The sum is
+compared with what the machine has available now, so that a layout that would swap or be OOM-killed is refused
+before any rank starts, with the numbers that say what to lower. No torch here: the check must cost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmserve.config import EngineConfig, parse_memory
+from lmserve.kv_sizing import kv_bytes_per_block
+from lmserve.plan.memory import (
+    GiB,
+    Layout,
+    ModelSpec,
+    PlanSettings,
+    activation_bytes,
+    bytes_of_dtype,
+    gib,
+    kv_heads_per_rank,
+    layers_in_stage,
+    logits_bytes,
+    machine_memory,
+    stage_params,
+)
+
+# As lmserve.worker.model_runner's (not imported: it needs torch); tests/plan/test_fit.py holds them equal.
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+DEFAULT_CPU_DTYPE = "float32"
+# Stated, not measured closely: one rank process with Python, torch and lmserve's worker imported holds ~0.25 GiB
+# resident before any weight; twice that leaves room for the allocator and the C++ kernels.
+CPU_RANK_OVERHEAD = GiB // 2
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank of a pipeline stage (the tensor-parallel ranks of a stage are alike), in bytes."""
+
+    stage: int
+    weights: int
+    kv_cache: int
+    activations: int  # one layer's widest tensors over the token budget, plus the last stage's logits
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.overhead
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    layout: Layout
+    dtype: str
+    ranks: list[RankMemory]  # one per pipeline stage
+
+    @property
+    def num_ranks(self) -> int:
+        return self.layout.gpus
+
+    @property
+    def total(self) -> int:
+        """Every rank of every data-parallel replica."""
+        return sum(r.total for r in self.ranks) * self.layout.tp * self.layout.replicas
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+def engine_layout(config: EngineConfig) -> Layout:
+    p = config.parallel
+    return Layout(p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size)
+
+
+def compute_dtype(config: EngineConfig) -> str:
+    """The dtype the weights load in: on CPU float32 (the engine's default), quantized only after loading, so
+    float32 is also the conservative size of q4_1 / fp16 weights."""
+    return DEFAULT_CPU_DTYPE if config.model.dtype == "auto" else config.model.dtype
+
+
+def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
+    """The planner's per-rank bytes for the configuration: weights / (tp × pp) (plan.memory.stage_params), the KV
+    budget each rank allocates, the planner's activation and logits model, and CPU_RANK_OVERHEAD."""
+    layout, dtype = engine_layout(config), compute_dtype(config)
+    nbytes = bytes_of_dtype(dtype)
+    cache, scheduler = config.cache, config.scheduler
+    settings = PlanSettings(dtype=dtype, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                            max_num_seqs=scheduler.max_num_seqs, block_size=cache.block_size)
+    ranks = []
+    for stage in range(layout.pp):
+        if cache.num_blocks:
+            # The KV dtype 'auto' may pick float16; the model's dtype is the larger, hence conservative, size.
+            kv_nbytes = nbytes if cache.kv_cache_dtype == "auto" else bytes_of_dtype(cache.kv_cache_dtype)
+            kv = cache.num_blocks * kv_bytes_per_block(
+                layers_in_stage(spec.num_layers, layout.pp, stage), kv_heads_per_rank(spec, layout.tp),
+                spec.head_dim, cache.block_size, kv_nbytes,
+            )
+        else:
+            kv = parse_memory(cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) or 0
+        last = stage == layout.pp - 1
+        ranks.append(RankMemory(
+            stage=stage,
+            weights=sum(stage_params(spec, layout, stage).values()) * nbytes,
+            kv_cache=kv,
+            activations=activation_bytes(spec, layout.tp, scheduler.max_num_batched_tokens, nbytes)
+            + (logits_bytes(spec, settings) if last else 0),
+            overhead=CPU_RANK_OVERHEAD,
+        ))
+    return LayoutMemory(layout, dtype, ranks)
+
+
+def available_memory() -> int:
+    """What this machine can give new processes now without swapping: MemAvailable, else all of its RAM."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return machine_memory()
+
+
+def runs_on_cpu(device: str) -> bool:
+    """Where the engine's `device` resolves, guessed without torch (worker/model_runner.resolve_device): 'auto' is
+    CUDA when torch sees a GPU, and an NVIDIA driver on the machine is the sign of one. A wrong guess of CUDA only
+    skips the check; device memory is not known without torch."""
+    if device != "auto":
+        return device == "cpu"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return True
+    return not Path("/proc/driver/nvidia").exists()
+
+
+def check_fits(spec: ModelSpec, config: EngineConfig, available: int | None = None) -> LayoutMemory | None:
+    """Raises ValueError when the ranks of `config` need more memory than this machine has available. Checked only
+    for a CPU engine whose ranks all run here (not Ray, whose ranks may be on other machines); None when skipped."""
+    if not runs_on_cpu(config.model.device) or config.parallel.executor_backend == "ray":
+        return None
+    need = layout_memory(spec, config)
+    available = available_memory() if available is None else available
+    if need.total <= available:
+        return need
+    layout, rank = need.layout, need.largest
+    kv_total = sum(r.kv_cache for r in need.ranks) * layout.tp * layout.replicas
+    kv_that_fits = (available - (need.total - kv_total)) // need.num_ranks
+    if kv_that_fits >= MiB:
+        remedy = f"lower --kv-cache-memory to at most {kv_that_fits // MiB}MiB per rank"
+        remedy += " or use fewer ranks (-tp, -pp, -dp)" if need.num_ranks > 1 else ""
+    elif need.num_ranks > 1:
+        remedy = "use fewer ranks (-tp, -pp, -dp): even without KV cache the ranks do not fit"
+    else:
+        remedy = "use a smaller model: even without KV cache it does not fit"
+    where = f" (stage {rank.stage}, the largest)" if layout.pp > 1 else ""
+    raise ValueError(
+        f"-tp {layout.tp} -pp {layout.pp} -dp {layout.replicas} needs {gib(need.total)} of memory, this machine has "
+        f"{gib(available)} available: per rank{where} {gib(rank.weights)} weights ({need.dtype}, as they load) + "
+        f"{gib(rank.kv_cache)} KV cache + {gib(rank.activations)} activations + {gib(rank.overhead)} runtime = "
+        f"{gib(rank.total)}, × {need.num_ranks} rank(s); {remedy}"
+    )

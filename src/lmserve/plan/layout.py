@@ -1,0 +1,39 @@
+"""The front-end's check before an engine starts: can the model be split as -tp / -pp ask, and do the ranks fit?
+
+Reads the model's config only (a GGUF header or config.json, no torch, no weights), so that a layout the engine
+cannot run fails in about a second with its reason, instead of after every rank has imported torch and loaded its
+weights. The rule is the planner's (plan.memory.check_layout) and so are the bytes (plan.fit): `lmserve plan` never
+recommends what `lmserve serve` refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lmserve.config import EngineConfig, ModelConfig
+from lmserve.models import read_config_dict, resolve_model
+from lmserve.plan import memory
+from lmserve.plan.fit import check_fits, engine_layout
+from lmserve.plan.memory import ModelSpec, gib
+
+logger = logging.getLogger(__name__)
+
+
+def engine_model_spec(model_config: ModelConfig) -> ModelSpec:
+    """The sizes of the model the engine will load (the same file, not a shipped look-alike)."""
+    source = resolve_model(model_config.model)
+    return ModelSpec.from_hf_dict(source.name, read_config_dict(source))
+
+
+def check_layout(config: EngineConfig) -> None:
+    """Raises ValueError naming the reason when the engine could not run `config`'s layout: -tp must divide the
+    attention heads, the KV heads and the MLP's intermediate size, -pp may not exceed the layers, and on CPU all
+    -tp × -pp × -dp ranks (weights, per-rank KV cache, activations, runtime) must fit the memory available."""
+    spec = engine_model_spec(config.model)
+    layout = engine_layout(config)
+    memory.check_layout(spec, layout)
+    need = check_fits(spec, config)
+    if need is not None:
+        logger.info("layout -tp %d -pp %d -dp %d of %s: %s over %d rank(s), largest rank %s",
+                    layout.tp, layout.pp, layout.replicas, spec.name, gib(need.total), need.num_ranks,
+                    gib(need.largest.total))

@@ -1,0 +1,144 @@
+"""The front-end's layout check: a split the engine cannot run, or ranks that do not fit, refused before any weight."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lmserve.config import make_engine_config
+from lmserve.models import DEFAULT_MODEL, load_hf_config, read_config_dict, resolve_model
+from lmserve.plan import fit
+from lmserve.plan.layout import check_layout, engine_model_spec
+from lmserve.plan.memory import GiB, ModelSpec
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tensor_parallel_size": 2},
+     "-tp 2 does not divide the 9 attention heads / 3 KV heads of smollm2-135m-instruct; sizes that do: 1, 3"),
+    ({"tensor_parallel_size": 9}, "-tp 9 does not divide the 3 KV heads / MLP intermediate size 1536"),
+    ({"pipeline_parallel_size": 31}, "-pp 31 is more stages than the 30 layers of smollm2-135m-instruct"),
+])  # fmt: skip
+def test_a_split_the_model_does_not_allow_is_refused_with_its_reason(kwargs, message):
+    with pytest.raises(ValueError) as caught:
+        check_layout(make_engine_config(**kwargs))
+    assert message in str(caught.value)
+
+
+def test_an_hf_directory_is_read_from_its_config(tiny_llama_dir):
+    with pytest.raises(ValueError, match="-tp 4 does not divide the 2 KV heads .*; sizes that do: 1, 2"):
+        check_layout(make_engine_config(str(tiny_llama_dir), tensor_parallel_size=4))
+
+
+def test_tp_zero_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        make_engine_config(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("model", [DEFAULT_MODEL, "tiny_qwen3_gguf", "tiny_qwen2_dir"])
+def test_the_check_reads_the_sizes_the_engine_loads_without_torch(model, request):
+    """read_config_dict (no torch) and load_hf_config (transformers' config, which imports torch) agree."""
+    if model != DEFAULT_MODEL:
+        model = str(request.getfixturevalue(model))
+    source = resolve_model(model)
+    assert ModelSpec.from_hf_dict("m", read_config_dict(source)) == ModelSpec.from_hf_dict(
+        "m", load_hf_config(source).to_dict()
+    )
+
+
+def test_the_layout_check_imports_no_torch():
+    import subprocess
+
+    code = ("import sys; from lmserve.config import make_engine_config; from lmserve.plan.layout import check_layout;"
+            " check_layout(make_engine_config(kv_cache_memory='256MiB')); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=_env())
+
+
+def test_llm_refuses_a_bad_layout_before_loading_anything(monkeypatch):
+    import lmserve.frontend.llm as llm_module
+
+    def must_not_run(*_args, **_kwargs):
+        raise AssertionError("loaded before the layout was checked")
+
+    monkeypatch.setattr(llm_module, "EngineCore", must_not_run)
+    monkeypatch.setattr(llm_module, "load_frontend_tokenizer", must_not_run)
+    for kwargs, message in (
+        ({"tensor_parallel_size": 2}, "-tp 2 does not divide"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+        ({"pipeline_parallel_size": 31}, "-pp 31 is more stages than the 30 layers"),
+        ({"kv_cache_memory": "100000GiB", "device": "cpu"}, "of memory, this machine has"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            llm_module.LLM(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- fitting
+
+
+def test_an_absurd_kv_cache_is_refused_with_the_planners_numbers():
+    config = make_engine_config(kv_cache_memory="100000GiB", device="cpu")
+    spec = engine_model_spec(config.model)
+    need = fit.layout_memory(spec, config)
+    rank = need.ranks[0]
+    assert rank.kv_cache == 100000 * GiB
+    # The planner's parameter count of the default model, in float32 as the weights load.
+    assert rank.weights == spec.num_params * 4
+    with pytest.raises(ValueError) as caught:
+        fit.check_fits(spec, config, available=20 * GiB)
+    message = str(caught.value)
+    assert f"needs {need.total / GiB:.2f} GiB of memory, this machine has 20.00 GiB available" in message
+    assert f"{rank.weights / GiB:.2f} GiB weights (float32" in message and "100000.00 GiB KV cache" in message
+    kv_that_fits = (20 * GiB - (need.total - rank.kv_cache)) // (1 << 20)
+    assert f"lower --kv-cache-memory to at most {kv_that_fits}MiB per rank" in message
+    assert "fewer ranks" not in message  # one rank: there are no fewer
+
+
+def test_too_many_ranks_even_without_kv_cache_says_use_fewer_ranks():
+    config = make_engine_config(tensor_parallel_size=3, pipeline_parallel_size=2, data_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="× 12 rank.*use fewer ranks"):
+        fit.check_fits(engine_model_spec(config.model), config, available=2 * GiB)
+
+
+def test_the_default_configuration_fits_this_machine():
+    config = make_engine_config(device="cpu")
+    need = fit.check_fits(engine_model_spec(config.model), config)
+    assert need is not None and need.ranks[0].kv_cache == 2 * GiB  # the engine's default budget
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2},
+    {"tensor_parallel_size": 3, "pipeline_parallel_size": 2, "data_parallel_size": 2},
+])  # fmt: skip
+def test_small_layouts_of_the_default_model_fit_a_24_gib_machine(kwargs):
+    config = make_engine_config(kv_cache_memory="256MiB", device="cpu", **kwargs)
+    spec = engine_model_spec(config.model)
+    need = fit.check_fits(spec, config, available=16 * GiB)  # less than 24 GiB: other processes run too
+    assert need is not None and need.num_ranks == config.parallel.world_size * config.parallel.data_parallel_size
+    # Weights split tp × pp ways: the ranks of one replica hold the whole model once, plus replicated norms and,
+    # under PP, the last stage's copy of the tied embedding as its output layer.
+    replica_weights = sum(r.weights for r in need.ranks) * config.parallel.tensor_parallel_size
+    head_copy = spec.vocab_size * spec.hidden_size * 4 if config.parallel.pipeline_parallel_size > 1 else 0
+    assert spec.num_params * 4 <= replica_weights - head_copy < spec.num_params * 4 * 1.01
+
+
+def test_cuda_and_ray_are_not_checked_against_this_machines_memory():
+    spec = engine_model_spec(make_engine_config().model)
+    for kwargs in ({"device": "cuda"}, {"device": "cpu", "distributed_executor_backend": "ray"}):
+        assert fit.check_fits(spec, make_engine_config(kv_cache_memory="100000GiB", **kwargs), available=GiB) is None
+
+
+def test_the_fit_check_uses_the_engines_defaults():
+    from lmserve.worker import model_runner
+
+    assert fit.DEFAULT_KV_CACHE_MEMORY == model_runner.DEFAULT_KV_CACHE_MEMORY
+    assert fit.DEFAULT_CPU_DTYPE == model_runner.DEFAULT_CPU_DTYPE
+
+
+def _env() -> dict[str, str]:
+    """This checkout's lmserve for child processes, whatever the installed one is."""
+    import os
+    from pathlib import Path
+
+    import lmserve
+
+    return {**os.environ, "PYTHONPATH": str(Path(lmserve.__file__).parents[1])}
