@@ -227,3 +227,10 @@ def test_a_cancelled_recv_loses_no_message() -> None:
         assert out.step.engine == 1
 
     asyncio.run(scenario())
+
+
+def test_offline_llm_refuses_data_parallel() -> None:
+    from lmserve import LLM
+
+    with pytest.raises(ValueError, match=r"server feature.*lmserve serve -dp 2"):
+        LLM(data_parallel_size=2)
