@@ -540,7 +540,7 @@ def test_models_version_metrics_debug(oai: openai.OpenAI, http: httpx.Client, en
         "lmserve:prefix_cache_hits_total", "lmserve:num_preemptions_total", "lmserve:num_requests_aborted_total",
     ):
         assert name in text
-    assert f'lmserve:num_preemptions_total{{model_name="{MODEL}"}} 3.0' in text
+    assert f'lmserve:num_preemptions_total{{engine="0",model_name="{MODEL}"}} 3.0' in text
     assert http.get("/debug/engine").json() == asyncio.run(engine.get_stats())
 
 

@@ -262,3 +262,17 @@ def test_stream_is_cancelled_cleanly_by_a_graceful_timeout() -> None:
     running = ServerThread(build_app(FakeEngine()))
     running.server.config.timeout_graceful_shutdown = 0.5  # as `lmserve serve` sets it (3 s)
     shut_down_with_a_stream_open(running)
+
+
+def test_step_cursor_is_kept_per_engine_replica() -> None:
+    """Data-parallel replicas count their steps separately: a replica far behind another still has its new steps
+    sent."""
+    from lmserve.api.dashboard import steps_after
+
+    def step(engine: int, index: int) -> StepRecord:
+        return StepRecord(index, 0.0, 0.1, 0.05, {}, {}, [], 1, 0, engine=engine)
+
+    steps = [step(0, 500), step(1, 3), step(0, 501), step(1, 4)]
+    assert steps_after(steps, {}) == steps
+    assert steps_after(steps, {0: 500, 1: 3}) == [steps[2], steps[3]]
+    assert steps_after(steps + [step(1, 5)], {0: 501, 1: 4}) == [step(1, 5)]

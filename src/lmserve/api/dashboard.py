@@ -60,14 +60,17 @@ def step_dict(step: StepRecord) -> dict[str, Any]:
         "num_running": step.num_running,
         "num_waiting": step.num_waiting,
         "num_sampled": step.num_sampled,
+        "engine": step.engine,
     }
 
 
-def steps_after(steps: Iterable[StepRecord], last_index: int) -> list[StepRecord]:
-    """The steps with an index above `last_index`, oldest first (the recorder's deque is in step order)."""
+def steps_after(steps: Iterable[StepRecord], last_index: dict[int, int]) -> list[StepRecord]:
+    """The steps with an index above their engine's entry in `last_index`, oldest first. Each data-parallel
+    replica counts its own steps; the recorder's deque is in arrival order, so once one step is found already sent,
+    every older one was sent in the same event or before."""
     newer: list[StepRecord] = []
     for step in reversed(list(steps)):  # a copy: the deque may grow while we build the event
-        if step.index <= last_index:
+        if step.index <= last_index.get(step.engine, -1):
             break
         newer.append(step)
     newer.reverse()
@@ -95,7 +98,7 @@ def _client(request: Request) -> EngineClient:
 class EventCursor:
     """What one open page has already been sent."""
 
-    last_step_index: int = -1
+    last_step_index: dict[int, int] = field(default_factory=dict)  # engine replica -> its last step sent
     num_recorded: int = 0
     last_time: float = field(default_factory=now)  # monotonic, for tokens per second
 
@@ -123,8 +126,8 @@ async def build_event(
     since = stamp - interval if first else cursor.last_time
     sampled = sum(s.num_sampled for s in steps if not first or s.end > since)
     elapsed = max(stamp - since, 1e-6)
-    if steps:
-        cursor.last_step_index = steps[-1].index
+    for step in steps:
+        cursor.last_step_index[step.engine] = step.index
     steps = steps[-(FIRST_EVENT_STEPS if first else MAX_STEPS_PER_EVENT):]
     cursor.num_recorded = num_recorded
     cursor.last_time = stamp

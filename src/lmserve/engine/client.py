@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import shutil
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", name: str = "lmserve-engine") -> None:
         self._dir = tempfile.mkdtemp(prefix="lmserve-")
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         # Inputs go out on a plain socket that never blocks: no high-water mark while the engine reads, and a
@@ -37,7 +38,7 @@ class EngineCoreClient:
         self._decoder = msgspec.msgpack.Decoder(EngineOutput)
         # spawn, not fork: torch and a running event loop do not survive fork.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_addr, output_addr, log_level), name="lmserve-engine",
+            target=run_engine_core, args=(config, input_addr, output_addr, log_level), name=name,
             daemon=True,
         )
         self.process.start()
@@ -51,12 +52,23 @@ class EngineCoreClient:
         return True
 
     async def recv(self) -> EngineOutput:
-        frame = await self._output.recv(copy=False)
+        return self.decode(await self.next_frame())
+
+    def next_frame(self) -> asyncio.Future[zmq.Frame]:
+        """The next output frame, as a future that can wait beside other replicas' (and be cancelled without
+        losing a message: cancelled before it completes, the message stays in the socket)."""
+        return self._output.recv(copy=False)
+
+    def decode(self, frame: zmq.Frame) -> EngineOutput:
         return self._decoder.decode(frame.buffer)
 
     @property
     def is_alive(self) -> bool:
         return self.process.is_alive()
+
+    def exit_description(self) -> str:
+        """Why the engine is gone, once is_alive is False."""
+        return f"engine process died (exit code {self.process.exitcode})"
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.process.is_alive():

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lmserve.config import EngineConfig
-from lmserve.engine.client import EngineCoreClient
+from lmserve.engine.dp_client import make_engine_client
 from lmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -43,6 +43,8 @@ from lmserve.structured_output import check_structured_outputs
 logger = logging.getLogger(__name__)
 
 ENGINE_CHECK_INTERVAL_S = 0.2
+# Stats fields about the requests a caller asked for: at the top level only, not repeated per replica.
+PER_REQUEST_FIELDS = ("request_positions", "request_status", "engines")
 
 
 class RequestStream:
@@ -113,7 +115,8 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs the engine's max_model_len: set on Ready
-        self.engine = EngineCoreClient(config, log_level)
+        # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
+        self.engine = make_engine_client(config, log_level)
         self.streams: dict[str, RequestStream] = {}
         self.is_ready = False
         self.errored = False
@@ -228,8 +231,16 @@ class AsyncLLM:
         return self.timelines.pop(request_id)
 
     async def get_stats(self, request_ids: list[str] | None = None) -> dict:
+        """The engine's counters; under data parallel their sums, and in `engines` each replica's own (one entry,
+        the same counters, for a single engine), so that a consumer reads one shape."""
         stats = await self.engine_stats(request_ids or [])
-        return {f: getattr(stats, f) for f in stats.__struct_fields__}
+        flat = {f: getattr(stats, f) for f in stats.__struct_fields__ if f != "engines"}
+        replicas = stats.engines or [stats]
+        flat["engines"] = [
+            {"engine": str(index), **{f: getattr(r, f) for f in r.__struct_fields__ if f not in PER_REQUEST_FIELDS}}
+            for index, r in enumerate(replicas)
+        ]
+        return flat
 
     async def engine_stats(self, request_ids: list[str]) -> EngineStats:
         if self.errored:
@@ -254,7 +265,8 @@ class AsyncLLM:
         """Engine requests that must wait (with `num_new` more): not yet in any step, beyond the running slots still
         free. A burst on an idle server is admitted at the next step; it does not queue."""
         num_running = len(self.output_processor.children) - len(self.queued)
-        free_slots = max(0, self.config.scheduler.max_num_seqs - num_running)
+        slots = self.config.scheduler.max_num_seqs * self.config.parallel.data_parallel_size  # per replica
+        free_slots = max(0, slots - num_running)
         return max(0, len(self.queued) + num_new - free_slots)
 
     def _check_queue_room(self, num_new: int) -> None:
@@ -342,7 +354,7 @@ class AsyncLLM:
         while self.engine.is_alive:
             await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
         if not self.errored:
-            self._engine_dead(f"engine process died (exit code {self.engine.process.exitcode})")
+            self._engine_dead(self.engine.exit_description())
 
     def _engine_dead(self, reason: str) -> None:
         logger.error("%s; failing %d in-flight requests", reason, len(self.streams))

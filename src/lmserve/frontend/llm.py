@@ -40,6 +40,13 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         """Keyword arguments are those of lmserve.config.make_engine_config (dtype, max_model_len, num_blocks, ...)."""
         self.config = make_engine_config(model, **kwargs)
+        if self.config.parallel.data_parallel_size > 1:
+            # Replicas are separate engine processes behind the server's router; the offline engine is one
+            # in-process engine, and one batch is better served by one engine than split across several.
+            raise ValueError(
+                f"data_parallel_size={self.config.parallel.data_parallel_size}: data parallel is a server feature; "
+                f"use `lmserve serve -dp {self.config.parallel.data_parallel_size}` (offline LLM runs one engine)"
+            )
         check_layout(self.config)  # the model splits as asked and the ranks fit: before any weight loads
         self.tokenizer = load_frontend_tokenizer(self.config.model)
         self.default_sampling = default_sampling(

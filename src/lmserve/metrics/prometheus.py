@@ -48,7 +48,8 @@ class EngineStatsCollector:
     """The engine's gauges and counters as of the current scrape; /metrics refreshes `stats` just before rendering.
 
     A custom collector rather than Gauge objects: the values live in the engine, so there is nothing to keep in
-    sync between scrapes.
+    sync between scrapes. One series per engine replica, labelled `engine` ("0", "1", ...) as vLLM's: the replicas'
+    own values are in `stats["engines"]`; stats without it are one engine's, "0".
     """
 
     def __init__(self, model_name: str) -> None:
@@ -57,16 +58,16 @@ class EngineStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = dict(self.stats)
-        for name, documentation in ENGINE_GAUGES.items():
-            if name in stats:
-                gauge = GaugeMetricFamily(f"lmserve:{name}", documentation, labels=["model_name"])
-                gauge.add_metric([self.model_name], float(stats[name]))
-                yield gauge
-        for name, documentation in ENGINE_COUNTERS.items():
-            if name in stats:
-                counter = CounterMetricFamily(f"lmserve:{name}", documentation, labels=["model_name"])
-                counter.add_metric([self.model_name], float(stats[name]))
-                yield counter
+        replicas = stats.get("engines") or [stats]
+        for names, family in ((ENGINE_GAUGES, GaugeMetricFamily), (ENGINE_COUNTERS, CounterMetricFamily)):
+            for name, documentation in names.items():
+                present = [r for r in replicas if name in r]
+                if not present:
+                    continue
+                metric = family(f"lmserve:{name}", documentation, labels=["model_name", "engine"])
+                for replica in present:
+                    metric.add_metric([self.model_name, str(replica.get("engine", "0"))], float(replica[name]))
+                yield metric
 
 
 class PrometheusMetrics:

@@ -165,6 +165,29 @@ class EngineStats(msgspec.Struct):
     # Only for the request ids a GetStats asked about: positions computed so far, and status.
     request_positions: dict[str, int] = {}
     request_status: dict[str, str] = {}
+    # Under data parallel, each replica's own (the fields above are then their sums); empty for one engine.
+    engines: list[EngineStats] = []
+
+
+# Counts that add up across data-parallel replicas (kv_cache_usage_perc is recomputed from the block counts).
+SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
+                "kv_blocks_cached_free", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                "num_requests_aborted", "num_steps")
+
+
+def sum_engine_stats(replicas: list[EngineStats]) -> EngineStats:
+    """One view of several replicas: the counts summed, each replica's own stats under `engines`."""
+    total = EngineStats(**{name: sum(getattr(r, name) for r in replicas) for name in SUMMED_STATS})
+    total.kv_cache_usage_perc = total.kv_blocks_used / total.kv_blocks_total if total.kv_blocks_total else 0.0
+    for replica in replicas:
+        # A request lives on one replica; the others report it "gone" with no positions.
+        for request_id, positions in replica.request_positions.items():
+            total.request_positions[request_id] = total.request_positions.get(request_id, 0) + positions
+        for request_id, status in replica.request_status.items():
+            if total.request_status.get(request_id, "gone") == "gone":
+                total.request_status[request_id] = status
+    total.engines = [msgspec.structs.replace(r, request_positions={}, request_status={}) for r in replicas]
+    return total
 
 
 class StepRecord(msgspec.Struct):
@@ -180,6 +203,7 @@ class StepRecord(msgspec.Struct):
     num_running: int
     num_waiting: int
     num_sampled: int = 0  # tokens sampled (one per request whose last scheduled position was its newest token)
+    engine: int = 0  # the data-parallel replica that ran it (set by the front-end's client, not the engine)
 
     @property
     def num_positions(self) -> int:

@@ -152,9 +152,27 @@ function updateTiles(event) {
     $("kv-text").textContent = `KV blocks: ${parts.used} used · ${cached} cached free · ${parts.free} free`;
     $("kv-bar").title = `${e.kv_blocks_total} blocks, ${fmtNum(100 * e.kv_cache_usage_perc, 1)}% in use`;
   }
+  updateReplicas(e.engines || []);
   if (event.engine_error) setConnection("down", `engine: ${event.engine_error}`);
   else if ($("conn-status").dataset.state !== "live") setConnection("live", "live");
   state.previousEngine = e;
+}
+
+// Data parallel: one row per engine replica (the tiles above show their sums); hidden for a single engine.
+function updateReplicas(engines) {
+  $("replicas").hidden = engines.length < 2;
+  if (engines.length < 2) return;
+  const ofTotal = (part, whole) =>
+    `${fmtNum(part)} of ${fmtNum(whole)}` + (whole ? ` (${fmtNum((100 * part) / whole, 1)}%)` : "");
+  const rows = engines.map((r) => {
+    const tr = document.createElement("tr");
+    const cells = [r.engine, fmtNum(r.num_requests_running), fmtNum(r.num_requests_waiting),
+      ofTotal(r.kv_blocks_used, r.kv_blocks_total), ofTotal(r.prefix_cache_hits, r.prefix_cache_queries),
+      fmtNum(r.num_preemptions), fmtNum(r.num_steps)];
+    for (const text of cells) tr.append(Object.assign(document.createElement("td"), { textContent: text }));
+    return tr;
+  });
+  $("replicas").querySelector("tbody").replaceChildren(...rows);
 }
 
 function drawSteps() {

@@ -243,7 +243,8 @@ function total(step) {
 export function describeStep(step) {
   const sum = (positions) => Object.values(positions).reduce((a, b) => a + b, 0);
   const prefill = sum(step.prefill), decode = sum(step.decode);
-  return `step ${step.index}: ${prefill + decode} positions (prefill ${prefill} over ${Object.keys(step.prefill).length}` +
+  const engine = step.engine ? `engine ${step.engine} ` : "";
+  return `${engine}step ${step.index}: ${prefill + decode} positions (prefill ${prefill} over ${Object.keys(step.prefill).length}` +
     ` requests, decode ${decode}), ${fmtMs(step.duration_s, 1)} (forward ${fmtMs(step.forward_s, 1)}), ` +
     `${step.num_running} running, ${step.num_waiting} waiting` +
     (step.preempted.length ? `, preempted ${step.preempted.join(", ")}` : "");
