@@ -12,6 +12,7 @@ process (PR_SET_PDEATHSIG), and shutdown stops them, so no rank outlives its eng
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import shutil
 import socket
@@ -77,9 +78,11 @@ class MultiprocExecutor(Executor):
         self._stats: dict[int, dict[str, int]] = {}
         self._ready: dict[int, Any] = {}
         init_method = f"tcp://127.0.0.1:{free_local_port()}"
+        # The ranks log at the engine's level unless told otherwise.
+        env = {"LMSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel()), **os.environ}
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", str(self._dir), str(rank),
-                              init_method])
+                              init_method], env=env)
             for rank in range(self.world_size)
         ]
         try:

@@ -54,6 +54,11 @@ class RankActor:
     def communication_stats(self) -> dict[str, int]:
         return self.worker.communication_stats()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -136,7 +141,7 @@ class RayExecutor(Executor):
         import ray
 
         try:
-            ray.get([a.node_address.remote() for a in self.actors], timeout=10)
+            ray.get([a.node_id.remote() for a in self.actors], timeout=10)
         except Exception as exc:
             raise RankFailedError(f"a Ray rank is gone: {exc}") from exc
 
@@ -144,6 +149,12 @@ class RayExecutor(Executor):
         import ray
 
         return ray.get([a.communication_stats.remote() for a in self.actors])
+
+    def node_ids(self) -> list[str]:
+        """The Ray node each rank runs on, by rank."""
+        import ray
+
+        return ray.get([a.node_id.remote() for a in self.actors])
 
     def shutdown(self) -> None:
         import ray

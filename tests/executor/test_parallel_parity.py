@@ -1,0 +1,91 @@
+"""Tensor and pipeline parallel give one rank's tokens: the same greedy (and seeded) tokens for a mixed batch of
+prefill chunks, decodes, a prefix-cache hit, a preemption and a constrained request, on torch.distributed (gloo)
+ranks run by the mp executor and by Ray actors on a simulated two-node cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+from lmserve.sampling_params import StructuredOutputsParams
+
+SHARED = list(range(300, 332))  # two full blocks that the second call finds in the prefix cache
+# Small budgets force chunked prefill beside decodes, and a pool of 14 blocks forces preemptions.
+TINY = {"dtype": "float32", "quantization": "none", "max_num_batched_tokens": 48, "num_blocks": 14,
+        "max_model_len": 512}
+
+
+def workload(llm: LLM) -> tuple[list[list[int]], dict]:
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm.generate([SHARED + [1, 2, 3]], greedy)
+    prompts = [SHARED + [7, 8, 9, 10]] + [list(range(100 + 9 * i, 140 + 13 * i)) for i in range(4)]
+    params = [greedy] * 4 + [SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)]
+    outputs = llm.generate(prompts, params)
+    choice = SamplingParams(max_tokens=8, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    outputs += llm.generate(["Answer:"], choice)
+    stats = llm.engine.stats()
+    return [list(o.outputs[0].token_ids) for o in outputs], {
+        "prefix_cache_hits": stats.prefix_cache_hits, "num_preemptions": stats.num_preemptions,
+        "choice": outputs[-1].outputs[0].text,
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama_dir: Path) -> tuple[list[list[int]], dict]:
+    with LLM(str(tiny_llama_dir), **TINY) as llm:
+        tokens, stats = workload(llm)
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats  # the batch is as mixed as said
+    assert stats["choice"] in ("yes", "no")
+    return tokens, stats
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_give_one_ranks_tokens(one_rank, tiny_llama_dir: Path, layout: dict) -> None:
+    with LLM(str(tiny_llama_dir), **TINY, **layout) as llm:
+        tokens, stats = workload(llm)
+        sent = llm.engine.executor.communication_stats()
+    assert tokens == one_rank[0]
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert stats["choice"] == one_rank[1]["choice"]
+    if "tensor_parallel_size" in layout:
+        assert all(rank["all_reduce_bytes"] > 0 and rank["all_gather_bytes"] > 0 for rank in sent), sent
+    else:
+        assert sent[0]["send_bytes"] > 0 and sent[1]["send_bytes"] == 0, sent  # stage 0 sends, the last does not
+
+
+@pytest.fixture(scope="module")
+def two_node_ray_cluster():
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_tensor_parallel_under_ray_on_two_nodes(one_rank, tiny_llama_dir: Path, two_node_ray_cluster) -> None:
+    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, distributed_executor_backend="ray") as llm:
+        assert len(set(llm.engine.executor.node_ids())) == 2  # one rank on each simulated machine
+        tokens, _ = workload(llm)
+    assert tokens == one_rank[0]
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}],
+                         ids=["tp3", "pp2"])
+def test_default_model_splits_and_gives_one_ranks_greedy_tokens(layout: dict) -> None:
+    """9 query heads over 3 KV heads split three ways; the GGUF's own q4_1 blocks split at block boundaries."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    settings = {"kv_cache_memory": "64MiB", "max_model_len": 256}
+    with LLM(**settings) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(**settings, **layout) as llm:
+        assert llm.engine.executor.info.num_blocks > 0
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
