@@ -98,9 +98,14 @@ class MultiprocExecutor(Executor):
         return self.pp_size
 
     def _broadcast(self, message: tuple) -> None:
+        """Never blocks: a PUSH socket whose rank is gone would wait for it forever; that rank's death is
+        reported by check_health instead."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._inputs:
-            sock.send(data, copy=False)
+            try:
+                sock.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         self.check_health()
@@ -140,6 +145,10 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if self._ctx.closed:
             return
+        if any(proc.poll() is not None for proc in self.procs):
+            # A rank is gone: the others may be stuck in a collective with it, and nothing they hold is needed.
+            for proc in self.procs:
+                proc.kill()
         try:
             self._broadcast(("shutdown", None))
         except zmq.ZMQError:

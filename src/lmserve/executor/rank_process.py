@@ -76,7 +76,8 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
             send("stats", worker.communication_stats())
         elif kind == "shutdown":
             break
-    worker.shutdown()
+    if code == 0:
+        worker.shutdown()  # not after a failure: leaving the process group waits on peers that may be gone
     results.close(linger=1000)
     inputs.close(linger=0)
     ctx.term()
