@@ -24,7 +24,8 @@ from lmserve.worker.attention import (
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.loader import load_weights
-from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
+from lmserve.worker.model_builder import build_model
+from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.quantization import check_quantization
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
@@ -93,9 +94,10 @@ class ModelRunner:
         if self.max_model_len > native_len:
             logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
         started = time.perf_counter()
+        # Seeds the draws of requests without a seed; the weights all come from the checkpoint (load_weights raises
+        # on a missing one), so no parameter depends on it.
         torch.manual_seed(model_config.seed)
-        with torch.device(self.device):
-            model = LlamaForCausalLM(self.hf_config, self.max_model_len).to(self.dtype)
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         model.load_weights(load_weights(source, self.dtype))
         if self.quantization != "none":
             model.quantize(self.quantization)
