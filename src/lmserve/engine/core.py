@@ -30,7 +30,7 @@ GRAMMAR_WAIT_S = 0.002
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.placement)
+        self.runner = ModelRunner(config.model, config.cache, config.placement, config.scheduler)
         # All of the model's EOS ids (config and generation_config.json); requests carry their own copy.
         self.eos_token_ids = model_eos_token_ids(resolve_model(config.model.model), self.runner.hf_config)
         self.grammar = GrammarManager(config.model.tokenizer or config.model.model, self.runner.vocab_size,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memory
+from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.models import load_hf_config, resolve_model, stored_linear_format
@@ -24,6 +24,7 @@ from lmserve.worker.attention import (
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.loader import load_weights
+from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Measured on this machine (docs/benchmarks.md): float32 decodes faster for a small model at small batches.
 DEFAULT_CPU_DTYPE = "float32"
-DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # Prompt logprobs take a vocabulary-wide row of logits per prompt token: score them this many rows at a time.
 PROMPT_LOGPROB_ROWS_PER_SLICE = 256
 
@@ -76,7 +76,11 @@ class PromptScoring:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, placement: PlacementConfig | None = None
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        placement: PlacementConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,  # its step size sizes the CUDA profiling step
     ) -> None:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
@@ -120,13 +124,13 @@ class ModelRunner:
         per_block = kv_bytes_per_block(
             model.num_layers, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
         )
-        if cache_config.num_blocks:
-            self.num_blocks = cache_config.num_blocks
-        else:
-            budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
-            self.num_blocks = budget // per_block
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.num_blocks = num_kv_blocks(cache_config, per_block, self.device, lambda: measure_cuda_memory(
+            self.device, lambda: profiling_step(
+                model, scheduler_config.max_num_batched_tokens, self.max_model_len, scheduler_config.max_num_seqs,
+                self.block_size, self.attention_backend, self.kv_cache_dtype,
+            ),
+        ))
         # Head-major blocks: one kv head's keys of a block are contiguous (worker/kernels/paged_attention.cpp).
         shape = (self.num_blocks, num_kv_heads, self.block_size, head_dim)
         self.kv_caches = [
