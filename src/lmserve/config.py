@@ -115,12 +115,21 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = setting(16, "positions per KV-cache block", flag=False)
-    kv_cache_memory: int | None = setting(None, "bytes, or with a unit: 2GiB, 512MiB", parse=parse_memory)
+    kv_cache_memory: int | None = setting(
+        None, "bytes of KV cache, or with a unit: 2GiB, 512MiB (default: 2GiB on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves); wins over --gpu-memory-utilization", parse=parse_memory)
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA only, as vLLM: the fraction of the device's memory this engine may use; the KV cache gets what is "
+        "left of it after the weights and the peak activations of a profiling step")
     num_blocks: int | None = setting(None, "KV blocks; overrides kv_cache_memory (tests use tiny pools)", flag=False)
     enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
     kv_cache_dtype: str = setting(
         "auto", "element type of the KV cache; float16 halves its bytes per token. auto: float16 for the paged-cpu "
         "kernel on a float32 model (CPUs with F16C), else the model's dtype", choices=("auto", "float32", "float16"))
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
 @dataclass

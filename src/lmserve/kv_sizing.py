@@ -18,3 +18,29 @@ def kv_bytes_per_block(
 ) -> int:
     """K and V for every layer of one block; the model runner sizes its cache with this."""
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes)
+
+
+def kv_blocks_for_memory_utilization(
+    total_bytes: int, utilization: float, used_bytes: int, per_block_bytes: int, free_bytes: int | None = None
+) -> int:
+    """KV blocks under vLLM's --gpu-memory-utilization: the engine may use `utilization` of the device's
+    `total_bytes`; the cache gets what is left of that after `used_bytes` (the weights and the peak activations of a
+    profiling step). `free_bytes`, the device's free memory once the profiling step's memory is released, bounds it:
+    memory that other processes (or this process outside torch) hold is not ours to promise."""
+    budget = int(total_bytes * utilization) - used_bytes
+    gib = 1 << 30
+    if free_bytes is not None and budget > free_bytes:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} leaves {budget / gib:.2f} GiB for the KV cache, but only "
+            f"{free_bytes / gib:.2f} GiB of the device's {total_bytes / gib:.2f} GiB are free (other processes or the "
+            "CUDA context hold the rest): lower --gpu-memory-utilization or set --kv-cache-memory"
+        )
+    blocks = max(budget, 0) // per_block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"no KV-cache block fits: --gpu-memory-utilization {utilization} of {total_bytes / gib:.2f} GiB is "
+            f"{total_bytes * utilization / gib:.2f} GiB, and the weights and peak activations take "
+            f"{used_bytes / gib:.2f} GiB of it, leaving less than one block ({per_block_bytes} bytes): raise "
+            "--gpu-memory-utilization or lower --max-num-batched-tokens"
+        )
+    return blocks

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, parse_memory
+from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
@@ -25,7 +25,9 @@ from lmserve.worker.attention import (
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.loader import load_weights
-from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
+from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
+from lmserve.worker.model_builder import build_model
+from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.quantization import check_quantization
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
@@ -35,7 +37,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Measured on this machine (docs/benchmarks.md): float32 decodes faster for a small model at small batches.
 DEFAULT_CPU_DTYPE = "float32"
-DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # Prompt logprobs take a vocabulary-wide row of logits per prompt token: score them this many rows at a time.
 PROMPT_LOGPROB_ROWS_PER_SLICE = 256
 
@@ -78,6 +79,7 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig, placement: PlacementConfig | None = None,
         parallel: ParallelGroups | None = None,
+        scheduler_config: SchedulerConfig | None = None,  # its step size sizes the CUDA profiling step
     ) -> None:
         """`parallel`: this rank's place among the engine's ranks (default: the only rank)."""
         self.parallel = parallel or ParallelGroups(RankLayout(0))
@@ -98,9 +100,10 @@ class ModelRunner:
         if self.max_model_len > native_len:
             logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
         started = time.perf_counter()
+        # Seeds the draws of requests without a seed; the weights all come from the checkpoint (load_weights raises
+        # on a missing one), so no parameter depends on it.
         torch.manual_seed(model_config.seed)
-        with torch.device(self.device):
-            model = LlamaForCausalLM(self.hf_config, self.max_model_len, self.parallel).to(self.dtype)
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel)
         model.load_weights(load_weights(source, self.dtype))
         if self.quantization != "none":
             model.quantize(self.quantization)
@@ -125,13 +128,13 @@ class ModelRunner:
         per_block = kv_bytes_per_block(
             largest_stage, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
         )
-        if cache_config.num_blocks:
-            self.num_blocks = cache_config.num_blocks
-        else:
-            budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
-            self.num_blocks = budget // per_block
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.num_blocks = num_kv_blocks(cache_config, per_block, self.device, lambda: measure_cuda_memory(
+            self.device, lambda: profiling_step(
+                model, scheduler_config.max_num_batched_tokens, self.max_model_len, scheduler_config.max_num_seqs,
+                self.block_size, self.attention_backend, self.kv_cache_dtype,
+            ),
+        ))
         # Head-major blocks: one kv head's keys of a block are contiguous (worker/kernels/paged_attention.cpp).
         shape = (self.num_blocks, num_kv_heads, self.block_size, head_dim)
         self.kv_caches = [

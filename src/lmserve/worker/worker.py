@@ -39,7 +39,8 @@ class Worker:
         if device.type == "cuda" and self.layout.world_size > 1:
             torch.cuda.set_device(rank % torch.cuda.device_count())
         self.parallel = init_parallel_groups(self.layout, init_method, device)
-        self.runner = ModelRunner(config.model, config.cache, self._placement(config), self.parallel)
+        self.runner = ModelRunner(config.model, config.cache, self._placement(config), self.parallel,
+                                  scheduler_config=config.scheduler)
 
     def _placement(self, config: EngineConfig):
         """Ranks on one machine share its CPUs: by default each gets its share of threads, not all of them."""

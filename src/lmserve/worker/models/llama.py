@@ -78,31 +78,44 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
+def _rope_tables(config: PretrainedConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin, [max_position, head_dim / 2], on the CPU."""
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    cpu = torch.device("cpu")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
+        scaling = 1.0
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+    else:
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    rope_freqs = getattr(config, "rope_freqs", None)
+    if rope_freqs is not None:
+        # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
+        if rope_type != "default" or len(rope_freqs) != head_dim // 2:
+            raise ValueError(f"rope_freqs of {len(rope_freqs)} values for {rope_type} rope, head_dim {head_dim}")
+        inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float, device=cpu)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float, device=cpu), inv_freq.to(cpu, torch.float))
+    return freqs.cos() * scaling, freqs.sin() * scaling
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position, computed once in float32."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_position: int, device: torch.device | None = None
+    ) -> None:
         super().__init__()
-        params = rope_parameters(config)
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        elif rope_type in ROPE_INIT_FUNCTIONS:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        else:
-            raise ValueError(f"unsupported rope type {rope_type!r}")
-        rope_freqs = getattr(config, "rope_freqs", None)
-        if rope_freqs is not None:
-            # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
-            if rope_type != "default" or len(rope_freqs) != head_dim // 2:
-                raise ValueError(f"rope_freqs of {len(rope_freqs)} values for {rope_type} rope, head_dim {head_dim}")
-            inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.float())
-        # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16.
-        self.cos = freqs.cos() * scaling
-        self.sin = freqs.sin() * scaling
+        # On the CPU whatever default device is active (the model may be built under `with torch.device("meta")` or
+        # "cuda"): transformers' init functions mix their own device with the default one, and meta has no values.
+        with torch.device("cpu"):
+            cos, sin = _rope_tables(config, head_dim, max_position)
+        # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16, and to_empty() must
+        # not replace them with uninitialised memory. So they go to the model's device here, once.
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the batch's positions, [T, 1, D/2]: looked up once per forward, shared by every layer."""
@@ -234,7 +247,12 @@ class MissingLayer(nn.Identity):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int, parallel: ParallelGroups | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_position: int, parallel: ParallelGroups | None = None,
+        rope_device: torch.device | None = None,
+    ) -> None:
+        """rope_device: where the RoPE tables live (default: the default device); worker/model_builder.py builds
+        the parameters on meta and passes the target device here."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -247,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         self.vocab_size = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.rotary = RotaryEmbedding(config, head_dim, max_position, rope_device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.stage_layers = layout.stage_layers(config.num_hidden_layers)
         # The embedding lives on the first stage, and on the last too when it is also the output layer.
