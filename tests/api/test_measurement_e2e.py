@@ -50,12 +50,12 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def scrape(server: Server) -> dict[str, float]:
-    """Every sample of /metrics, keyed by name plus labels other than model_name."""
+    """Every sample of /metrics, keyed by name plus labels other than model_name and engine (one engine here)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "le"))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "engine", "le"))
             key = sample.name + (f"{{{labels}}}" if labels else "")
             if "le" in sample.labels:
                 continue

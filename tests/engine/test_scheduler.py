@@ -567,3 +567,23 @@ def test_random_workload_keeps_block_accounting(seed: int) -> None:
 def test_random_workloads_reach_preemption() -> None:
     # Guards the randomized test against silently never taking the preemption path.
     assert sum(run_random_workload(seed) for seed in range(12)) > 0
+
+
+def test_a_request_in_a_batch_still_in_flight_is_not_scheduled_again_until_its_output_returns() -> None:
+    """Pipeline stages keep several batches in flight: a second schedule() before the first batch's output must
+    leave that batch's requests out (a prefill chunk would otherwise run twice at once, a decode without its
+    token), and schedule the others."""
+    scheduler = make_scheduler(budget=8, block_size=4)
+    scheduler.add_request(make_request("a", list(range(20)), max_tokens=2))
+    first = scheduler.schedule()
+    assert [s.request_id for s in first.scheduled] == ["a"] and first.scheduled[0].num_tokens == 8
+    scheduler.add_request(make_request("b", list(range(100, 106)), max_tokens=2))
+    second = scheduler.schedule()
+    assert [s.request_id for s in second.scheduled] == ["b"]  # a's next chunk waits for its batch
+    assert scheduler.schedule().is_empty  # both in flight
+    scheduler.update_from_output(first, ModelRunnerOutput(sampled_token_ids={}))
+    third = scheduler.schedule()
+    assert [(s.request_id, s.start_position) for s in third.scheduled] == [("a", 8)]
+    outputs = scheduler.update_from_output(second, ModelRunnerOutput(sampled_token_ids={"b": 7}))
+    assert [o.new_token_ids for o in outputs] == [[7]]
+    assert [s.request_id for s in scheduler.schedule().scheduled] == ["b"]  # b decodes; a still in flight

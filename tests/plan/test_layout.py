@@ -128,9 +128,9 @@ def test_cuda_and_ray_are_not_checked_against_this_machines_memory():
 
 
 def test_the_fit_check_uses_the_engines_defaults():
-    from lmserve.worker import model_runner
+    from lmserve.worker import memory, model_runner
 
-    assert fit.DEFAULT_KV_CACHE_MEMORY == model_runner.DEFAULT_KV_CACHE_MEMORY
+    assert fit.DEFAULT_KV_CACHE_MEMORY == memory.DEFAULT_KV_CACHE_MEMORY
     assert fit.DEFAULT_CPU_DTYPE == model_runner.DEFAULT_CPU_DTYPE
 
 
