@@ -48,7 +48,7 @@ def layer_table(rows_list: list[int], layers: int, repeats: int) -> None:
         def fbgemm(inputs=inputs) -> None:
             for layer in linears:
                 for (_, k), linear in zip(SHAPES, layer, strict=True):
-                    linear.batched(inputs[k])
+                    linear.prepare_batched()(inputs[k])
 
         times: dict[str, list[float]] = {"kernel": [], "fbgemm": []}
         for _ in range(repeats if rows <= 256 else max(3, repeats // 3)):

@@ -84,3 +84,26 @@ def test_local_path_wins_over_hub_id(
     shutil.copytree(tiny_llama_dir, tmp_path / "models" / "tiny")
     monkeypatch.chdir(tmp_path)
     assert resolve_model("models/tiny").path == Path("models/tiny")
+
+
+def test_the_fast_block_dequantization_is_gguf_s_own_bit_for_bit(default_source) -> None:
+    """The default file's q4_1 and q8_0 tensors read by lmserve's vectorized dequantization equal gguf's."""
+    import gguf
+    import numpy as np
+
+    from lmserve.models import _FAST_DEQUANTIZE, read_gguf_header, read_gguf_tensor
+
+    seen = set()
+    for info in read_gguf_header(default_source.path).tensors:
+        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        if qtype not in _FAST_DEQUANTIZE or (qtype in seen and not info.name.startswith("blk.0.")):
+            continue
+        seen.add(qtype)
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(info.shape[:-1]))
+        raw = np.memmap(default_source.path, mode="r", dtype=np.uint8, offset=info.offset,
+                        shape=(rows, info.shape[-1] // block_size * block_bytes))
+        expected = gguf.quants.dequantize(raw, qtype).reshape(info.shape)
+        got = read_gguf_tensor(default_source.path, info)
+        assert got.dtype == expected.dtype and np.array_equal(got, expected), info.name
+    assert seen == set(_FAST_DEQUANTIZE)

@@ -4,6 +4,7 @@ measures the peak on CUDA (run here on the CPU: the same dummy batch, without to
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +61,11 @@ def test_which_setting_wins_where() -> None:
     assert num_kv_blocks(CacheConfig(gpu_memory_utilization=0.1), per_block, CPU, never_measured) == 2048
     # Tests' num_blocks above all.
     assert num_kv_blocks(CacheConfig(num_blocks=7), per_block, CUDA, never_measured) == 7
+    # CPU default: never more than max_num_seqs full-length requests can hold; an explicit size is taken as said.
+    assert num_kv_blocks(CacheConfig(), per_block, CPU, never_measured, most_blocks_usable=300) == 300
+    assert num_kv_blocks(CacheConfig(), per_block, CPU, never_measured, most_blocks_usable=10**6) == 2048
+    assert num_kv_blocks(CacheConfig(kv_cache_memory="1GiB"), per_block, CPU, never_measured,
+                         most_blocks_usable=300) == 1024
     with pytest.raises(ValueError, match="kv_cache_memory too small"):
         num_kv_blocks(CacheConfig(kv_cache_memory=1000), per_block, CPU, never_measured)
 
@@ -97,3 +103,27 @@ def test_profiling_step_runs_the_model_on_a_full_step(tiny_llama3_dir, dtype) ->
     assert probs.shape == (64, model.config.vocab_size) and probs.dtype == torch.float32
     assert torch.isfinite(probs).all()
     torch.testing.assert_close(probs.sum(-1), torch.ones(64))
+
+
+def resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_kv_cache_takes_memory_only_as_its_blocks_are_written(tiny_llama_dir) -> None:
+    """A 1 GiB cache costs the process (almost) nothing until used: its pages come from calloc, not from zeros
+    written one by one; and it reads as zeros."""
+    from lmserve.config import ModelConfig
+    from lmserve.worker.model_runner import ModelRunner
+
+    before = resident_bytes()
+    runner = ModelRunner(ModelConfig(model=str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory="1GiB"))
+    allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
+    assert allocated > 0.9 * GiB
+    assert resident_bytes() - before < 256 * MiB
+    key_cache = runner.kv_caches[0][0]
+    assert not key_cache[:: max(1, key_cache.shape[0] // 64)].any()  # zeros, where sampled
+    key_cache[-1].fill_(1.0)  # written pages become resident and hold what was written
+    assert bool(key_cache[-1].eq(1.0).all())

@@ -218,7 +218,7 @@ def test_block_layer_runs_the_kernel_up_to_its_row_limit_and_its_fp16_copy_above
     few = torch.randn(BLOCK_KERNEL_MAX_ROWS, 64, generator=gen)
     torch.testing.assert_close(layer(few), op(few, layer.blocks, 40, layer.bias), atol=0, rtol=0)
     many = torch.randn(BLOCK_KERNEL_MAX_ROWS + 1, 64, generator=gen)
-    torch.testing.assert_close(layer(many), layer.batched(many), atol=0, rtol=0)
+    torch.testing.assert_close(layer(many), layer.prepare_batched()(many), atol=0, rtol=0)
     rounded = Float16WeightLinear(weight, bias)  # the copy holds the blocks' weights rounded to float16
     torch.testing.assert_close(layer(many), rounded(many), atol=1e-5, rtol=1e-5)
 

@@ -109,14 +109,20 @@ class AsyncLLM:
         # Engine requests sent but not yet in any step: what --max-queued-requests counts.
         self.queued: set[str] = set()
         self.model_name = served_model_name or config.model.model
-        self.tokenizer = load_frontend_tokenizer(config.model)
-        self.default_sampling = default_sampling(
-            resolve_model(config.model.model), config.model.generation_config, config.model.override_generation_config
-        )
+        # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
+        # Started first: it loads the model while this process loads the tokenizer.
+        self.engine = make_engine_client(config, log_level)
+        try:
+            self.tokenizer = load_frontend_tokenizer(config.model)
+            self.default_sampling = default_sampling(
+                resolve_model(config.model.model), config.model.generation_config,
+                config.model.override_generation_config,
+            )
+        except BaseException:
+            self.engine.shutdown()
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None  # needs the engine's max_model_len: set on Ready
-        # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
-        self.engine = make_engine_client(config, log_level)
         self.streams: dict[str, RequestStream] = {}
         self.is_ready = False
         self.errored = False

@@ -1,7 +1,8 @@
 """How many KV-cache blocks the model runner allocates, and on CUDA the measurement that decides it.
 
 Precedence: `num_blocks` (tests' tiny pools) > an explicit `--kv-cache-memory` (every device) > on CUDA,
-`--gpu-memory-utilization` of the device as vLLM sizes it > on CPU, DEFAULT_KV_CACHE_MEMORY. The arithmetic is
+`--gpu-memory-utilization` of the device as vLLM sizes it > on CPU, DEFAULT_KV_CACHE_MEMORY or what
+`--max-num-seqs` requests of `--max-model-len` positions can use, whichever is less. The arithmetic is
 lmserve.kv_sizing's (torch-free, shared with the planner); only measure_cuda_memory touches torch.cuda.
 """
 
@@ -31,9 +32,11 @@ class DeviceMemory:
 
 
 def num_kv_blocks(
-    cache_config: CacheConfig, per_block_bytes: int, device: torch.device, measure: Callable[[], DeviceMemory]
+    cache_config: CacheConfig, per_block_bytes: int, device: torch.device, measure: Callable[[], DeviceMemory],
+    most_blocks_usable: int | None = None,
 ) -> int:
-    """KV blocks to allocate; `measure` is called only on CUDA when no explicit size is set."""
+    """KV blocks to allocate; `measure` is called only on CUDA when no explicit size is set. `most_blocks_usable`:
+    the blocks max_num_seqs full-length requests hold at once; the CPU default never allocates more."""
     if cache_config.num_blocks:
         return cache_config.num_blocks
     if cache_config.kv_cache_memory is None and device.type == "cuda":
@@ -42,6 +45,8 @@ def num_kv_blocks(
             m.total_bytes, cache_config.gpu_memory_utilization, m.used_bytes, per_block_bytes, m.free_bytes
         )
     blocks = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block_bytes
+    if cache_config.kv_cache_memory is None and most_blocks_usable:
+        blocks = min(blocks, most_blocks_usable)
     if blocks < 1:
         raise ValueError(f"kv_cache_memory too small: one block needs {per_block_bytes} bytes")
     return blocks

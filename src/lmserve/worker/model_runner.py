@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +31,7 @@ from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
-from lmserve.worker.quantization import check_quantization
+from lmserve.worker.quantization import BLOCK_METHODS, check_quantization, prepare_batched_copies
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_CPU_DTYPE = "float32"
 # Prompt logprobs take a vocabulary-wide row of logits per prompt token: score them this many rows at a time.
 PROMPT_LOGPROB_ROWS_PER_SLICE = 256
+
+
+def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages become resident only when first written, on CPU: calloc (through NumPy) maps
+    fresh zero pages instead of writing zeros, so a 2 GiB KV cache costs start-up no time and the process no memory
+    until its blocks are used. torch.zeros writes every byte (about a second, and all of it resident at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,6 +123,8 @@ class ModelRunner:
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
         self.model = model.eval()
+        if self.quantization in BLOCK_METHODS:
+            threading.Thread(target=prepare_batched_copies, args=(model,), name="fp16-copies", daemon=True).start()
         self.vocab_size = self.hf_config.vocab_size
         logger.info(
             "loaded %s (%s, quantization %s, fused ops %s, %s) in %.1fs",
@@ -134,13 +148,13 @@ class ModelRunner:
                 model, scheduler_config.max_num_batched_tokens, self.max_model_len, scheduler_config.max_num_seqs,
                 self.block_size, self.attention_backend, self.kv_cache_dtype,
             ),
-        ))
+        ), most_blocks_usable=scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size))
         # Head-major blocks: one kv head's keys of a block are contiguous (worker/kernels/paged_attention.cpp).
         shape = (self.num_blocks, num_kv_heads, self.block_size, head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                zeroed_lazily(shape, self.kv_cache_dtype, self.device),
+                zeroed_lazily(shape, self.kv_cache_dtype, self.device),
             )
             for _ in range(model.num_layers)
         ]

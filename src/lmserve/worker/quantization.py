@@ -176,7 +176,15 @@ class BlockQuantizedLinear(nn.Module):
         ops = cpu_kernels()
         self.linear_op = getattr(ops, f"{self.method}_linear")
         self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
-        self.batched = Float16WeightLinear(self.dequantized(), bias)
+        # fbgemm's packed float16 copy for large batches: ~2 s for the default model's layers, so it is built off the
+        # start-up path (prepare_batched_copies on a background thread), or by the first large batch that needs it.
+        self.batched: Float16WeightLinear | None = None
+
+    def prepare_batched(self) -> Float16WeightLinear:
+        batched = self.batched
+        if batched is None:
+            batched = self.batched = Float16WeightLinear(self.dequantized(), self.bias)
+        return batched
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights these blocks hold."""
@@ -187,7 +195,8 @@ class BlockQuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= BLOCK_KERNEL_MAX_ROWS * self.in_features:
             return self.linear_op(x, self.blocks, self.out_features, self.bias)
-        return self.batched(x)
+        # The same path for a large batch whether or not the background thread got here first: same numbers.
+        return self.prepare_batched()(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights"
@@ -204,6 +213,13 @@ class Q8_0Linear(BlockQuantizedLinear):
 LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "q8_0": Q8_0Linear, "q4_1": Q4_1Linear}
 # The output layer is the most sensitive to rounding; llama.cpp's q4 files keep it (or the tied embedding) in q8_0.
 OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
+
+
+def prepare_batched_copies(module: nn.Module) -> None:
+    """Builds every block layer's float16 copy for large batches (run on a background thread after start-up)."""
+    for child in module.modules():
+        if isinstance(child, BlockQuantizedLinear):
+            child.prepare_batched()
 
 
 def quantize_linears(module: nn.Module, method: str) -> int:
