@@ -454,18 +454,30 @@ def assert_same_nucleus(
         assert abs(mass_above_cut - p) < 1e-6, (row, mass_above_cut, p)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def top_p_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Top-p alone runs the C++ threshold search where the kernels load, else PyTorch's candidates: test both."""
+    from lmserve.worker import sampler
+
+    if request.param == "kernel":
+        assert sampler.top_p_mask_op() is not None, "the kernels must build on the test machines"
+    else:
+        monkeypatch.setattr(sampler, "top_p_mask_op", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("V", [50, 300, 3000])
-def test_top_k_top_p_keeps_what_the_full_sort_keeps(V: int) -> None:
+def test_top_k_top_p_keeps_what_the_full_sort_keeps(V: int, top_p_path: str) -> None:
     ks = [None, 1, 2, 5, 40, 127, 128, 129, 500, 1023, 1024, 1025, V - 1, V]
     ps = [None, 1e-4, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0]
     check_against_full_sort(logit_rows(V), [k for k in ks if k is None or k <= V], ps)
 
 
-def test_top_k_top_p_keeps_what_the_full_sort_keeps_over_the_real_vocabulary() -> None:
+def test_top_k_top_p_keeps_what_the_full_sort_keeps_over_the_real_vocabulary(top_p_path: str) -> None:
     check_against_full_sort(logit_rows(49152), [None, 1, 40, 128, 1025], [None, 0.5, 0.95, 1.0])
 
 
-def test_top_k_top_p_per_row_settings_match_the_full_sort() -> None:
+def test_top_k_top_p_per_row_settings_match_the_full_sort(top_p_path: str) -> None:
     V = 3000
     x = torch.cat([logit_rows(V)] * 4)
     B = x.shape[0]
@@ -477,7 +489,7 @@ def test_top_k_top_p_per_row_settings_match_the_full_sort() -> None:
     assert torch.equal(kept(got) & live, kept(want) & live)
 
 
-def test_only_ties_at_the_cut_can_differ_from_the_unstable_sort() -> None:
+def test_only_ties_at_the_cut_can_differ_from_the_unstable_sort(top_p_path: str) -> None:
     """The old code sorted unstably, so which of several equal logits at the top-p cut stayed was up to the sort.
     The new cut keeps as many, and the same tokens above the tied value."""
     V = 5000
@@ -492,7 +504,11 @@ def test_only_ties_at_the_cut_can_differ_from_the_unstable_sort() -> None:
         assert torch.equal(differ & (x != cut), torch.zeros_like(differ))
 
 
-def test_top_p_sorts_only_rows_whose_nucleus_is_not_among_the_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_top_p_sorts_only_rows_whose_nucleus_is_not_among_the_candidates(
+    monkeypatch: pytest.MonkeyPatch, top_p_path: str
+) -> None:
+    """The C++ threshold search sorts no row at all; PyTorch's path only rows whose nucleus is not among its
+    candidates."""
     from lmserve.worker import sampler
 
     sorted_rows: list[int] = []
@@ -508,7 +524,7 @@ def test_top_p_sorts_only_rows_whose_nucleus_is_not_among_the_candidates(monkeyp
     wide = torch.randn(1, V) * 0.5  # the 0.95 nucleus is most of the vocabulary
     x = torch.cat([peaked, wide])
     apply_top_k_top_p(x.clone(), None, torch.full((4,), 0.95))
-    assert sorted_rows == [1]
+    assert sorted_rows == ([] if top_p_path == "kernel" else [1])
     sorted_rows.clear()
     apply_top_k_top_p(x.clone(), torch.full((4,), 40), torch.full((4,), 0.95), max_top_k=40)
     assert sorted_rows == []

@@ -16,6 +16,7 @@ import torch
 
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
+from lmserve.worker.kernels import top_p_mask_op
 
 _NEG_INF = float("-inf")
 
@@ -305,6 +306,19 @@ def apply_top_k_top_p(
     active = top_p < 1.0
     if top_k is not None:
         active |= top_k < V
+    kernel = top_p_mask_op() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernel is not None:
+        # Top-p alone: the C++ threshold search (kernels/top_p.cpp) keeps the same set without sorting anything.
+        if top_k is None:
+            kernel(logits, top_p.float().contiguous())  # rows with top_p 1 are left as they are
+            return logits
+        nucleus_only = active & (top_k >= V)
+        if bool(nucleus_only.any()):
+            rows = nucleus_only.nonzero().flatten()
+            sub = logits[rows]
+            kernel(sub, top_p[rows].float().contiguous())
+            logits[rows] = sub
+            active &= ~nucleus_only
     pending = active.nonzero().flatten()  # rows with neither setting keep every token
     for size in _CANDIDATE_SIZES:
         if pending.numel() == 0:

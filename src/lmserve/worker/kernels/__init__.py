@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp")
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the
 # kernel ran on one thread). The link names libgomp.so.1, the same soname as the runtime torch already loaded, so the
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
@@ -102,6 +102,15 @@ def cpu_kernels():
 def paged_attention_op():
     """`torch.ops.lmserve.paged_attention` (worker/kernels/paged_attention.cpp)."""
     return cpu_kernels().paged_attention
+
+
+@functools.cache
+def top_p_mask_op():
+    """`torch.ops.lmserve.top_p_mask` (worker/kernels/top_p.cpp), or None where the kernels do not build."""
+    try:
+        return cpu_kernels().top_p_mask
+    except RuntimeError:
+        return None
 
 
 def write_kv_cache_op():
