@@ -82,10 +82,11 @@ class Server:
             return self.process.wait()
 
 
-def start_server(tmp: Path, *args: str, timeout: float = 180) -> Server:
+def start_server(tmp: Path, *args: str, timeout: float = 180, command: list[str] | None = None) -> Server:
+    """`lmserve serve ARGS` (or `command serve ARGS`) on a free port, once /health answers 200."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
-    cmd = [str(LMSERVE), "serve", "--port", str(port), *args]
+    cmd = [*(command or [str(LMSERVE)]), "serve", "--port", str(port), *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(process, f"http://127.0.0.1:{port}", log_path)
@@ -101,3 +102,9 @@ def start_server(tmp: Path, *args: str, timeout: float = 180) -> Server:
         time.sleep(0.5)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
+
+
+def debug_engine(server: Server, *request_ids: str) -> dict:
+    """/debug/engine, with the positions and status of the given requests."""
+    params = [("request_id", r) for r in request_ids]
+    return httpx.get(f"{server.base_url}/debug/engine", params=params, timeout=10).json()

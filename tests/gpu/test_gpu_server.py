@@ -6,10 +6,8 @@ by --gpu-memory-utilization, and a grammar's mask applies to CUDA logits."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-import httpx
 import openai
-from server_process import Server, free_port
+from server_process import Server, start_server, wait_for
+from server_process import debug_engine as engine
 
 from lmserve import LLM, SamplingParams
 
@@ -31,24 +29,7 @@ LMSERVE = [sys.executable, "-c", "import sys; from lmserve.cli import main; sys.
 
 
 def start_cuda_server(tmp: Path, *args: str, timeout: float = 300) -> Server:
-    port = free_port()
-    log_path = tmp / f"server-{port}.log"
-    cmd = [*LMSERVE, "serve", "--port", str(port), "--device", "cuda", *args]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(process, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
+    return start_server(tmp, "--device", "cuda", *args, timeout=timeout, command=LMSERVE)
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +49,6 @@ def client(server: Server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def engine(server: Server, *request_ids: str) -> dict:
-    params = [("request_id", r) for r in request_ids]
-    return httpx.get(f"{server.base_url}/debug/engine", params=params, timeout=10).json()
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def test_kv_cache_is_sized_by_gpu_memory_utilization(server: Server) -> None:
@@ -137,7 +104,7 @@ def test_prefix_caching_hits_on_cuda(client: openai.OpenAI, server: Server, mode
 
 
 def test_closed_stream_aborts_and_frees_its_blocks(client: openai.OpenAI, server: Server, model: str) -> None:
-    idle = wait_until(lambda: (s := engine(server))["num_requests_running"] == 0 and s, timeout=10)
+    idle = wait_for(lambda: (s := engine(server))["num_requests_running"] == 0 and s, timeout=10)
     aborted_before = idle["num_requests_aborted"]
     stream = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=400, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -146,8 +113,8 @@ def test_closed_stream_aborts_and_frees_its_blocks(client: openai.OpenAI, server
             break
     stream.close()
     request_id = f"{chunk.id}-0"
-    assert wait_until(lambda: engine(server, request_id)["request_status"][request_id] == "gone", timeout=2.0)
-    stats = wait_until(lambda: (s := engine(server))["kv_blocks_free"] == idle["kv_blocks_free"] and s, timeout=2.0)
+    assert wait_for(lambda: engine(server, request_id)["request_status"][request_id] == "gone", timeout=2.0)
+    stats = wait_for(lambda: (s := engine(server))["kv_blocks_free"] == idle["kv_blocks_free"] and s, timeout=2.0)
     assert stats, engine(server)
     assert stats["num_requests_aborted"] == aborted_before + 1
     assert engine(server, request_id)["request_positions"][request_id] < 400

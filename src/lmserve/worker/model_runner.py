@@ -124,7 +124,8 @@ class ModelRunner:
             model.use_fused_ops(cpu_kernels())
         self.model = model.eval()
         if self.quantization in BLOCK_METHODS:
-            threading.Thread(target=prepare_batched_copies, args=(model,), name="fp16-copies", daemon=True).start()
+            threading.Thread(target=prepare_batched_copies, args=(model.layers,), name="fp16-copies",
+                             daemon=True).start()
         self.vocab_size = self.hf_config.vocab_size
         logger.info(
             "loaded %s (%s, quantization %s, fused ops %s, %s) in %.1fs",

@@ -25,6 +25,7 @@ but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× the
 from __future__ import annotations
 
 import logging
+import threading
 from typing import ClassVar
 
 import torch
@@ -161,6 +162,9 @@ def pack_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return _packed([_bytes(_panels(scale)), _bytes(_panels(q).transpose(2, 3))])
 
 
+_BATCHED_COPIES_LOCK = threading.Lock()
+
+
 class BlockQuantizedLinear(nn.Module):
     """y = x @ W.T + b with W in one of llama.cpp's block formats, computed in float32. Batches of up to
     BLOCK_KERNEL_MAX_ROWS rows run the block kernel; larger ones a float16 copy of the same rounded weights."""
@@ -183,7 +187,12 @@ class BlockQuantizedLinear(nn.Module):
     def prepare_batched(self) -> Float16WeightLinear:
         batched = self.batched
         if batched is None:
-            batched = self.batched = Float16WeightLinear(self.dequantized(), self.bias)
+            # One builder at a time: a forward pass that needs a copy waits for the background thread's build of
+            # it instead of making a second one (twice the memory, and freed memory a process rarely gives back).
+            with _BATCHED_COPIES_LOCK:
+                batched = self.batched
+                if batched is None:
+                    batched = self.batched = Float16WeightLinear(self.dequantized(), self.bias)
         return batched
 
     def dequantized(self) -> torch.Tensor:
@@ -216,7 +225,9 @@ OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
 
 
 def prepare_batched_copies(module: nn.Module) -> None:
-    """Builds every block layer's float16 copy for large batches (run on a background thread after start-up)."""
+    """Builds every block layer's float16 copy for large batches under `module` (run on a background thread after
+    start-up, over the decoder layers: the output layer sees large batches only when scoring prompts, and builds
+    its copy then)."""
     for child in module.modules():
         if isinstance(child, BlockQuantizedLinear):
             child.prepare_batched()
