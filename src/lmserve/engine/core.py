@@ -106,10 +106,7 @@ class EngineCore:
         if scheduler_output.is_empty and self.scheduler.num_waiting:
             time.sleep(GRAMMAR_WAIT_S)  # only grammars still compiling: give their thread the CPU, do not spin
         forward_started = now()
-        if self.executor.in_process:
-            runner_output = self.executor.execute_model(scheduler_output)
-        else:
-            runner_output = self._submit(scheduler_output).result()
+        runner_output = self._submit(scheduler_output).result()
         return self._update(scheduler_output, runner_output, started, now() - forward_started, after_execute)
 
     def _step_with_batch_queue(self, after_execute: Callable[[], None] | None) -> list[EngineCoreOutput]:

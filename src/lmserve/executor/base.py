@@ -30,9 +30,6 @@ class Executor(ABC):
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Starts the step on every rank; the future holds the driver rank's output."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit(scheduler_output).result()
-
     def check_health(self) -> None:
         """Raises RankFailedError when a rank is gone."""
 
