@@ -591,3 +591,15 @@ def test_a_row_with_no_allowed_token_still_gets_a_token_inside_the_vocabulary() 
     md.grammar_bitmask, md.grammar_rows = torch.zeros((3, 2), dtype=torch.int32), [0, 1, 2]  # nothing allowed
     out = Sampler()(logits, md)
     assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_top_p_on_logits_with_nan_stays_inside_the_vocabulary() -> None:
+    """A model that overflowed can hand the sampler NaN logits: the top-p search must not write outside its
+    buckets, and the draw still gives an id inside the vocabulary."""
+    V = 4096
+    logits = torch.randn(4, V)
+    logits[0, 7] = float("nan")
+    logits[1, ::3] = float("nan")
+    logits[2] = float("nan")
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(4)])
+    assert ((out >= 0) & (out < V)).all()

@@ -64,8 +64,10 @@ void top_p_row(float* x, int64_t vocab, double p, Scratch& s) {
   uint8_t* bucket = s.buckets.data();
   for (int64_t j = 0; j < vocab; ++j) {
     if (x[j] > kMasked) {
-      const float below = (top - x[j]) * kBucketsPerNat;
-      const int b = below < float(kBuckets - 1) ? int(below) : kBuckets - 1;
+      // Clamped as an integer: a NaN logit (a model that overflowed) converts to some integer under -ffast-math,
+      // and must still land in a bucket rather than outside the array.
+      const float below = std::min((top - x[j]) * kBucketsPerNat, float(kBuckets - 1));
+      const int b = std::clamp(int(below), 0, kBuckets - 1);
       bucket[j] = uint8_t(b);
       mass[b] += w[j];
     } else {
