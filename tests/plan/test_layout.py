@@ -127,6 +127,16 @@ def test_cuda_and_ray_are_not_checked_against_this_machines_memory():
         assert fit.check_fits(spec, make_engine_config(kv_cache_memory="100000GiB", **kwargs), available=GiB) is None
 
 
+def test_data_parallel_replicas_are_bounded_by_this_machine_whatever_runs_their_ranks():
+    """Each -dp replica is an engine process here even when its ranks are on CUDA or Ray: -dp 100000 is refused
+    before a single process starts."""
+    spec = engine_model_spec(make_engine_config().model)
+    for kwargs in ({"device": "cuda"}, {"device": "cpu", "distributed_executor_backend": "ray"}):
+        with pytest.raises(ValueError, match="-dp 100000 starts 100000 engine processes here"):
+            fit.check_fits(spec, make_engine_config(data_parallel_size=100000, **kwargs), available=24 * GiB)
+        assert fit.check_fits(spec, make_engine_config(data_parallel_size=2, **kwargs), available=24 * GiB) is None
+
+
 def test_the_fit_check_uses_the_engines_defaults():
     from lmserve.worker import memory, model_runner
 

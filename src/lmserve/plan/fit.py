@@ -140,10 +140,17 @@ def runs_on_cpu(device: str) -> bool:
 def check_fits(spec: ModelSpec, config: EngineConfig, available: int | None = None) -> LayoutMemory | None:
     """Raises ValueError when the ranks of `config` need more memory than this machine has available. Checked only
     for a CPU engine whose ranks all run here (not Ray, whose ranks may be on other machines); None when skipped."""
+    available = available_memory() if available is None else available
     if not runs_on_cpu(config.model.device) or config.parallel.executor_backend == "ray":
+        # The ranks' memory is elsewhere, but every data-parallel replica's engine process runs on this machine.
+        replicas = config.parallel.data_parallel_size
+        if replicas * CPU_RANK_OVERHEAD > available:
+            raise ValueError(
+                f"-dp {replicas} starts {replicas} engine processes here, {gib(replicas * CPU_RANK_OVERHEAD)} at "
+                f"{gib(CPU_RANK_OVERHEAD)} each, and this machine has {gib(available)} available; use fewer replicas"
+            )
         return None
     need = layout_memory(spec, config)
-    available = available_memory() if available is None else available
     if need.total <= available:
         return need
     layout, rank = need.layout, need.largest
