@@ -4,8 +4,9 @@ Settings: float32 (`--quantization none`), fp16 (float16 weights), q8_0 and q4_1
 lmserve's kernels; q4_1 is the default model's own format, so `auto` picks it), and int8: dynamic W8A8 through fbgemm
 (per-channel int8 weights, activations quantized per call), which lmserve does not offer because of what this
 script measures; its layer is defined here so the measurement can be repeated. The block formats hand batches
-above BLOCK_KERNEL_MAX_ROWS rows (every scored window here) to a float16 copy of their weights, so "q4_1 kernel"
-scores with the block kernel at every batch size as well.
+above BLOCK_KERNEL_MAX_ROWS rows (every scored window here) to a float16 copy of their weights (fbgemm, float32
+activations); "q4_1 bf16 batches" hands them to a bfloat16 copy instead (oneDNN, activations rounded to bfloat16, the
+default where the CPU has AVX-512 BF16), and "q4_1 kernel" scores with the block kernel at every batch size.
 
 Accuracy (llama.cpp's `llama-perplexity --kl-divergence` measures the same things): the shipped prose
 (lmserve/bench/data/passages.txt) is scored in windows by both models through lmserve's own forward pass; reported are
@@ -36,20 +37,29 @@ from lmserve import LLM, SamplingParams
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams as Params
-from lmserve.worker import quantization
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import LAYER_TYPES, Float16WeightLinear, pack_q4_1, pack_q8_0
+from lmserve.worker.quantization import (
+    BLOCK_KERNEL_MAX_ROWS,
+    LAYER_TYPES,
+    BatchedPath,
+    Float16WeightLinear,
+    pack_q4_1,
+    pack_q8_0,
+    use_batched_path,
+)
 
 SETTINGS = {
     "float32": {"quantization": "none"},
     "fp16": {"quantization": "fp16"},
     "q8_0": {"quantization": "q8_0"},
-    "q4_1": {"quantization": "q4_1"},
-    "q4_1 kernel": {"quantization": "q4_1"},
+    "q4_1": {"quantization": "q4_1", "batched": BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)},
+    "q4_1 bf16 batches": {"quantization": "q4_1", "batched": BatchedPath("bf16", BLOCK_KERNEL_MAX_ROWS)},
+    "q4_1 kernel": {"quantization": "q4_1", "batched": BatchedPath("fp16", 1 << 30)},
     "int8": {"quantization": "int8"},
 }
-ENGINE_SETTINGS = ("float32", "fp16", "q8_0", "q4_1")  # int8 is not an engine option; "q4_1 kernel" is q4_1
+# int8 is not an engine option; "q4_1 kernel" and "q4_1 bf16 batches" are q4_1 with another path for large batches.
+ENGINE_SETTINGS = ("float32", "fp16", "q8_0", "q4_1")
 
 
 class DynamicInt8Linear(nn.Module):
@@ -78,6 +88,8 @@ def make_runner(kwargs: dict) -> ModelRunner:
     if method == "int8":
         LAYER_TYPES["int8"] = DynamicInt8Linear
         runner.model.quantize("int8")
+    if "batched" in kwargs:
+        use_batched_path(runner.model, kwargs["batched"])
     return runner
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -133,13 +145,10 @@ def accuracy(window: int) -> dict:
     eos = processor.tokenizer.eos_token_id
     del llm
     logprobs, answers = {}, {}
-    default_rows = quantization.BLOCK_KERNEL_MAX_ROWS
     for name, kwargs in SETTINGS.items():
         runner = make_runner(kwargs)
-        quantization.BLOCK_KERNEL_MAX_ROWS = 1 << 30 if name == "q4_1 kernel" else default_rows
         logprobs[name] = [window_logprobs(runner, w) for w in windows]
         answers[name] = [greedy(runner, chat, eos) for chat in chats]
-    quantization.BLOCK_KERNEL_MAX_ROWS = default_rows
     report = {"positions": sum(len(w) - 1 for w in windows)}
     for name, lps in logprobs.items():
         report[name] = scores_against(windows, lps, logprobs["float32"]) | {

@@ -14,14 +14,19 @@ from lmserve.worker import kernels
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.loader import load_weights
 from lmserve.worker.quantization import (
+    AMX_BLOCK_KERNEL_MAX_ROWS,
     BLOCK_KERNEL_MAX_ROWS,
+    BatchedPath,
+    Bfloat16WeightLinear,
     Float16WeightLinear,
     Q4_1Linear,
     Q8_0Linear,
+    batched_path,
     check_quantization,
     pack_q4_1,
     pack_q8_0,
     quantize_linears,
+    use_batched_path,
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -213,7 +218,7 @@ def test_block_layer_runs_the_kernel_up_to_its_row_limit_and_its_fp16_copy_above
     gen = torch.Generator().manual_seed(4)
     weight = random_blocks(method, 40, 64, seed=4)
     bias = torch.randn(40, generator=gen)
-    layer = BLOCK_LAYERS[method](weight, bias)
+    layer = BLOCK_LAYERS[method](weight, bias, BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS))
     op = getattr(cpu_kernels(), f"{method}_linear")
     few = torch.randn(BLOCK_KERNEL_MAX_ROWS, 64, generator=gen)
     torch.testing.assert_close(layer(few), op(few, layer.blocks, 40, layer.bias), atol=0, rtol=0)
@@ -222,3 +227,77 @@ def test_block_layer_runs_the_kernel_up_to_its_row_limit_and_its_fp16_copy_above
     rounded = Float16WeightLinear(weight, bias)  # the copy holds the blocks' weights rounded to float16
     torch.testing.assert_close(layer(many), rounded(many), atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("rows", [1, 9, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_layer_multiplies_bfloat16_rounded_inputs_and_weights_in_float32(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 96, generator=gen)
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    x = torch.randn(rows, 96, generator=gen)
+    got = Bfloat16WeightLinear(weight, bias)(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 48)
+    products = x.bfloat16().double() @ weight.bfloat16().double().T
+    # Products of the bfloat16 values summed in float32, the sum rounded once to bfloat16 (within one of its steps,
+    # 2^-8 relative), then the bias added in float32.
+    expected = products + (0 if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), expected, atol=1e-4 + 2**-8 * products.abs().max().item(), rtol=0)
+    unrounded = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert (got.double() - unrounded).abs().max() > 1e-3  # the inputs really were rounded to bfloat16
+
+
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_block_layer_hands_batches_above_its_rows_to_a_bf16_copy_of_the_same_weights(method: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = random_blocks(method, 40, 64, seed=5)
+    bias = torch.randn(40, generator=gen)
+    layer = BLOCK_LAYERS[method](weight, bias, BatchedPath("bf16", 8))
+    op = getattr(cpu_kernels(), f"{method}_linear")
+    few = torch.randn(8, 64, generator=gen)
+    torch.testing.assert_close(layer(few), op(few, layer.blocks, 40, layer.bias), atol=0, rtol=0)
+    many = torch.randn(9, 64, generator=gen)
+    assert isinstance(layer.prepare_batched(), Bfloat16WeightLinear)
+    torch.testing.assert_close(layer(many), Bfloat16WeightLinear(weight, bias)(many), atol=0, rtol=0)
+    # Within bfloat16's rounding of the float32 result on the same weights.
+    torch.testing.assert_close(layer(many), many @ weight.T + bias, atol=0.05, rtol=0.02)
+
+
+def test_switching_the_batched_path_drops_a_copy_of_the_other_kind() -> None:
+    layer = Q4_1Linear(random_blocks("q4_1", 16, 64, seed=6), None, BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS))
+    model = nn.Sequential(layer)
+    x = torch.randn(65, 64)
+    assert isinstance(layer.prepare_batched(), Float16WeightLinear)
+    use_batched_path(model, BatchedPath("bf16", 4))
+    assert layer.batched is None and layer.batched_path == BatchedPath("bf16", 4)
+    torch.testing.assert_close(layer(x[:5]), layer.prepare_batched()(x[:5]), atol=0, rtol=0)  # 5 rows > 4: the copy
+    assert isinstance(layer.batched, Bfloat16WeightLinear)
+    use_batched_path(model, BatchedPath("bf16", 64))  # same weights, another row limit: the copy stays
+    assert isinstance(layer.batched, Bfloat16WeightLinear)
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"), [
+    (False, False, BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)),
+    (True, False, BatchedPath("bf16", BLOCK_KERNEL_MAX_ROWS)),
+    (True, True, BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)),
+])
+def test_auto_batched_path_follows_the_cpu(monkeypatch, avx512_bf16: bool, amx: bool, expected: BatchedPath) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert batched_path("auto") == batched_path(None) == expected
+    assert batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)  # an explicit choice wins
+    # bf16 asked for on a CPU without native bfloat16 runs (slowly) but never goes below the usual row limit.
+    assert batched_path("bf16").weights == "bf16"
+    with pytest.raises(ValueError, match="unknown batched weights 'int4'"):
+        batched_path("int4")
+
+
+@pytest.mark.parametrize("setting", ["bf16", "fp16"])
+def test_the_runner_gives_every_block_layer_the_batched_path_it_was_asked_for(setting: str) -> None:
+    from lmserve.config import CacheConfig, ModelConfig
+    from lmserve.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelConfig(batched_weights=setting), CacheConfig(num_blocks=16))
+    blocks = [m for m in runner.model.modules() if isinstance(m, (Q4_1Linear, Q8_0Linear))]
+    assert len(blocks) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the q8_0 output layer
+    assert {m.batched_path for m in blocks} == {batched_path(setting)}

@@ -31,7 +31,13 @@ from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
-from lmserve.worker.quantization import BLOCK_METHODS, check_quantization, prepare_batched_copies
+from lmserve.worker.quantization import (
+    BLOCK_METHODS,
+    batched_path,
+    check_quantization,
+    prepare_batched_copies,
+    use_batched_path,
+)
 from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -119,17 +125,24 @@ class ModelRunner:
         model.load_weights(load_weights(source, self.dtype))
         if self.quantization != "none":
             model.quantize(self.quantization)
+        if self.quantization in BLOCK_METHODS:
+            self.batched_path = batched_path(model_config.batched_weights)
+            use_batched_path(model, self.batched_path)
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
         self.model = model.eval()
         if self.quantization in BLOCK_METHODS:
-            threading.Thread(target=prepare_batched_copies, args=(model.layers,), name="fp16-copies",
+            threading.Thread(target=prepare_batched_copies, args=(model.layers,), name="batched-copies",
                              daemon=True).start()
         self.vocab_size = self.hf_config.vocab_size
+        batches = ""
+        if self.quantization in BLOCK_METHODS:
+            path = self.batched_path
+            batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
         logger.info(
-            "loaded %s (%s, quantization %s, fused ops %s, %s) in %.1fs",
-            source.name, self.dtype, self.quantization, self.fused_ops, self.device, time.perf_counter() - started,
+            "loaded %s (%s, quantization %s%s, fused ops %s, %s) in %.1fs", source.name, self.dtype,
+            self.quantization, batches, self.fused_ops, self.device, time.perf_counter() - started,
         )
 
         num_kv_heads, head_dim = model.kv_shape

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -37,10 +38,35 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
+BATCHED_WEIGHTS = ("auto", "bf16", "fp16")
 BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
 # 32 and 64); above it the layer uses its fp16 copy, which fbgemm multiplies 5-14% faster (benchmarks/block_gemm.py).
 BLOCK_KERNEL_MAX_ROWS = 64
+# With AMX, oneDNN's bfloat16 GEMM overtakes the block kernel at a few rows (benchmarks/block_gemm.py --batched bf16).
+AMX_BLOCK_KERNEL_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class BatchedPath:
+    """How a block layer multiplies batches above `block_kernel_max_rows` rows: a copy of its weights in `weights`
+    (bf16: oneDNN's bfloat16 GEMM, activations rounded to bfloat16; fp16: fbgemm, activations kept in float32)."""
+
+    weights: str
+    block_kernel_max_rows: int
+
+
+def batched_path(setting: str | None = "auto") -> BatchedPath:
+    """auto: bf16 where the CPU multiplies bfloat16 natively (AVX-512 BF16; with AMX also from a few rows up, where
+    its tiles beat the block kernel), fp16 elsewhere. bf16 on a CPU without AVX-512 BF16 runs, slowly (tests)."""
+    setting = setting or "auto"
+    if setting not in BATCHED_WEIGHTS:
+        raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
+    native_bf16 = torch.cpu._is_avx512_bf16_supported()
+    weights = ("bf16" if native_bf16 else "fp16") if setting == "auto" else setting
+    if weights == "bf16" and native_bf16 and torch.cpu._is_amx_tile_supported():
+        return BatchedPath(weights, AMX_BLOCK_KERNEL_MAX_ROWS)
+    return BatchedPath(weights, BLOCK_KERNEL_MAX_ROWS)
 
 
 def check_quantization(
@@ -99,6 +125,30 @@ class Float16WeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"
+
+
+class Bfloat16WeightLinear(nn.Module):
+    """y = x @ W.T + b with W and x rounded to bfloat16, products summed in float32 by oneDNN (AMX tiles or AVX-512
+    BF16 where the CPU has them) and the sum rounded to bfloat16 (torch's bfloat16 linear), the bias added in float32:
+    for batches where arithmetic, not the weights' bytes, bounds the layer. Against the 4-bit weights it serves, the
+    rounding is small (perplexity and KL in docs/benchmarks.md)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.bias = None if bias is None else bias.detach().float()
+        self.weight = weight.detach().to(torch.bfloat16).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
+
+
+BATCHED_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": Bfloat16WeightLinear}
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -167,24 +217,26 @@ _BATCHED_COPIES_LOCK = threading.Lock()
 
 class BlockQuantizedLinear(nn.Module):
     """y = x @ W.T + b with W in one of llama.cpp's block formats, computed in float32. Batches of up to
-    BLOCK_KERNEL_MAX_ROWS rows run the block kernel; larger ones a float16 copy of the same rounded weights."""
+    `batched.block_kernel_max_rows` rows run the block kernel; larger ones a float16 or bfloat16 copy of the same
+    weights (batched_path)."""
 
     method: ClassVar[str]
     PACKERS: ClassVar = {"q4_1": pack_q4_1, "q8_0": pack_q8_0}
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batched: BatchedPath | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.blocks = self.PACKERS[self.method](weight).contiguous()
+        self.batched_path = batched or batched_path()
         ops = cpu_kernels()
         self.linear_op = getattr(ops, f"{self.method}_linear")
         self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
-        # fbgemm's packed float16 copy for large batches: ~2 s for the default model's layers, so it is built off the
-        # start-up path (prepare_batched_copies on a background thread), or by the first large batch that needs it.
-        self.batched: Float16WeightLinear | None = None
+        # The copy for large batches (fbgemm's packed float16 one takes ~2 s for the default model's layers) is built
+        # off the start-up path (prepare_batched_copies on a background thread), or by the first batch that needs it.
+        self.batched: nn.Module | None = None
 
-    def prepare_batched(self) -> Float16WeightLinear:
+    def prepare_batched(self) -> nn.Module:
         batched = self.batched
         if batched is None:
             # One builder at a time: a forward pass that needs a copy waits for the background thread's build of
@@ -192,7 +244,8 @@ class BlockQuantizedLinear(nn.Module):
             with _BATCHED_COPIES_LOCK:
                 batched = self.batched
                 if batched is None:
-                    batched = self.batched = Float16WeightLinear(self.dequantized(), self.bias)
+                    layer_type = BATCHED_LAYER_TYPES[self.batched_path.weights]
+                    batched = self.batched = layer_type(self.dequantized(), self.bias)
         return batched
 
     def dequantized(self) -> torch.Tensor:
@@ -202,7 +255,7 @@ class BlockQuantizedLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= BLOCK_KERNEL_MAX_ROWS * self.in_features:
+        if x.numel() <= self.batched_path.block_kernel_max_rows * self.in_features:
             return self.linear_op(x, self.blocks, self.out_features, self.bias)
         # The same path for a large batch whether or not the background thread got here first: same numbers.
         return self.prepare_batched()(x)
@@ -231,6 +284,17 @@ def prepare_batched_copies(module: nn.Module) -> None:
     for child in module.modules():
         if isinstance(child, BlockQuantizedLinear):
             child.prepare_batched()
+
+
+def use_batched_path(module: nn.Module, path: BatchedPath) -> None:
+    """Makes every block layer under `module` multiply large batches the way `path` says (a copy of the other kind
+    is dropped and rebuilt on demand)."""
+    for child in module.modules():
+        if isinstance(child, BlockQuantizedLinear) and child.batched_path != path:
+            with _BATCHED_COPIES_LOCK:
+                if child.batched_path.weights != path.weights:
+                    child.batched = None
+                child.batched_path = path
 
 
 def quantize_linears(module: nn.Module, method: str) -> int:
