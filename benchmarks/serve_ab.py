@@ -9,6 +9,9 @@ It reports the median of each over the rounds, and the ratio working tree / base
 
     .venv/bin/python benchmarks/serve_ab.py --base dffb348 [--rounds 3] [--workloads W4] \
         [--bench-args "--temperature 1 --top-p 0.95"]   (later flags win over the greedy default)
+        [--serve-args "--async-scheduling"] [--base-serve-args "..."]   (server flags of each side)
+
+`--base HEAD --serve-args X` compares one setting against the defaults on the same code.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ WORKLOADS = {
 }
 
 
-def serve(source: Path, port: int, log: Path) -> subprocess.Popen:
+def serve(source: Path, port: int, log: Path, serve_args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(source)}  # before site-packages: this side's lmserve
     cmd = [sys.executable, "-c", "import sys; from lmserve.cli import main; sys.exit(main())", "serve",
-           "--port", str(port), "--max-model-len", "1024"]
+           "--port", str(port), "--max-model-len", "1024", *serve_args]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -62,9 +65,10 @@ def bench(port: int, workload: str, result: Path, extra: list[str]) -> dict:
     return json.loads(result.read_text())
 
 
-def measure(source: Path, tmp: Path, tag: str, workloads: list[str], extra: list[str]) -> dict[str, float]:
+def measure(source: Path, tmp: Path, tag: str, workloads: list[str], extra: list[str],
+            serve_args: list[str]) -> dict[str, float]:
     port = free_port()
-    process = serve(source, port, tmp / f"{tag}.log")
+    process = serve(source, port, tmp / f"{tag}.log", serve_args)
     results = {}
     try:
         for workload in workloads:
@@ -85,6 +89,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default="W1,W4", help="comma-separated: W1, W4")
     parser.add_argument("--bench-args", default="", help="extra lmserve bench flags, e.g. sampling settings")
+    parser.add_argument("--serve-args", default="", help="extra lmserve serve flags of the working tree's server")
+    parser.add_argument("--base-serve-args", default="", help="extra lmserve serve flags of the base's server")
     args = parser.parse_args()
     workloads, extra = args.workloads.split(","), args.bench_args.split()
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -94,16 +100,18 @@ def main() -> None:
                        capture_output=True)
         try:
             sides = {"base": worktree / "src", "tree": REPO / "src"}
+            serve_args = {"base": args.base_serve_args.split(), "tree": args.serve_args.split()}
             results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
             for round_index in range(args.rounds):
                 order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
                 for side in order:
-                    results[side].append(measure(sides[side], tmp, f"{side}-{round_index}", workloads, extra))
+                    results[side].append(
+                        measure(sides[side], tmp, f"{side}-{round_index}", workloads, extra, serve_args[side]))
                     print(f"round {round_index} {side}: {results[side][-1]}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
     print(f"\n{platform.machine()}, python {platform.python_version()}, base {args.base}, {args.rounds} rounds, "
-          f"bench args {args.bench_args!r}")
+          f"bench args {args.bench_args!r}, serve args: base {args.base_serve_args!r}, tree {args.serve_args!r}")
     print("| metric | base (median) | working tree (median) | ratio |")
     print("|---|---|---|---|")
     for metric in results["base"][0]:
