@@ -19,6 +19,8 @@ GiB = 1 << 30
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `lmserve serve --max-request-body-bytes`: a larger HTTP body gets 413 before it is read.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# `--async-scheduling` (vLLM's): plan step N+1 while step N computes. Off until measured on these machines.
+DEFAULT_ASYNC_SCHEDULING = False
 
 
 def parse_memory(value: float | str | None) -> int | None:
@@ -144,6 +146,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = setting(0, "positions one prefill chunk may take per step (0: no cap)")
     policy: str = setting("fcfs", "fcfs, or priority (lower value first)", choices=("fcfs", "priority"),
                           flat="scheduling_policy")
+    async_scheduling: bool = setting(
+        DEFAULT_ASYNC_SCHEDULING, "as vLLM: plan the next step while the current one computes (one rank per engine); "
+        "a decoding request is planned before its previous token is known, except with a grammar or prompt logprobs")
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -210,6 +215,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and self.parallel.world_size > 1:
+            # Only the driver rank samples, so other tensor ranks could not fill in the token planned ahead; pipeline
+            # stages already keep one batch in flight per stage.
+            raise ValueError(
+                f"async_scheduling needs one rank per engine, got tensor_parallel_size="
+                f"{self.parallel.tensor_parallel_size} x pipeline_parallel_size={self.parallel.pipeline_parallel_size}"
+                " (data parallel replicas may each schedule asynchronously)")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

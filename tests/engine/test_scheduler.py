@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 import pytest
@@ -29,9 +29,10 @@ def make_scheduler(
     max_model_len: int = 1024,
     caching: bool = True,
     grammar: GrammarManager | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(budget, max_num_seqs, threshold, policy),
+        SchedulerConfig(budget, max_num_seqs, threshold, policy, async_scheduling=async_scheduling),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,
         max_model_len,
@@ -455,9 +456,10 @@ def check_invariants(sched: Scheduler) -> None:
     assert set(kv.pool.free_queue) == {i for i in range(kv.num_blocks) if holders[i] == 0}
     for block in kv.pool.cached.values():
         assert block.block_hash is not None and block.cache_key is not None
+    ahead = 1 if sched.config.async_scheduling else 0  # a position planned before its token is known
     for r in sched.running:
         assert len(kv.tables.get(r.request_id, ())) * kv.block_size >= r.num_computed_tokens
-        assert r.num_computed_tokens <= r.num_tokens
+        assert r.num_computed_tokens <= r.num_tokens + ahead
         assert r.status == RequestStatus.RUNNING
     assert len(sched.running) <= sched.config.max_num_seqs
 
@@ -470,24 +472,33 @@ class FakeKV:
         self.block_size = block_size
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    def run(self, out: SchedulerOutput) -> None:
+    def run(self, out: SchedulerOutput, last_sampled: dict[str, int] | None = None) -> None:
+        """`last_sampled`: the runner's last token per request, which fills in a placeholder (async scheduling)."""
         bs = self.block_size
-        # A forward pass writes every new position's K/V before anyone attends (as a layer does).
+        rows = []
         for s in out.scheduled:
-            tokens = s.prompt_token_ids + s.output_token_ids
+            tokens, token_ids = s.prompt_token_ids + s.output_token_ids, s.token_ids
+            if s.uses_previous_token:
+                assert last_sampled is not None and token_ids == [-1]
+                token_ids = [last_sampled[s.request_id]]
+                tokens = tokens[: s.start_position] + token_ids  # its own token may not be appended yet
+            rows.append((s, tokens, token_ids))
+        # A forward pass writes every new position's K/V before anyone attends (as a layer does).
+        for s, tokens, _ in rows:
             for pos in range(s.start_position, s.start_position + s.num_tokens):
                 self.slots[s.block_ids[pos // bs], pos % bs] = tuple(tokens[: pos + 1])
-        for s in out.scheduled:
-            tokens = s.prompt_token_ids + s.output_token_ids
-            assert s.token_ids == tokens[s.start_position : s.start_position + s.num_tokens]
+        for s, tokens, token_ids in rows:
+            assert token_ids == tokens[s.start_position : s.start_position + s.num_tokens]
             for pos in range(s.start_position + s.num_tokens):
                 assert self.slots.get((s.block_ids[pos // bs], pos % bs)) == tuple(tokens[: pos + 1]), (
                     f"{s.request_id} reads wrong KV at position {pos}"
                 )
 
 
-def run_random_workload(seed: int) -> int:
-    """Random adds, aborts (also during a step), front-end finishes and preemptions; returns the preemptions."""
+def run_random_workload(seed: int, async_scheduling: bool = False) -> Counter[str]:
+    """Random adds, aborts (also during a step), front-end finishes and preemptions; returns how often the paths
+    worth guarding were taken. With async scheduling two batches are in flight, as the engine keeps them: the next
+    one is planned (and computed, by a runner that runs batches in order) before the previous one's update."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4])
     sched = make_scheduler(
@@ -499,13 +510,16 @@ def run_random_workload(seed: int) -> int:
         block_size=block_size,
         max_model_len=rng.randint(16, 40),
         caching=rng.random() < 0.8,
+        async_scheduling=async_scheduling,
     )
     fake_kv = FakeKV(block_size)
+    last_sampled: dict[str, int] = {}
+    in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    seen: Counter[str] = Counter()
     prefixes = [[rng.randrange(5) for _ in range(rng.randint(0, 12))] for _ in range(3)]
     streamed: dict[str, list[int]] = {}
     ended: dict[str, Request] = {}
     added: list[str] = []
-    preemptions = 0
 
     def add() -> None:
         rid = f"r{len(added)}"
@@ -522,7 +536,12 @@ def run_random_workload(seed: int) -> int:
 
     def collect(outputs: list[EngineCoreOutput]) -> None:
         for o in outputs:
+            assert o.request_id not in finished, f"{o.request_id} got an output after it finished"
             streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                finished.add(o.request_id)
+
+    finished: set[str] = set()
 
     for i in range(5000):
         if i < 220 and rng.random() < 0.4:
@@ -534,39 +553,60 @@ def run_random_workload(seed: int) -> int:
                 sched.finish_requests([rng.choice(sched.running).request_id], RequestStatus.FINISHED_STOPPED)
             )
         check_invariants(sched)
+        flying = {s.request_id for batch, _ in in_flight for s in batch.scheduled}
         out = sched.schedule()
-        preemptions += len(out.preempted_request_ids)
+        seen["preemptions"] += len(out.preempted_request_ids)
+        seen["preempted_in_flight"] += len(out.preempted_request_ids & flying)
+        seen["placeholders"] += sum(s.uses_previous_token for s in out.scheduled)
+        seen["prefill_ahead"] += sum(s.request_id in flying and not s.uses_previous_token for s in out.scheduled)
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
         check_invariants(sched)
-        fake_kv.run(out)
-        runner_output = ModelRunnerOutput(
-            {s.request_id: rng.randrange(10) for s in out.scheduled if s.samples}
-        )
+        if out.scheduled or not async_scheduling:  # the engine submits no empty batch while one is in flight
+            fake_kv.run(out, last_sampled)
+            runner_output = ModelRunnerOutput(
+                {s.request_id: rng.randrange(10) for s in out.scheduled if s.samples}
+            )
+            last_sampled.update(runner_output.sampled_token_ids)
+            in_flight.append((out, runner_output))
+            if len(in_flight) < (2 if async_scheduling else 1):
+                continue
+        if not in_flight:
+            continue
+        out, runner_output = in_flight.popleft()
         if rng.random() < 0.05 and out.scheduled:
             collect(sched.abort_requests([rng.choice(out.scheduled).request_id]))  # during the step
         collect(sched.update_from_output(out, runner_output))
         check_invariants(sched)
-        if i >= 220 and not sched.has_unfinished_requests():
+        if i >= 220 and not sched.has_unfinished_requests() and not in_flight:
             break
-    assert not sched.has_unfinished_requests(), "the workload did not drain"
+    assert not sched.has_unfinished_requests() and not in_flight, "the workload did not drain"
     assert_all_free(sched)
     for rid, r in ended.items():
         assert r.status.finished
         assert streamed.get(rid, []) == r.output_token_ids  # every token streamed exactly once
         assert r.sampling_params.max_tokens is None or r.num_output_tokens <= r.sampling_params.max_tokens
-    return preemptions
+        assert r.num_tokens <= max(sched.max_model_len, r.num_prompt_tokens + 1)
+    assert sched._in_flight == Counter()
+    return seen
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workload_keeps_block_accounting(seed: int) -> None:
-    run_random_workload(seed)
+def test_random_workload_keeps_block_accounting(seed: int, async_scheduling: bool) -> None:
+    run_random_workload(seed, async_scheduling)
 
 
 def test_random_workloads_reach_preemption() -> None:
     # Guards the randomized test against silently never taking the preemption path.
-    assert sum(run_random_workload(seed) for seed in range(12)) > 0
+    assert sum(run_random_workload(seed)["preemptions"] for seed in range(12)) > 0
+
+
+def test_async_random_workloads_reach_every_path() -> None:
+    # Guards the randomized async test against silently degrading to synchronous scheduling.
+    seen = sum((run_random_workload(seed, async_scheduling=True) for seed in range(12)), Counter())
+    assert all(seen[k] > 0 for k in ("preemptions", "preempted_in_flight", "placeholders", "prefill_ahead")), seen
 
 
 def test_a_request_in_a_batch_still_in_flight_is_not_scheduled_again_until_its_output_returns() -> None:

@@ -3,7 +3,9 @@
 The offline `LLM` drives it in-process; the server runs the same class in its own process (core_proc.py). The
 executor runs each step on the engine's ranks (lmserve.executor). With pipeline stages the engine keeps one batch in
 flight per stage (vLLM V1's batch queue): it schedules the next batch while the earlier ones move down the stages,
-and the scheduler never puts a request in two batches in flight.
+and the scheduler never puts a request in two batches in flight. Async scheduling (one rank) uses the same queue
+with two batches: the engine plans step N+1 and processes step N's output while the executor computes, and the
+scheduler lets decoding requests go ahead of their in-flight token (see engine/scheduler.py).
 """
 
 from __future__ import annotations

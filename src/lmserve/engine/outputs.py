@@ -8,6 +8,9 @@ from typing import Any
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
 
+# The token of a position planned before it was sampled (async scheduling): the runner fills in its own last sample.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -28,6 +31,9 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] = field(default_factory=list)
     prompt_logprobs_row: int = 0
     num_prompt_logprobs: int = 0
+    # Async scheduling: planned while the batch that samples this position's token is still in flight, so token_ids
+    # is [PLACEHOLDER_TOKEN_ID] and output_token_ids lacks that token; the runner uses the one it sampled last.
+    uses_previous_token: bool = False
 
     @property
     def num_tokens(self) -> int:

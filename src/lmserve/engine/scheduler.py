@@ -7,18 +7,32 @@ resumed requests and decode are all the same rule.
 As in vLLM V1, schedule() advances num_computed_tokens as soon as it plans the positions, so the next step's plan
 needs nothing from this step's output except the sampled tokens. After update_from_output a request that sampled has
 num_computed_tokens == num_tokens - 1: its newest token is the one position the next step computes.
+
+Batches in flight: pipeline stages keep one batch per stage in flight, and a request in one of them is not scheduled
+again until its output is back. With async scheduling (one stage, vLLM's --async-scheduling) the engine plans the
+next batch while the current one computes, and a request in that batch may go ahead (`_ahead`): for the rest of its
+prompt (the chunk in flight samples nothing), or, when the batch in flight samples its next token, for that one
+position with a placeholder token the runner fills in (ScheduledRequest.uses_previous_token). Its num_computed_tokens
+is then num_tokens + 1 until the token arrives. A token that comes back for a request that ended meanwhile is
+dropped; one for a request preempted meanwhile is kept (it is the token the request would sample next anyway).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from lmserve.config import CacheConfig, SchedulerConfig
 from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.kv_cache import KVCacheManager
-from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from lmserve.engine.request import Request, RequestStatus
 
 
@@ -50,9 +64,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, which is the order they get positions
         # Ended since the last schedule(): the next SchedulerOutput tells the runner to drop their state.
         self._finished_ids: set[str] = set()
-        # Scheduled in a batch whose output has not come back (pipeline stages keep several batches in flight):
-        # such a request waits for its output before it is scheduled again.
-        self._in_flight: set[str] = set()
+        # Request id -> batches in flight that hold it (their output has not come back). Such a request waits for
+        # its output before it is scheduled again, unless async scheduling lets it go ahead (_ahead).
+        self._in_flight: Counter[str] = Counter()
 
     # ---- queue management ----------------------------------------------------------------------------------
 
@@ -90,7 +104,6 @@ class Scheduler:
             if request.request_id in self._in_flight or not self.grammar.is_ready(request):
                 continue
             if request.grammar is not None and request.grammar.error is not None:
-                self.waiting.remove(request)
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
                 self._pending_outputs.append(self._output(request, []))
                 continue
@@ -143,15 +156,15 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
             self._finish(request, status)
             outputs.append(self._output(request, []))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -192,11 +205,38 @@ class Scheduler:
         kv = self.kv_cache_manager
         return sum(kv.num_blocks_to_finish(r) for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
 
-    def _schedule_one(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _ahead(self, request: Request) -> tuple[int, bool]:
+        """For a request in a batch still in flight: the positions it may take now (0: it waits for that batch's
+        output), and whether they are the one position of the token that batch samples (a placeholder)."""
+        if (
+            not self.config.async_scheduling
+            or self._in_flight[request.request_id] > 1
+            # Kept synchronous: a grammar must accept the previous token before it can mask the next one, and
+            # prompt logprobs are kept off this path for simplicity.
+            or request.grammar is not None
+            or request.sampling_params.prompt_logprobs is not None
+        ):
+            return 0, False
+        known = request.num_tokens - request.num_computed_tokens
+        if known > 0:
+            return known, False  # the rest of its prompt: the chunk in flight samples nothing
+        if known < 0:
+            return 0, False  # already planned ahead of its token
+        # The batch in flight samples its next token. Not past max_tokens or max_model_len, counting that token.
+        max_tokens = request.sampling_params.max_tokens
+        if (max_tokens is not None and request.num_output_tokens + 1 >= max_tokens) or (
+            request.num_tokens + 1 >= self.max_model_len
+        ):
+            return 0, False
+        return 1, True
+
+    def _schedule_one(self, request: Request, num_new_tokens: int, placeholder: bool = False) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new_tokens
         # A decode needs one token; token_slice past the prompt would copy prompt + outputs every step.
-        if num_new_tokens == 1:
+        if placeholder:
+            token_ids = [PLACEHOLDER_TOKEN_ID]
+        elif num_new_tokens == 1:
             token_ids = [request.token_at(start)]
         else:
             token_ids = request.token_slice(start, start + num_new_tokens)
@@ -205,11 +245,12 @@ class Scheduler:
             token_ids=token_ids,
             start_position=start,
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
-            samples=start + num_new_tokens == request.num_tokens,
+            samples=placeholder or start + num_new_tokens == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            uses_previous_token=placeholder,
         )
         if request.num_prompt_logprobs_missing:
             # Position p's logits score prompt token p + 1; positions scored before a preemption are not redone.
@@ -222,7 +263,9 @@ class Scheduler:
         return scheduled
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Frees the victim's blocks and requeues it at the front; returns the budget it gives back."""
+        """Frees the victim's blocks and requeues it at the front; returns the budget it gives back. A victim in a
+        batch still in flight is safe to free: the runner computes batches in order, so that batch writes the freed
+        blocks before any later batch may reuse them, and its sampled token is still appended."""
         given_back = 0
         planned = scheduled.pop(victim.request_id, None)
         if planned is not None:
@@ -247,9 +290,14 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING or request.request_id in self._in_flight:
-                continue  # preempted earlier in this loop, or its previous batch is still in flight
-            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            placeholder = False
+            if self._in_flight[request.request_id]:
+                num_new, placeholder = self._ahead(request)
+            else:
+                num_new = request.num_tokens - request.num_computed_tokens
+            num_new = self._cap(num_new, budget)
             if num_new <= 0:
                 continue
             while not kv.allocate_slots(request, num_new):
@@ -259,7 +307,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._schedule_one(request, num_new)
+                scheduled[request.request_id] = self._schedule_one(request, num_new, placeholder)
                 budget -= num_new
 
         # Then waiting requests, in policy order, with what is left. Never in a step that preempted: the blocks
@@ -291,7 +339,7 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids | preempted, set()
         batch = list(scheduled.values())
-        self._in_flight.update(scheduled)
+        self._in_flight.update(scheduled.keys())
         output = SchedulerOutput(
             scheduled=batch,
             finished_request_ids=finished,
@@ -309,12 +357,17 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Appends each sampled token, ends requests that stop, and returns one output per request that got a
-        token. Requests that ended while the step ran (aborts, stop strings) are skipped."""
+        token. Requests that ended while the step ran (aborts, stop strings, or, with async scheduling, a stop in
+        the batch before) are skipped. A request preempted while its batch was in flight keeps its token."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for planned in scheduler_output.scheduled:
-            self._in_flight.discard(planned.request_id)
-            request = self.requests.get(planned.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            rid = planned.request_id
+            if self._in_flight[rid] > 1:
+                self._in_flight[rid] -= 1
+            else:
+                self._in_flight.pop(rid, None)
+            request = self.requests.get(rid)
+            if request is None:
                 continue
             request.prompt_logprobs.extend(runner_output.prompt_logprobs.get(planned.request_id, ()))
             token = runner_output.sampled_token_ids.get(planned.request_id)
@@ -325,7 +378,6 @@ class Scheduler:
             if request.grammar is not None and self.grammar is not None and self.grammar.accept(request, token):
                 status = status or RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
-                self.running.remove(request)
                 self._finish(request, status)
             logprobs = runner_output.logprobs.get(planned.request_id)
             output = self._output(request, [token], [logprobs] if logprobs is not None else None)

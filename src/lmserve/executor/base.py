@@ -21,10 +21,10 @@ class Executor(ABC):
     # Ranks in the engine process share its objects; remote ranks get each step's plan serialized.
     in_process: bool = False
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Batches the engine may keep in flight: one per pipeline stage, so that no stage waits for another."""
-        return 1
+    # Batches the engine may keep in flight (each executor runs the steps it is given in order): one per pipeline
+    # stage, so that no stage waits for another; two with async scheduling (one rank), so that the engine plans
+    # and updates the next step while this one computes.
+    max_concurrent_batches: int = 1
 
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
@@ -40,6 +40,11 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stops every rank; leaves no process behind."""
+
+
+def batches_in_flight(config: EngineConfig) -> int:
+    """An executor's max_concurrent_batches for this configuration."""
+    return 2 if config.scheduler.async_scheduling else config.parallel.pipeline_parallel_size
 
 
 def make_executor(config: EngineConfig) -> Executor:

@@ -30,7 +30,7 @@ import zmq
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from lmserve.executor.base import Executor, RankFailedError
+from lmserve.executor.base import Executor, RankFailedError, batches_in_flight
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class MultiprocExecutor(Executor):
         self.world_size = parallel.world_size
         self.pp_size = parallel.pipeline_parallel_size
         self.driver_rank = RankLayout.driver_rank(parallel.tensor_parallel_size, self.pp_size)
+        self.max_concurrent_batches = batches_in_flight(config)
         self._dir = Path(tempfile.mkdtemp(prefix="lmserve-ranks-"))
         (self._dir / "config.pkl").write_bytes(pickle.dumps(config))
         self._ctx = zmq.Context()
@@ -92,10 +93,6 @@ class MultiprocExecutor(Executor):
             raise
         self.info = self._ready[self.driver_rank]
         logger.info("%d ranks ready (pids %s)", self.world_size, ", ".join(str(p.pid) for p in self.procs))
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self.pp_size
 
     def _broadcast(self, message: tuple) -> None:
         """Never blocks: a PUSH socket whose rank is gone would wait for it forever; that rank's death is

@@ -19,7 +19,7 @@ from typing import Any
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from lmserve.executor.base import Executor, RankFailedError
+from lmserve.executor.base import Executor, RankFailedError, batches_in_flight
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class RayExecutor(Executor):
         self.world_size = parallel.world_size
         self.pp_size = parallel.pipeline_parallel_size
         self.driver_rank = RankLayout.driver_rank(parallel.tensor_parallel_size, self.pp_size)
+        self.max_concurrent_batches = batches_in_flight(config)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             # Joins the cluster of `ray start` (RAY_ADDRESS or this machine's), else starts a local one.
@@ -126,10 +127,6 @@ class RayExecutor(Executor):
             raise
         self.info = infos[self.driver_rank]
         logger.info("%d Ray ranks ready (rendezvous %s)", self.world_size, init_method)
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self.pp_size
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         import ray

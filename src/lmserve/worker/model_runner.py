@@ -38,7 +38,7 @@ from lmserve.worker.quantization import (
     prepare_batched_copies,
     use_batched_path,
 )
-from lmserve.worker.sampler import Sampler, SamplingMetadata, token_logprobs
+from lmserve.worker.sampler import Sampler, SamplingMetadata, reads_output_token_ids, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,10 @@ class ModelRunner:
         self.kv_bytes_per_block = per_block
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # Each request's token from the last step that sampled it, for a step planned before that token was known
+        # (async scheduling: ScheduledRequest.uses_previous_token). Ints: the step already waits for its tokens
+        # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
+        self.last_sampled: dict[str, int] = {}
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         # Decodes first so their queries form one contiguous, batched attention call.
@@ -191,7 +195,10 @@ class ModelRunner:
         prompt_scoring: list[PromptScoring] = []
         row = 0
         for r in order:
-            input_ids.extend(r.token_ids)
+            if r.uses_previous_token:
+                input_ids.append(self.last_sampled[r.request_id])
+            else:
+                input_ids.extend(r.token_ids)
             if r.prompt_logprob_targets:
                 prompt_scoring.append(PromptScoring(
                     r.request_id, row + r.prompt_logprobs_row, r.prompt_logprob_targets, r.num_prompt_logprobs
@@ -253,8 +260,10 @@ class ModelRunner:
         """The step's sampled tokens on the driver rank (the only rank with one rank); None on the other ranks,
         which take their part in the same forward pass."""
         # A preempted request keeps its generator: resumed, it must draw what it would have drawn unpreempted.
-        for request_id in scheduler_output.finished_request_ids - scheduler_output.preempted_request_ids:
-            self.generators.pop(request_id, None)
+        for request_id in scheduler_output.finished_request_ids:
+            self.last_sampled.pop(request_id, None)
+            if request_id not in scheduler_output.preempted_request_ids:
+                self.generators.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
         batch = self.prepare_inputs(scheduler_output.scheduled)
@@ -271,6 +280,7 @@ class ModelRunner:
             return None
         token_ids, logprobs = self._sample(logits, batch.sampling, scheduler_output.grammar)
         ids = [r.request_id for r in batch.sampling]
+        self.last_sampled.update(zip(ids, token_ids, strict=True))
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
@@ -281,7 +291,7 @@ class ModelRunner:
         return SamplingMetadata.build(
             params=[r.sampling_params for r in rows],
             prompt_token_ids=[r.prompt_token_ids for r in rows],
-            output_token_ids=[r.output_token_ids for r in rows],
+            output_token_ids=[self._output_token_ids(r) for r in rows],
             generators=[self._generator(r) for r in rows],
             eos_token_ids=[r.eos_token_ids for r in rows],
             vocab_size=vocab_size,
@@ -321,6 +331,15 @@ class ModelRunner:
         full = torch.full((num_rows, mask.shape[1]), -1, dtype=mask.dtype)
         full[rows] = mask
         metadata.grammar_bitmask, metadata.grammar_rows = full, rows
+
+    def _output_token_ids(self, r: ScheduledRequest) -> list[int]:
+        """The output tokens before the one the row samples. A row planned before its previous token was known
+        shares the request's list with the engine thread, which may be appending that token right now: when the
+        sampler reads the list, such a row gets the part known when it was planned plus this runner's own token."""
+        if not r.uses_previous_token or not reads_output_token_ids(r.sampling_params):
+            return r.output_token_ids
+        known = r.start_position - len(r.prompt_token_ids)
+        return [*r.output_token_ids[:known], self.last_sampled[r.request_id]]
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         seed = r.sampling_params.seed

@@ -31,6 +31,14 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return torch.from_numpy(out).to(device)
 
 
+def reads_output_token_ids(params: SamplingParams) -> bool:
+    """Whether SamplingMetadata.build reads a row's output tokens (penalties, min_tokens); otherwise it ignores them."""
+    return (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        or params.min_tokens > 0
+    )
+
+
 @dataclass
 class SamplingMetadata:
     """Per-batch sampling state as tensors; a field is None when its stage is a no-op for every row."""
