@@ -266,13 +266,26 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     return GGUFHeader(metadata, tensors)
 
 
-def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
-    """One tensor, dequantized to float32, in torch order (rows first)."""
+def _gguf_rows(path: Path, info: GGUFTensorInfo) -> tuple[np.memmap, int]:
+    """The tensor's bytes as [rows, bytes per row] (mapped, not read), and the bytes of one of its blocks."""
     qtype = gguf.GGMLQuantizationType(info.ggml_type)
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     row_bytes = info.shape[-1] // block_size * block_bytes
     rows = int(np.prod(info.shape[:-1]))
-    raw = np.memmap(path, mode="r", dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes))
+    return np.memmap(path, mode="r", dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes)), block_bytes
+
+
+def read_gguf_blocks(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor's bytes as the file stores them, uint8 [rows, blocks per row, bytes per block] (for a quantized
+    type, llama.cpp's blocks; for F32, F16 and BF16 one element per block), read into memory."""
+    raw, block_bytes = _gguf_rows(path, info)
+    return np.array(raw).reshape(raw.shape[0], -1, block_bytes)
+
+
+def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor, dequantized to float32, in torch order (rows first)."""
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    raw, block_bytes = _gguf_rows(path, info)
     fast = _FAST_DEQUANTIZE.get(qtype)
     if fast is not None:
         return fast(np.asarray(raw).reshape(-1, block_bytes)).reshape(info.shape)

@@ -5,6 +5,10 @@ initialised, then converted: twice the weights' bytes at the peak, and time spen
 overwrites. Here the modules are built on the meta device (shapes only), cast to the target dtype there (free), and
 materialised once on the target device as uninitialised memory, which `load_weights` fills: it raises when the
 checkpoint lacks any parameter, so no uninitialised value can survive into a forward pass.
+
+With a block format (`block_method`, --quantization q4_1 or q8_0) the linear layers are block layers from the start:
+they are built as PendingBlockLinear (uint8 rows of blocks), which load_weights fills with the file's own blocks and
+packs, so the float32 weights of those layers never exist.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from lmserve.worker.models.llama import LlamaForCausalLM
 
 def build_model(
     config: PretrainedConfig, max_position: int, device: torch.device, dtype: torch.dtype,
-    parallel: ParallelGroups | None = None,
+    parallel: ParallelGroups | None = None, block_method: str | None = None,
 ) -> LlamaForCausalLM:
     """The model's modules on `device` in `dtype`, parameters uninitialised (load its weights next). The RoPE
-    tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded."""
+    tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded.
+    block_method: the linear layers' block format (LlamaForCausalLM.pend_block_layers), or None for float ones."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
+        if block_method is not None:
+            model.pend_block_layers(block_method)
     return model.to(dtype).to_empty(device=device)

@@ -115,9 +115,11 @@ class ModelRunner:
         # Seeds the draws of requests without a seed; the weights all come from the checkpoint (load_weights raises
         # on a missing one), so no parameter depends on it.
         torch.manual_seed(model_config.seed)
-        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel)
-        model.load_weights(load_weights(source, self.dtype))
-        if self.quantization != "none":
+        # A block format's layers take the file's own blocks as they load; fp16 converts the loaded float weights.
+        block_method = self.quantization if self.quantization in BLOCK_METHODS else None
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method)
+        model.load_weights(load_weights(source, self.dtype, blocks=BLOCK_METHODS if block_method else ()))
+        if self.quantization != "none" and block_method is None:
             model.quantize(self.quantization)
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
         if self.fused_ops == "cpu":
