@@ -292,6 +292,13 @@ def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
     return gguf.quants.dequantize(raw, qtype).reshape(info.shape)
 
 
+def dequantize_gguf_blocks(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    """[rows, blocks, bytes] of a q4_1 or q8_0 tensor (read_gguf_blocks, or rows or blocks of one) as float32
+    [rows, columns]: read_gguf_tensor's values."""
+    fast = _FAST_DEQUANTIZE[gguf.GGMLQuantizationType[type_name.upper()]]
+    return fast(blocks.reshape(-1, blocks.shape[-1])).reshape(blocks.shape[0], -1)
+
+
 def _dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """block_q4_1: float16 d and m, then 16 bytes of 4-bit q (low nibbles: weights 0-15, high: 16-31); w = d q + m."""
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)

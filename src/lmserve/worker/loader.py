@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 import transformers
 from safetensors import safe_open
@@ -137,21 +138,19 @@ def _gguf_weights(
             continue  # read into the config by lmserve.models; the rotary embedding applies it
         name = hf_name_from_gguf(info.name)
         method = ggml_type_name(info.ggml_type).lower()
-        if method in blocks and len(info.shape) == 2:
-            tensor = StoredBlocks(method, torch.from_numpy(read_gguf_blocks(path, info)))
-            rows = tensor.data
-        else:
-            array = read_gguf_tensor(path, info)
-            tensor = rows = torch.from_numpy(array if array.flags.writeable else array.copy())
+        as_blocks = method in blocks and len(info.shape) == 2
+        array = read_gguf_blocks(path, info) if as_blocks else read_gguf_tensor(path, info)
         # A permutation of rows: the same for a file's blocks (each row's blocks move with it) as for floats.
         if permuted and ".self_attn.q_proj." in name:
-            rows = _unpermute_rotary(rows, config.num_attention_heads)
+            array = _unpermute_rotary(array, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
-            rows = _unpermute_rotary(rows, config.num_key_value_heads)
-        yield name, tensor.with_data(rows) if isinstance(tensor, StoredBlocks) else rows
+            array = _unpermute_rotary(array, config.num_key_value_heads)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        yield name, StoredBlocks(method, tensor) if as_blocks else tensor
 
 
-def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute`: per head, rows [i, half] back to [half, i] (HF's rotate_half layout). Only rows
-    move, so `w` may be [rows, columns] floats or [rows, blocks, bytes] of a file's blocks."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    move, so `w` may be [rows, columns] floats or [rows, blocks, bytes] of a file's blocks. In NumPy, like every byte
+    moved while loading (quantization.pack_blocks says why)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -29,9 +29,11 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
+from lmserve.models import dequantize_gguf_blocks
 from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load
 
 logger = logging.getLogger(__name__)
@@ -127,17 +129,8 @@ class StoredBlocks:
         return StoredBlocks(self.method, data)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights, [rows, in_features]: the same values (bit for bit) as lmserve.models' reader gives."""
-        data = self.data
-        scale = data[..., 0:2].contiguous().view(torch.float16).float()
-        if self.method == "q4_1":
-            minimum = data[..., 2:4].contiguous().view(torch.float16).float()
-            quants = data[..., 4:]
-            q = torch.cat([quants & 0x0F, quants >> 4], dim=-1).float()
-            weights = q * scale + minimum
-        else:
-            weights = data[..., 2:].contiguous().view(torch.int8).float() * scale
-        return weights.reshape(self.shape)
+        """The float32 weights, [rows, in_features]: lmserve.models' reader's values."""
+        return torch.from_numpy(dequantize_gguf_blocks(self.method, self.data.numpy()))
 
 
 def check_block_width(in_features: int) -> None:
@@ -198,19 +191,27 @@ def pack_blocks(method: str, blocks: torch.Tensor) -> torch.Tensor:
     """Rows of `method`'s blocks ([N, K / 32, bytes], llama.cpp's layout) in the kernels' layout: panels of 8 rows,
     each panel's blocks one after another; per block the 8 rows' d's, (q4_1) the 8 m's, then the quants column by
     column, one byte per row (q4_1: 16 columns of nibble pairs, q8_0: 32 of int8). A pure rearrangement of bytes,
-    returned as [N rounded up to whole panels, bytes per row]; the padding rows are zero."""
+    returned as [N rounded up to whole panels, bytes per row]; the padding rows are zero.
+
+    In NumPy, one thread: torch's copies of these small strided pieces run on every compute thread, and at start-up,
+    on a busy 2-core machine, waiting for each other cost ~25x as much (4 s instead of 0.2 for the default model)."""
     rows, num_blocks, block_bytes = blocks.shape
     if block_bytes != BLOCK_BYTES[method]:
         raise ValueError(f"{method} blocks have {BLOCK_BYTES[method]} bytes, got {block_bytes}")
-    padded = -(-rows // PANEL_ROWS) * PANEL_ROWS
-    if padded != rows:
-        blocks = torch.cat([blocks, blocks.new_zeros(padded - rows, num_blocks, block_bytes)])
-    panels = padded // PANEL_ROWS
-    by_block = blocks.reshape(panels, PANEL_ROWS, num_blocks, block_bytes).transpose(1, 2)  # [panel, block, row, byte]
+    panels = -(-rows // PANEL_ROWS)
+    source = blocks.numpy()
+    if panels * PANEL_ROWS != rows:
+        source = np.concatenate([source, np.zeros((panels * PANEL_ROWS - rows, num_blocks, block_bytes), np.uint8)])
+    by_block = source.reshape(panels, PANEL_ROWS, num_blocks, block_bytes).transpose(0, 2, 1, 3)  # panel, block, row
+    packed = np.empty((panels, num_blocks, PANEL_ROWS * block_bytes), np.uint8)
     head = _SCALE_BYTES[method]
-    scales = [by_block[..., i : i + 2].reshape(panels, num_blocks, -1) for i in range(0, head, 2)]
-    quants = by_block[..., head:].transpose(2, 3).reshape(panels, num_blocks, -1)
-    return torch.cat([*scales, quants], dim=-1).reshape(padded, -1)
+    for i in range(0, head, 2):  # each float16 field: the 8 rows' values one after another
+        packed[:, :, i * PANEL_ROWS : (i + 2) * PANEL_ROWS].reshape(panels, num_blocks, PANEL_ROWS, 2)[...] = (
+            by_block[..., i : i + 2]
+        )
+    quants = packed[:, :, head * PANEL_ROWS :].reshape(panels, num_blocks, block_bytes - head, PANEL_ROWS)
+    quants[...] = by_block[..., head:].transpose(0, 1, 3, 2)  # column by column, one byte per row
+    return torch.from_numpy(packed.reshape(panels * PANEL_ROWS, -1))
 
 
 def pack_q4_1(weight: torch.Tensor) -> torch.Tensor:
@@ -332,7 +333,7 @@ class PendingBlockLinear(nn.Module):
                 f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
                 f"[{self.out_features}, {self.in_features}] layer"
             )
-        self.staged[start : start + blocks.shape[0]].copy_(blocks)
+        self.staged.numpy()[start : start + blocks.shape[0]] = blocks.numpy()  # one thread (see pack_blocks)
 
     def finish(self) -> BlockQuantizedLinear:
         return LAYER_TYPES[self.method](StoredBlocks(self.method, self.staged), self.bias)
