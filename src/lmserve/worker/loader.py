@@ -14,13 +14,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-import transformers
-from safetensors import safe_open
 
 from lmserve.models import (
+    GGUFConfig,
     ModelSource,
     ggml_type_name,
-    load_hf_config,
+    load_model_config,
     read_gguf_blocks,
     read_gguf_header,
     read_gguf_tensor,
@@ -39,7 +38,7 @@ def load_weights(
     """Every weight as (Hugging Face name, tensor in `dtype`). `blocks`: block formats (worker/quantization.py's
     names, q4_1, q8_0) whose GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block
     layers take those bytes as they are (LlamaForCausalLM.load_weights)."""
-    config = load_hf_config(source)  # rejects unsupported architectures before any weight is read
+    config = load_model_config(source)  # rejects unsupported architectures before any weight is read
     start, count, nbytes = time.perf_counter(), 0, 0
     weights = _hf_weights(source.path) if source.kind == "hf" else _gguf_weights(source.path, config, blocks)
     for name, tensor in weights:
@@ -65,6 +64,8 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    from safetensors import safe_open  # HF directories only
+
     for file in files:
         with safe_open(file, framework="pt") as f:
             names = f.keys()  # safe_open handles are not iterable
@@ -123,7 +124,7 @@ def hf_name_from_gguf(name: str) -> str:
 
 
 def _gguf_weights(
-    path: Path, config: transformers.PretrainedConfig, blocks: Collection[str]
+    path: Path, config: GGUFConfig, blocks: Collection[str]
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     tensors = read_gguf_header(path).tensors
     unsupported = {t.ggml_type for t in tensors} - set(SUPPORTED_GGML_TYPES)

@@ -13,11 +13,15 @@ packs, so the float32 weights of those layers never exist.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def build_model(

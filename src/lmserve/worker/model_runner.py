@@ -16,7 +16,7 @@ from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerC
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
-from lmserve.models import load_hf_config, resolve_model, stored_linear_format
+from lmserve.models import load_model_config, resolve_model, stored_linear_format
 from lmserve.outputs import Logprobs
 from lmserve.worker.attention import (
     AttentionMetadata,
@@ -106,7 +106,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
             apply_placement(placement or PlacementConfig(), blas_does_matmuls=numpy_matmuls)
-        self.hf_config = load_hf_config(source)
+        self.hf_config = load_model_config(source)
         native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = model_config.max_model_len or native_len
         if self.max_model_len > native_len:

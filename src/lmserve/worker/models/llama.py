@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
@@ -34,6 +32,10 @@ from lmserve.worker.quantization import (
     pend_block_linears,
     quantize_linears,
 )
+
+if TYPE_CHECKING:
+    # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
@@ -92,14 +94,20 @@ def _rope_tables(config: PretrainedConfig, head_dim: int, max_position: int) -> 
     params = rope_parameters(config)
     rope_type = params.get("rope_type", "default")
     cpu = torch.device("cpu")
-    if rope_type == "default":
+    if rope_type in ("default", "linear"):
+        # transformers' default and linear rope (the two a GGUF header can name), without importing transformers.
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
+        if rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
         scaling = 1.0
-    elif rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
     else:
-        raise ValueError(f"unsupported rope type {rope_type!r}")
+        # Other rope types come from an HF directory's config (a transformers config): transformers' functions.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unsupported rope type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
     rope_freqs = getattr(config, "rope_freqs", None)
     if rope_freqs is not None:
         # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
