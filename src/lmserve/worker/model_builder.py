@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.models.llama import LlamaForCausalLM
@@ -35,4 +36,23 @@ def build_model(
         model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
         if block_method is not None:
             model.pend_block_layers(block_method)
-    return model.to(dtype).to_empty(device=device)
+    return _to_empty(model.to(dtype), device)
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> nn.Module:
+    """model.to_empty(device=device): every parameter and buffer as uninitialised memory on `device`. Without
+    to_empty's torch.empty_like of meta tensors, which runs torch's reference implementations and, the first time,
+    imports sympy (half a second of start-up) to reason about their strides."""
+    made: dict[int, torch.Tensor] = {}  # a tensor two modules share stays shared
+    for module in model.modules():
+        for group in (module._parameters, module._buffers):
+            for name, tensor in group.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    if isinstance(tensor, nn.Parameter):
+                        empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                    made[id(tensor)] = empty
+                group[name] = made[id(tensor)]
+    return model
