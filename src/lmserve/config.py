@@ -10,15 +10,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # `lmserve serve --max-request-body-bytes`: a larger HTTP body gets 413 before it is read.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
+
+def cache_directory() -> Path:
+    """lmserve's cache (built kernels, converted tokenizers): $LMSERVE_CACHE, else $XDG_CACHE_HOME/lmserve or
+    ~/.cache/lmserve. Everything in it can be rebuilt."""
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("LMSERVE_CACHE") or xdg / "lmserve")
 
 
 def parse_memory(value: float | str | None) -> int | None:

@@ -9,11 +9,14 @@ network that is not there, surprises more than an error that says how to fetch t
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
 import re
+import shutil
 import struct
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import gguf
 import numpy as np
 
-from lmserve.config import DEFAULT_MODEL
+from lmserve.config import DEFAULT_MODEL, cache_directory
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directory's config is read, not before
     import transformers
@@ -458,13 +461,7 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
     if source.kind == "hf":
         tokenizer = transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     else:
-        # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config
-        # through gguf.GGUFReader, which costs seconds and is not needed here.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
-            source.path.parent, gguf_file=source.path.name, local_files_only=True
-        )
-        if tokenizer.chat_template is None:  # older transformers drop it
-            tokenizer.chat_template = read_gguf_header(source.path).metadata.get("tokenizer.chat_template")
+        tokenizer = _gguf_tokenizer(source.path)
     if tokenizer.chat_template is None:
         logger.warning("%s has no chat template; chat requests will fail", source.name)
     logger.info(
@@ -473,4 +470,41 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         len(tokenizer),
         time.perf_counter() - start,
     )
+    return tokenizer
+
+
+def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges, through its GGUF reader
+    (which imports torch): ~3 s of the default model's start-up. What it builds is kept under lmserve's cache
+    (tokenizer.json and its config, save_pretrained's files), one folder per file (path, size, modification time)
+    and transformers and tokenizers version, and later starts load that (~0.3 s)."""
+    import tokenizers
+    import transformers
+
+    stat = path.stat()
+    key = f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns} {transformers.__version__} {tokenizers.__version__}"
+    cached = cache_directory() / "tokenizers" / f"{path.stem[:60]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    if cached.is_dir():
+        try:
+            return transformers.PreTrainedTokenizerFast.from_pretrained(cached, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
+            logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+    # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
+    # gguf.GGUFReader, which costs seconds and is not needed here.
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+        path.parent, gguf_file=path.name, local_files_only=True
+    )
+    if tokenizer.chat_template is None:  # older transformers drop it
+        tokenizer.chat_template = read_gguf_header(path).metadata.get("tokenizer.chat_template")
+    staging = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        tokenizer.save_pretrained(staging)
+        staging.rename(cached)  # whole or not at all; a concurrent start that saved first wins
+    except OSError as exc:
+        logger.info("tokenizer of %s not cached: %s", path, exc)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return tokenizer

@@ -10,13 +10,14 @@ import fcntl
 import functools
 import hashlib
 import logging
-import os
 import platform
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from lmserve.config import cache_directory
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,7 @@ def cpu_signature() -> str:
 def build_directory() -> Path:
     """One folder per torch version and CPU, under lmserve's cache, so that a kernel built against another torch or
     for another CPU (a shared home directory) is never loaded."""
-    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    cache = Path(os.environ.get("LMSERVE_CACHE") or xdg / "lmserve")
-    path = cache / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_signature()}"
+    path = cache_directory() / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_signature()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
