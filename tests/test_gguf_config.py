@@ -21,6 +21,7 @@ from lmserve.models import (
     GGUFConfig,
     load_hf_config,
     load_model_config,
+    read_gguf_header,
     resolve_model,
 )
 from lmserve.worker.models.llama import RotaryEmbedding
@@ -137,3 +138,13 @@ def test_the_engine_of_a_gguf_model_never_imports_transformers() -> None:
     for absent in ("transformers", "tokenizers", "jinja2", "safetensors", "xgrammar", "ray", "matplotlib", "sympy"):
         assert absent not in modules, absent
     assert distributed_tensor == ""
+
+
+def test_a_header_is_read_once_per_version_of_the_file(tmp_path: Path) -> None:
+    path = write_header(tmp_path / "h.gguf", "llama", block_count=2, embedding_length=128,
+                        **{"attention.head_count": 4})
+    first = read_gguf_header(path)
+    assert read_gguf_header(path) is first
+    write_header(path, "llama", block_count=3, embedding_length=128, **{"attention.head_count": 4})
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # however coarse the clock
+    assert read_gguf_header(path).metadata["llama.block_count"] == 3

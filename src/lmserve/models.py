@@ -9,6 +9,7 @@ network that is not there, surprises more than an error that says how to fetch t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -328,6 +329,15 @@ class GGUFHeader:
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
+    """The file's metadata and tensor list. Read once per file (its path, size and modification time) and process:
+    the engine asks for it several times while it starts (~0.1 s each for the default model's vocabulary). Callers
+    must not change what it returns."""
+    stat = path.stat()
+    return _read_gguf_header(Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_header(path: Path, _size: int, _mtime_ns: int) -> GGUFHeader:
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", blob, 0)
     if magic != GGUF_MAGIC or version not in (2, 3):
