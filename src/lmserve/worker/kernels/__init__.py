@@ -78,12 +78,14 @@ def _only_builder(directory: Path) -> Iterator[None]:
 
 
 def build_key() -> str:
-    """What the built library is made of: the sources' text, the flags, torch (its version and the headers' place)
-    and Python. Written beside the library once it loaded (BUILD_STAMP)."""
+    """What the built library is made of: the sources' text, the flags, torch (its version and its files' real place)
+    and Python. Written beside the library once it loaded (BUILD_STAMP). The real place, so that one virtualenv
+    reached through two paths (a symlink) shares one build instead of rebuilding whenever the other path starts."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
-    digest.update(" ".join([*BUILD_FLAGS, "|", *LINK_FLAGS, torch.__version__, torch.__file__, sys.version]).encode())
+    torch_files = str(Path(torch.__file__).resolve().parent)
+    digest.update(" ".join([*BUILD_FLAGS, "|", *LINK_FLAGS, torch.__version__, torch_files, sys.version]).encode())
     return digest.hexdigest()
 
 
