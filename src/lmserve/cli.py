@@ -50,8 +50,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
+    # Only what starts the engine process is imported before it starts (the web stack comes later, in serve()).
     from lmserve.api.serve import ShutdownRequested, serve
-    from lmserve.api.serving import ToolConfig
+    from lmserve.api.tool_parsers import ToolConfig
     from lmserve.config import make_engine_config, parse_cpus
 
     def stop(signum: int, _frame: object) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
@@ -21,6 +23,13 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # `--async-scheduling` (vLLM's): plan step N+1 while step N computes. Off until measured on these machines.
 DEFAULT_ASYNC_SCHEDULING = False
+
+
+def cache_directory() -> Path:
+    """lmserve's cache (built kernels, converted tokenizers): $LMSERVE_CACHE, else $XDG_CACHE_HOME/lmserve or
+    ~/.cache/lmserve. Everything in it can be rebuilt."""
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("LMSERVE_CACHE") or xdg / "lmserve")
 
 
 def parse_memory(value: float | str | None) -> int | None:

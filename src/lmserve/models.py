@@ -9,21 +9,27 @@ network that is not there, surprises more than an error that says how to fetch t
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.metadata
 import json
 import logging
 import re
+import shutil
 import struct
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import gguf
 import numpy as np
-import transformers
 
-from lmserve.config import DEFAULT_MODEL
+from lmserve.config import DEFAULT_MODEL, cache_directory
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directory's config is read, not before
+    import transformers
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +150,67 @@ def _check_model_type(model_type: str, where: Path) -> None:
 
 
 def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
+    """transformers' config of the model (for a GGUF, the one its header implies)."""
+    import transformers
+
     if source.kind == "hf":
         read_config_dict(source)  # rejects an architecture AutoConfig would accept but lmserve does not run
         return transformers.AutoConfig.from_pretrained(source.path, local_files_only=True)
     arch, kwargs = _gguf_config_kwargs(source.path)
     return transformers.AutoConfig.for_model(arch, **kwargs)
+
+
+def load_model_config(source: ModelSource) -> transformers.PretrainedConfig | GGUFConfig:
+    """The config the engine builds the model from: transformers' for an HF directory; for a GGUF file a GGUFConfig
+    with the same values, which needs no transformers (its config classes import torch.distributed.tensor, about a
+    second of start-up that a GGUF model does not need)."""
+    if source.kind == "hf":
+        return load_hf_config(source)
+    arch, kwargs = _gguf_config_kwargs(source.path)
+    return GGUFConfig(arch, **kwargs)
+
+
+# transformers' defaults (its config class for each architecture) for what a GGUF header may leave out, of the
+# attributes the worker reads; tests/test_models.py checks them against transformers' own.
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "attention_bias": False,
+              "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None,
+                "max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "bos_token_id": None, "eos_token_id": None},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
+              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+class GGUFConfig:
+    """A GGUF model's config as plain attributes under transformers' names, with the values transformers' config class
+    for its architecture gives for the same header (load_hf_config): what the worker reads of a config."""
+
+    def __init__(self, model_type: str, **kwargs: Any) -> None:
+        self.model_type = model_type
+        self.hidden_act = "silu"
+        self.rms_norm_eps = 1e-6
+        self.tie_word_embeddings = False
+        self.pad_token_id = None
+        self.__dict__.update(_CONFIG_DEFAULTS[model_type])
+        rope_theta = kwargs.pop("rope_theta", _DEFAULT_ROPE_THETA)
+        rope_scaling = kwargs.pop("rope_scaling", None) or {}
+        self.__dict__.update(kwargs)
+        if getattr(self, "head_dim", 0) is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.rope_parameters = {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
+
+    def __repr__(self) -> str:
+        return f"GGUFConfig({self.__dict__})"
 
 
 def read_config_dict(source: ModelSource) -> dict[str, Any]:
@@ -163,7 +225,7 @@ def read_config_dict(source: ModelSource) -> dict[str, Any]:
     return {"model_type": arch, **kwargs}
 
 
-def model_eos_token_ids(source: ModelSource, config: transformers.PretrainedConfig) -> list[int]:
+def model_eos_token_ids(source: ModelSource, config: transformers.PretrainedConfig | GGUFConfig) -> list[int]:
     """Every EOS id the model names: its config's and its generation_config.json's (an int or a list in each; Llama 3
     Instruct ends turns with an id that only generation_config.json lists)."""
     ids: list[int] = []
@@ -178,16 +240,41 @@ def model_eos_token_ids(source: ModelSource, config: transformers.PretrainedConf
     return ids
 
 
+# llama.cpp's metadata keys -> config attributes: transformers' own table (transformers.integrations.ggml, which
+# imports all of transformers) for the architectures lmserve runs; tests/test_models.py checks that they agree.
+_GGUF_LLAMA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
+    "llama": _GGUF_LLAMA_KEYS,
+    "mistral": _GGUF_LLAMA_KEYS,
+    "qwen2": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None},
+    "qwen3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None},
+    "tokenizer": {
+        "ggml.bos_token_id": "bos_token_id",
+        "ggml.eos_token_id": "eos_token_id",
+        "ggml.unknown_token_id": "unk_token_id",
+        "ggml.padding_token_id": "pad_token_id",
+    },
+}
+
+
 def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
     """The architecture and config attributes a GGUF header implies."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # a table: imports no torch
-
     header = read_gguf_header(path)
     metadata, tensor_names = header.metadata, {t.name for t in header.tensors}
     arch = metadata.get("general.architecture", "<missing>")
     _check_model_type(arch, path)
 
-    # transformers' own table of llama.cpp metadata keys -> config attributes.
     kwargs: dict[str, Any] = {}
     for prefix in (arch, "tokenizer"):
         for key, attr in GGUF_CONFIG_MAPPING[prefix].items():
@@ -242,6 +329,15 @@ class GGUFHeader:
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
+    """The file's metadata and tensor list. Read once per file (its path, size and modification time) and process:
+    the engine asks for it several times while it starts (~0.1 s each for the default model's vocabulary). Callers
+    must not change what it returns."""
+    stat = path.stat()
+    return _read_gguf_header(Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_header(path: Path, _size: int, _mtime_ns: int) -> GGUFHeader:
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", blob, 0)
     if magic != GGUF_MAGIC or version not in (2, 3):
@@ -266,17 +362,37 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     return GGUFHeader(metadata, tensors)
 
 
-def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
-    """One tensor, dequantized to float32, in torch order (rows first)."""
+def _gguf_rows(path: Path, info: GGUFTensorInfo) -> tuple[np.memmap, int]:
+    """The tensor's bytes as [rows, bytes per row] (mapped, not read), and the bytes of one of its blocks."""
     qtype = gguf.GGMLQuantizationType(info.ggml_type)
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     row_bytes = info.shape[-1] // block_size * block_bytes
     rows = int(np.prod(info.shape[:-1]))
-    raw = np.memmap(path, mode="r", dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes))
+    return np.memmap(path, mode="r", dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes)), block_bytes
+
+
+def read_gguf_blocks(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor's bytes as the file stores them, uint8 [rows, blocks per row, bytes per block] (for a quantized
+    type, llama.cpp's blocks; for F32, F16 and BF16 one element per block), read into memory."""
+    raw, block_bytes = _gguf_rows(path, info)
+    return np.array(raw).reshape(raw.shape[0], -1, block_bytes)
+
+
+def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
+    """One tensor, dequantized to float32, in torch order (rows first)."""
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    raw, block_bytes = _gguf_rows(path, info)
     fast = _FAST_DEQUANTIZE.get(qtype)
     if fast is not None:
         return fast(np.asarray(raw).reshape(-1, block_bytes)).reshape(info.shape)
     return gguf.quants.dequantize(raw, qtype).reshape(info.shape)
+
+
+def dequantize_gguf_blocks(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    """[rows, blocks, bytes] of a q4_1 or q8_0 tensor (read_gguf_blocks, or rows or blocks of one) as float32
+    [rows, columns]: read_gguf_tensor's values."""
+    fast = _FAST_DEQUANTIZE[gguf.GGMLQuantizationType[type_name.upper()]]
+    return fast(blocks.reshape(-1, blocks.shape[-1])).reshape(blocks.shape[0], -1)
 
 
 def _dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
@@ -349,17 +465,13 @@ def ggml_type_name(ggml_type: int) -> str:
 
 
 def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    import transformers
+
     start = time.perf_counter()
     if source.kind == "hf":
         tokenizer = transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     else:
-        # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config
-        # through gguf.GGUFReader, which costs seconds and is not needed here.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
-            source.path.parent, gguf_file=source.path.name, local_files_only=True
-        )
-        if tokenizer.chat_template is None:  # older transformers drop it
-            tokenizer.chat_template = read_gguf_header(source.path).metadata.get("tokenizer.chat_template")
+        tokenizer = _gguf_tokenizer(source.path)
     if tokenizer.chat_template is None:
         logger.warning("%s has no chat template; chat requests will fail", source.name)
     logger.info(
@@ -368,4 +480,41 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         len(tokenizer),
         time.perf_counter() - start,
     )
+    return tokenizer
+
+
+def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges, through its GGUF reader
+    (which imports torch): ~3 s of the default model's start-up. What it builds is kept under lmserve's cache
+    (tokenizer.json and its config, save_pretrained's files), one folder per file (path, size, modification time)
+    and transformers and tokenizers version, and later starts load that (~0.3 s)."""
+    import tokenizers
+    import transformers
+
+    stat = path.stat()
+    key = f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns} {transformers.__version__} {tokenizers.__version__}"
+    cached = cache_directory() / "tokenizers" / f"{path.stem[:60]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    if cached.is_dir():
+        try:
+            return transformers.PreTrainedTokenizerFast.from_pretrained(cached, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
+            logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+    # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
+    # gguf.GGUFReader, which costs seconds and is not needed here.
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+        path.parent, gguf_file=path.name, local_files_only=True
+    )
+    if tokenizer.chat_template is None:  # older transformers drop it
+        tokenizer.chat_template = read_gguf_header(path).metadata.get("tokenizer.chat_template")
+    staging = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        tokenizer.save_pretrained(staging)
+        staging.rename(cached)  # whole or not at all; a concurrent start that saved first wins
+    except OSError as exc:
+        logger.info("tokenizer of %s not cached: %s", path, exc)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return tokenizer

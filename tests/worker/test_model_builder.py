@@ -105,7 +105,7 @@ def test_a_bfloat16_model_never_has_a_float32_copy_of_its_weights(request, fixtu
     # Each parameter is allocated once, in bfloat16, and nothing writes random values into it.
     assert sorted(c[2] for c in created) == sorted(tuple(p.shape) for p in model.parameters())
     assert {c[1] for c in created} == {torch.bfloat16}
-    assert {c[0] for c in created} == {"aten.empty_like.default"}
+    assert {c[0] for c in created} == {"aten.empty.memory_format"}  # uninitialised memory (torch.empty)
 
     # The check sees the old way's float32, randomly initialised copy.
     with AllocationRecorder() as recorder, torch.device("cpu"):

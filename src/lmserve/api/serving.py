@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -42,28 +41,13 @@ from lmserve.api.sse import (
     until_disconnect,
 )
 from lmserve.api.tool_output import ToolOutput
-from lmserve.api.tool_parsers import TOOL_PARSERS, get_tool_parser
+from lmserve.api.tool_parsers import ToolConfig, get_tool_parser
 from lmserve.api.tools import check_tool_choice, constraint_schema
 from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
-
-
-@dataclass
-class ToolConfig:
-    """vLLM's --enable-auto-tool-choice and --tool-call-parser."""
-
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}: use one of "
-                             f"{', '.join(TOOL_PARSERS)}")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
 
 
 class OpenAIServing:

@@ -341,3 +341,18 @@ def get_tool_parser(name: str) -> ToolParser:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}")
     return TOOL_PARSERS[name]()
+
+
+@dataclass
+class ToolConfig:
+    """vLLM's --enable-auto-tool-choice and --tool-call-parser."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}: use one of "
+                             f"{', '.join(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")

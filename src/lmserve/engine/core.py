@@ -24,7 +24,7 @@ from lmserve.engine.scheduler import Scheduler
 from lmserve.executor.base import Executor, make_executor
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, StepRecord
-from lmserve.models import load_hf_config, model_eos_token_ids, resolve_model
+from lmserve.models import load_model_config, model_eos_token_ids, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class EngineCore:
         self._vocab_size = info.vocab_size
         source = resolve_model(config.model.model)
         # All of the model's EOS ids (config and generation_config.json); requests carry their own copy.
-        self.eos_token_ids = model_eos_token_ids(source, load_hf_config(source))
+        self.eos_token_ids = model_eos_token_ids(source, load_model_config(source))
         self.grammar = GrammarManager(config.model.tokenizer or config.model.model, info.vocab_size,
                                       self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len, self.grammar)

@@ -18,7 +18,6 @@ import msgspec
 import zmq
 
 from lmserve.config import EngineConfig
-from lmserve.engine.core import EngineCore
 from lmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -56,6 +55,10 @@ class EngineCoreProc:
         self.running = True
         self.queued: dict[str, float] = {}  # received since the last message that reported them
         try:
+            # Here, not at the top: the API process imports this module for run_engine_core, the spawned process's
+            # entry point, and must not wait for what the engine imports (torch, the worker).
+            from lmserve.engine.core import EngineCore
+
             self.engine = EngineCore(config)
         except Exception as exc:
             logger.exception("engine failed to start")

@@ -26,8 +26,7 @@ from lmserve.engine.messages import (
     StepOutputs,
 )
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
-from lmserve.frontend.input_processor import InputProcessor, Prompt
-from lmserve.frontend.llm import child_params
+from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
 from lmserve.frontend.tokenizer import load_frontend_tokenizer

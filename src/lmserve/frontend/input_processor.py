@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 
 from lmserve.engine.request import Request
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SEED_RANGE, SamplingParams
 
 Prompt = str | list[int]
 
@@ -154,3 +154,19 @@ class InputProcessor:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per sample; seeded samples get distinct seeds so n>1 gives n different answers."""
+    if params.n == 1:
+        return [params]
+    children = []
+    for i in range(params.n):
+        child = copy.copy(params)
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + i
+            if child.seed > SEED_RANGE[1]:  # stay a 64-bit seed: wrap around instead of overflowing
+                child.seed -= 2**64
+        children.append(child)
+    return children

@@ -2,38 +2,21 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, Self
 
 from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
-from lmserve.frontend.input_processor import InputProcessor, Prompt
+from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.tokenizer import load_frontend_tokenizer
 from lmserve.generation_config import default_sampling
 from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.plan.layout import check_layout
-from lmserve.sampling_params import SEED_RANGE, SamplingParams
+from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import check_structured_outputs
-
-
-def child_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per sample; seeded samples get distinct seeds so n>1 gives n different answers."""
-    if params.n == 1:
-        return [params]
-    children = []
-    for i in range(params.n):
-        child = copy.copy(params)
-        child.n = 1
-        if params.seed is not None:
-            child.seed = params.seed + i
-            if child.seed > SEED_RANGE[1]:  # stay a 64-bit seed: wrap around instead of overflowing
-                child.seed -= 2**64
-        children.append(child)
-    return children
 
 
 class LLM:

@@ -8,15 +8,23 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
-import transformers
-from safetensors import safe_open
 
-from lmserve.models import ModelSource, ggml_type_name, load_hf_config, read_gguf_header, read_gguf_tensor
+from lmserve.models import (
+    GGUFConfig,
+    ModelSource,
+    ggml_type_name,
+    load_model_config,
+    read_gguf_blocks,
+    read_gguf_header,
+    read_gguf_tensor,
+)
+from lmserve.worker.quantization import StoredBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +32,22 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------- weights
 
 
-def load_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    config = load_hf_config(source)  # rejects unsupported architectures before any weight is read
+def load_weights(
+    source: ModelSource, dtype: torch.dtype, blocks: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
+    """Every weight as (Hugging Face name, tensor in `dtype`). `blocks`: block formats (worker/quantization.py's
+    names, q4_1, q8_0) whose GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block
+    layers take those bytes as they are (LlamaForCausalLM.load_weights)."""
+    config = load_model_config(source)  # rejects unsupported architectures before any weight is read
     start, count, nbytes = time.perf_counter(), 0, 0
-    weights = _hf_weights(source.path) if source.kind == "hf" else _gguf_weights(source.path, config)
+    weights = _hf_weights(source.path) if source.kind == "hf" else _gguf_weights(source.path, config, blocks)
     for name, tensor in weights:
-        tensor = tensor.to(dtype)
-        count, nbytes = count + 1, nbytes + tensor.nbytes
+        if isinstance(tensor, StoredBlocks):
+            size = tensor.data.nbytes
+        else:
+            tensor = tensor.to(dtype)
+            size = tensor.nbytes
+        count, nbytes = count + 1, nbytes + size
         yield name, tensor
     elapsed = time.perf_counter() - start
     logger.info(
@@ -47,6 +64,8 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    from safetensors import safe_open  # HF directories only
+
     for file in files:
         with safe_open(file, framework="pt") as f:
             names = f.keys()  # safe_open handles are not iterable
@@ -104,7 +123,9 @@ def hf_name_from_gguf(name: str) -> str:
     return f"{prefix}{table[module]}.{kind}"
 
 
-def _gguf_weights(path: Path, config: transformers.PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(
+    path: Path, config: GGUFConfig, blocks: Collection[str]
+) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     tensors = read_gguf_header(path).tensors
     unsupported = {t.ggml_type for t in tensors} - set(SUPPORTED_GGML_TYPES)
     if unsupported:
@@ -117,15 +138,20 @@ def _gguf_weights(path: Path, config: transformers.PretrainedConfig) -> Iterator
         if info.name == "rope_freqs.weight":
             continue  # read into the config by lmserve.models; the rotary embedding applies it
         name = hf_name_from_gguf(info.name)
-        array = read_gguf_tensor(path, info)
-        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        method = ggml_type_name(info.ggml_type).lower()
+        as_blocks = method in blocks and len(info.shape) == 2
+        array = read_gguf_blocks(path, info) if as_blocks else read_gguf_tensor(path, info)
+        # A permutation of rows: the same for a file's blocks (each row's blocks move with it) as for floats.
         if permuted and ".self_attn.q_proj." in name:
-            tensor = _unpermute_rotary(tensor, config.num_attention_heads)
+            array = _unpermute_rotary(array, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
-            tensor = _unpermute_rotary(tensor, config.num_key_value_heads)
-        yield name, tensor
+            array = _unpermute_rotary(array, config.num_key_value_heads)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        yield name, StoredBlocks(method, tensor) if as_blocks else tensor
 
 
-def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute`: per head, rows [i, half] back to [half, i] (HF's rotate_half layout)."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute`: per head, rows [i, half] back to [half, i] (HF's rotate_half layout). Only rows
+    move, so `w` may be [rows, columns] floats or [rows, blocks, bytes] of a file's blocks. In NumPy, like every byte
+    moved while loading (quantization.pack_blocks says why)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

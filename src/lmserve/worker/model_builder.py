@@ -5,23 +5,54 @@ initialised, then converted: twice the weights' bytes at the peak, and time spen
 overwrites. Here the modules are built on the meta device (shapes only), cast to the target dtype there (free), and
 materialised once on the target device as uninitialised memory, which `load_weights` fills: it raises when the
 checkpoint lacks any parameter, so no uninitialised value can survive into a forward pass.
+
+With a block format (`block_method`, --quantization q4_1 or q8_0) the linear layers are block layers from the start:
+they are built as PendingBlockLinear (uint8 rows of blocks), which load_weights fills with the file's own blocks and
+packs, so the float32 weights of those layers never exist.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
+from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.models.llama import LlamaForCausalLM
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 def build_model(
     config: PretrainedConfig, max_position: int, device: torch.device, dtype: torch.dtype,
-    parallel: ParallelGroups | None = None,
+    parallel: ParallelGroups | None = None, block_method: str | None = None,
 ) -> LlamaForCausalLM:
     """The model's modules on `device` in `dtype`, parameters uninitialised (load its weights next). The RoPE
-    tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded."""
+    tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded.
+    block_method: the linear layers' block format (LlamaForCausalLM.pend_block_layers), or None for float ones."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
-    return model.to(dtype).to_empty(device=device)
+        if block_method is not None:
+            model.pend_block_layers(block_method)
+    return _to_empty(model.to(dtype), device)
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> nn.Module:
+    """model.to_empty(device=device): every parameter and buffer as uninitialised memory on `device`. Without
+    to_empty's torch.empty_like of meta tensors, which runs torch's reference implementations and, the first time,
+    imports sympy (half a second of start-up) to reason about their strides."""
+    made: dict[int, torch.Tensor] = {}  # a tensor two modules share stays shared
+    for module in model.modules():
+        for group in (module._parameters, module._buffers):
+            for name, tensor in group.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    if isinstance(tensor, nn.Parameter):
+                        empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                    made[id(tensor)] = empty
+                group[name] = made[id(tensor)]
+    return model

@@ -16,7 +16,7 @@ from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerC
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
-from lmserve.models import load_hf_config, resolve_model, stored_linear_format
+from lmserve.models import load_model_config, resolve_model, stored_linear_format
 from lmserve.outputs import Logprobs
 from lmserve.worker.attention import (
     AttentionMetadata,
@@ -112,7 +112,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
             apply_placement(placement or PlacementConfig(), blas_does_matmuls=numpy_matmuls)
-        self.hf_config = load_hf_config(source)
+        self.hf_config = load_model_config(source)
         native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = model_config.max_model_len or native_len
         if self.max_model_len > native_len:
@@ -121,9 +121,11 @@ class ModelRunner:
         # Seeds the draws of requests without a seed; the weights all come from the checkpoint (load_weights raises
         # on a missing one), so no parameter depends on it.
         torch.manual_seed(model_config.seed)
-        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel)
-        model.load_weights(load_weights(source, self.dtype))
-        if self.quantization != "none":
+        # A block format's layers take the file's own blocks as they load; fp16 converts the loaded float weights.
+        block_method = self.quantization if self.quantization in BLOCK_METHODS else None
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method)
+        model.load_weights(load_weights(source, self.dtype, blocks=BLOCK_METHODS if block_method else ()))
+        if self.quantization != "none" and block_method is None:
             model.quantize(self.quantization)
         if self.quantization in BLOCK_METHODS:
             self.batched_path = batched_path(model_config.batched_weights)

@@ -11,9 +11,9 @@ the file's ~0.6), with the file's values to within float16 rounding.
 
 q4_1 and q8_0 are llama.cpp's block formats (0.625 and 1.0625 bytes per weight). The C++ kernels in
 kernels/quantized_linear.cpp widen them in registers and multiply in float32, so only the weights are rounded, never
-the activations. Where a GGUF file stores its linear layers in one of them, re-packing the loaded weights gives back
-the file's own blocks, so `auto` picks that format: the model computes with exactly the weights it shipped with, in
-fewer bytes per decode step. Up to BLOCK_KERNEL_MAX_ROWS rows (decodes, and the prefill chunks that run beside them)
+the activations. Where a GGUF file stores its linear layers in one of them, `auto` picks that format and the layers
+take the file's own blocks, rearranged into the kernels' panels byte for byte (StoredBlocks, PendingBlockLinear; no
+float copy on the way): the model computes with exactly the weights it shipped with, in fewer bytes per decode step. Up to BLOCK_KERNEL_MAX_ROWS rows (decodes, and the prefill chunks that run beside them)
 the kernels beat fbgemm's float16 GEMM; larger batches, bound by arithmetic, go through a float16 copy of the same
 weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benchmarks.md).
 
@@ -29,9 +29,11 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
+from lmserve.models import dequantize_gguf_blocks
 from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load
 
 logger = logging.getLogger(__name__)
@@ -151,65 +153,126 @@ class Bfloat16WeightLinear(nn.Module):
 BATCHED_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": Bfloat16WeightLinear}
 
 
-def _blocks(weight: torch.Tensor) -> torch.Tensor:
-    out_features, in_features = weight.shape
+# llama.cpp's block formats as a GGUF file stores them, per 32 weights of a row: block_q4_1 is float16 d, float16 m,
+# then 16 bytes whose byte j holds q[j] in its low nibble and q[j + 16] in its high one (w = d q + m); block_q8_0 is
+# float16 d, then 32 int8 q (w = d q).
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+_SCALE_BYTES = {"q4_1": 4, "q8_0": 2}  # the float16 fields before the quants
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A weight in one of the block formats, as its file stores it: `data` is uint8 [rows, in_features / 32, bytes per
+    block] in llama.cpp's layout (BLOCK_BYTES). The loader hands GGUF tensors over in this form so that a block layer
+    takes the file's own blocks, with no float copy of the weights on the way."""
+
+    method: str
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.data.shape[1] * BLOCK_SIZE
+
+    def with_data(self, data: torch.Tensor) -> StoredBlocks:
+        """The same format over other rows or blocks of it (a shard, a permutation)."""
+        return StoredBlocks(self.method, data)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights, [rows, in_features]: lmserve.models' reader's values."""
+        return torch.from_numpy(dequantize_gguf_blocks(self.method, self.data.numpy()))
+
+
+def check_block_width(in_features: int) -> None:
     if in_features % BLOCK_SIZE:
         raise ValueError(
             f"block quantization needs in_features that are a multiple of {BLOCK_SIZE}; a layer has {in_features}"
         )
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    check_block_width(in_features)
     return weight.detach().float().reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
-
-
-PANEL_ROWS = 8  # output rows whose blocks the kernels read together (kernels/quantized_linear.cpp)
-
-
-def _panels(values: torch.Tensor) -> torch.Tensor:
-    """[N, blocks, ...] per-row block values as [panels, blocks, 8 rows, ...], N padded to whole panels with zeros."""
-    rows = values.shape[0]
-    padded = -(-rows // PANEL_ROWS) * PANEL_ROWS
-    if padded != rows:
-        values = torch.cat([values, values.new_zeros(padded - rows, *values.shape[1:])])
-    return values.reshape(padded // PANEL_ROWS, PANEL_ROWS, *values.shape[1:]).transpose(1, 2)
-
-
-def _bytes(values: torch.Tensor) -> torch.Tensor:
-    """[panels, blocks, ...] as [panels, blocks, bytes]."""
-    return values.contiguous().view(torch.uint8).reshape(*values.shape[:2], -1)
-
-
-def _packed(panels: list[torch.Tensor]) -> torch.Tensor:
-    """Each panel's blocks one after another, as [N rounded up to whole panels, bytes per row]."""
-    packed = torch.cat(panels, -1)
-    return packed.reshape(packed.shape[0] * PANEL_ROWS, -1)
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
 
 
-def pack_q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weights as llama.cpp's block_q4_1 values: per 32 weights of a row a float16 scale d and minimum m and
-    integers q in 0..15 with w ≈ d * q + m, 20 bytes. The bytes are grouped in panels of 8 rows: per block, the 8 d's,
-    the 8 m's, then for each column j < 16 one byte per row holding q[j] (low nibble) and q[j + 16]; N is padded to a
-    multiple of 8. Rounding uses the float16 d and m, so weights that came out of q4_1 blocks pack back to the same
-    values."""
+def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[N, blocks] float16 as [N, blocks, 2] bytes."""
+    return values.unsqueeze(-1).contiguous().view(torch.uint8)
+
+
+def quantize_blocks(method: str, weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float weights as rows of `method`'s blocks, uint8 [N, K / 32, bytes] (StoredBlocks.data), rounded as
+    llama.cpp rounds. q4_1: d = (max - min) / 15 and m = min, both float16, q = round((w - m) / d) in 0..15; q8_0:
+    d = max |w| / 127 in float16, q = round(w / d). Rounding uses the float16 d and m, so weights that came out of
+    blocks give back the same blocks."""
     blocks = _blocks(weight)
-    low, high = blocks.amin(-1), blocks.amax(-1)
-    scale, minimum = ((high - low) / 15).half(), low.half()
-    q = ((blocks - minimum.float()[..., None]) * _reciprocal(scale.float())[..., None]).round().clamp(0, 15)
-    q = q.to(torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # [N, blocks, 16 columns]
-    return _packed([_bytes(_panels(scale)), _bytes(_panels(minimum)), _bytes(_panels(nibbles).transpose(2, 3))])
+    if method == "q4_1":
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        scale, minimum = ((high - low) / 15).half(), low.half()
+        q = ((blocks - minimum.float()[..., None]) * _reciprocal(scale.float())[..., None]).round().clamp(0, 15)
+        q = q.to(torch.uint8)
+        nibbles = q[..., :16] | (q[..., 16:] << 4)
+        return torch.cat([_fp16_bytes(scale), _fp16_bytes(minimum), nibbles], dim=-1)
+    if method == "q8_0":
+        scale = (blocks.abs().amax(-1) / 127).half()
+        q = (blocks * _reciprocal(scale.float())[..., None]).round().clamp(-128, 127).to(torch.int8)
+        return torch.cat([_fp16_bytes(scale), q.view(torch.uint8)], dim=-1)
+    raise ValueError(f"unknown block format {method!r}")
+
+
+def as_blocks(method: str, weight: torch.Tensor | StoredBlocks) -> torch.Tensor:
+    """`weight` as rows of `method`'s blocks: a file's blocks of that format as they are, anything else rounded."""
+    if isinstance(weight, StoredBlocks):
+        if weight.method == method:
+            return weight.data
+        weight = weight.dequantize()
+    return quantize_blocks(method, weight)
+
+
+PANEL_ROWS = 8  # output rows whose blocks the kernels read together (kernels/quantized_linear.cpp)
+
+
+def pack_blocks(method: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Rows of `method`'s blocks ([N, K / 32, bytes], llama.cpp's layout) in the kernels' layout: panels of 8 rows,
+    each panel's blocks one after another; per block the 8 rows' d's, (q4_1) the 8 m's, then the quants column by
+    column, one byte per row (q4_1: 16 columns of nibble pairs, q8_0: 32 of int8). A pure rearrangement of bytes,
+    returned as [N rounded up to whole panels, bytes per row]; the padding rows are zero.
+
+    In NumPy, one thread: torch's copies of these small strided pieces run on every compute thread, and at start-up,
+    on a busy 2-core machine, waiting for each other cost ~25x as much (4 s instead of 0.2 for the default model)."""
+    rows, num_blocks, block_bytes = blocks.shape
+    if block_bytes != BLOCK_BYTES[method]:
+        raise ValueError(f"{method} blocks have {BLOCK_BYTES[method]} bytes, got {block_bytes}")
+    panels = -(-rows // PANEL_ROWS)
+    source = blocks.numpy()
+    if panels * PANEL_ROWS != rows:
+        source = np.concatenate([source, np.zeros((panels * PANEL_ROWS - rows, num_blocks, block_bytes), np.uint8)])
+    by_block = source.reshape(panels, PANEL_ROWS, num_blocks, block_bytes).transpose(0, 2, 1, 3)  # panel, block, row
+    packed = np.empty((panels, num_blocks, PANEL_ROWS * block_bytes), np.uint8)
+    head = _SCALE_BYTES[method]
+    for i in range(0, head, 2):  # each float16 field: the 8 rows' values one after another
+        packed[:, :, i * PANEL_ROWS : (i + 2) * PANEL_ROWS].reshape(panels, num_blocks, PANEL_ROWS, 2)[...] = (
+            by_block[..., i : i + 2]
+        )
+    quants = packed[:, :, head * PANEL_ROWS :].reshape(panels, num_blocks, block_bytes - head, PANEL_ROWS)
+    quants[...] = by_block[..., head:].transpose(0, 1, 3, 2)  # column by column, one byte per row
+    return torch.from_numpy(packed.reshape(panels * PANEL_ROWS, -1))
+
+
+def pack_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weights as block_q4_1 values (quantize_blocks) in the kernels' panels (pack_blocks): 20 bytes per 32
+    weights, N padded to a multiple of 8."""
+    return pack_blocks("q4_1", quantize_blocks("q4_1", weight))
 
 
 def pack_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weights as llama.cpp's block_q8_0 values: per 32 weights of a row a float16 scale d and 32 int8 q with
-    w ≈ d * q, 34 bytes, grouped in panels of 8 rows like pack_q4_1's: per block the 8 d's, then column by column
-    one byte per row."""
-    blocks = _blocks(weight)
-    scale = (blocks.abs().amax(-1) / 127).half()
-    q = (blocks * _reciprocal(scale.float())[..., None]).round().clamp(-128, 127).to(torch.int8)
-    return _packed([_bytes(_panels(scale)), _bytes(_panels(q).transpose(2, 3))])
+    """[N, K] weights as block_q8_0 values (quantize_blocks) in the kernels' panels (pack_blocks): 34 bytes per 32
+    weights, N padded to a multiple of 8."""
+    return pack_blocks("q8_0", quantize_blocks("q8_0", weight))
 
 
 _BATCHED_COPIES_LOCK = threading.Lock()
@@ -221,13 +284,17 @@ class BlockQuantizedLinear(nn.Module):
     weights (batched_path)."""
 
     method: ClassVar[str]
-    PACKERS: ClassVar = {"q4_1": pack_q4_1, "q8_0": pack_q8_0}
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batched: BatchedPath | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor | StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None
+    ) -> None:
+        """weight: float [out_features, in_features], rounded to the format; or a file's blocks (StoredBlocks), taken
+        as they are when they are in this format. batched: how batches above the kernel's rows run (batched_path)."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        blocks = as_blocks(self.method, weight)
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.blocks = self.PACKERS[self.method](weight).contiguous()
+        self.blocks = pack_blocks(self.method, blocks)
         self.batched_path = batched or batched_path()
         ops = cpu_kernels()
         self.linear_op = getattr(ops, f"{self.method}_linear")
@@ -307,3 +374,57 @@ def quantize_linears(module: nn.Module, method: str) -> int:
         else:
             count += quantize_linears(child, method)
     return count
+
+
+class PendingBlockLinear(nn.Module):
+    """A block layer whose weights are still being loaded: the checkpoint's rows arrive one tensor (or shard) at a time
+    into `staged`, rows of llama.cpp blocks; a file's blocks of the same format are copied as they are, anything else
+    is rounded to the format (as_blocks). finish() then packs them into the layer. Built on the meta device with the
+    rest of the model (worker/model_builder.py), it never holds the weights in float."""
+
+    def __init__(self, method: str, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        check_block_width(in_features)
+        self.method, self.in_features, self.out_features = method, in_features, out_features
+        staged = torch.empty(out_features, in_features // BLOCK_SIZE, BLOCK_BYTES[method], dtype=torch.uint8)
+        self.register_buffer("staged", staged, persistent=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
+        """Rows start, start + 1, ... of the weight (a fused layer's q, k and v arrive one after another)."""
+        blocks = as_blocks(self.method, weight)
+        if blocks.shape[1:] != self.staged.shape[1:] or start + blocks.shape[0] > self.out_features:
+            raise ValueError(
+                f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
+                f"[{self.out_features}, {self.in_features}] layer"
+            )
+        self.staged.numpy()[start : start + blocks.shape[0]] = blocks.numpy()  # one thread (see pack_blocks)
+
+    def finish(self) -> BlockQuantizedLinear:
+        return LAYER_TYPES[self.method](StoredBlocks(self.method, self.staged), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights, loading"
+
+
+def pend_block_linears(module: nn.Module, method: str) -> int:
+    """Replaces every nn.Linear under module (on the meta device: shapes only) with a PendingBlockLinear of
+    `method`, in place; returns how many were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            bias = child.bias is not None
+            setattr(module, name, PendingBlockLinear(method, child.in_features, child.out_features, bias))
+            count += 1
+        else:
+            count += pend_block_linears(child, method)
+    return count
+
+
+def finish_block_linears(module: nn.Module) -> None:
+    """Replaces every PendingBlockLinear under module with the block layer its loaded rows make."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, PendingBlockLinear):
+            setattr(module, name, child.finish())
+        else:
+            finish_block_linears(child)

@@ -10,13 +10,15 @@ import fcntl
 import functools
 import hashlib
 import logging
-import os
 import platform
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from lmserve.config import cache_directory
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,10 @@ SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
 # vector versions; the kernels never compute with infinities (a softmax's running max starts at the lowest float).
 BUILD_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+LIBRARY = "lmserve_cpu_kernels"
+BUILD_STAMP = f"{LIBRARY}.stamp"  # build_key() of the library beside it
 
 
 @functools.cache
@@ -47,9 +52,7 @@ def cpu_signature() -> str:
 def build_directory() -> Path:
     """One folder per torch version and CPU, under lmserve's cache, so that a kernel built against another torch or
     for another CPU (a shared home directory) is never loaded."""
-    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    cache = Path(os.environ.get("LMSERVE_CACHE") or xdg / "lmserve")
-    path = cache / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_signature()}"
+    path = cache_directory() / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_signature()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -74,25 +77,47 @@ def _only_builder(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def build_key() -> str:
+    """What the built library is made of: the sources' text, the flags, torch (its version and its files' real place)
+    and Python. Written beside the library once it loaded (BUILD_STAMP). The real place, so that one virtualenv
+    reached through two paths (a symlink) shares one build instead of rebuilding whenever the other path starts."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
+    torch_files = str(Path(torch.__file__).resolve().parent)
+    digest.update(" ".join([*BUILD_FLAGS, "|", *LINK_FLAGS, torch.__version__, torch_files, sys.version]).encode())
+    return digest.hexdigest()
+
+
 @functools.cache
 def cpu_kernels():
     """The `torch.ops.lmserve` namespace with every CPU kernel (SOURCES), building them if needed; raises
-    RuntimeError when they cannot be built."""
-    from torch.utils import cpp_extension
+    RuntimeError when they cannot be built.
 
+    A library whose stamp says it was built from exactly these sources and flags is loaded as it is; anything else
+    goes through torch's extension builder (which rebuilds what changed). That builder costs ~0.2 s of start-up even
+    when nothing changed (it imports setuptools and runs ninja)."""
     started = time.perf_counter()
     directory = build_directory()
+    library, stamp, key = directory / f"{LIBRARY}.so", directory / BUILD_STAMP, build_key()
     try:
         with _only_builder(directory):
-            cpp_extension.load(
-                name="lmserve_cpu_kernels",
-                sources=[str(SOURCE_DIR / name) for name in SOURCES],
-                extra_cflags=BUILD_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+            if library.is_file() and stamp.is_file() and stamp.read_text() == key:
+                torch.ops.load_library(str(library))
+            else:
+                from torch.utils import cpp_extension
+
+                stamp.unlink(missing_ok=True)
+                cpp_extension.load(
+                    name=LIBRARY,
+                    sources=[str(SOURCE_DIR / name) for name in SOURCES],
+                    extra_cflags=BUILD_FLAGS,
+                    extra_ldflags=LINK_FLAGS,
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
+                stamp.write_text(key)
     except Exception as exc:  # a missing compiler or ninja shows up as one of several exception types
         raise RuntimeError(f"could not build lmserve's CPU kernels: {exc}") from exc
     logger.debug("CPU kernels ready in %.1fs", time.perf_counter() - started)

@@ -15,16 +15,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
-from lmserve.worker.quantization import LAYER_TYPES, OUTPUT_LAYER_METHOD, quantize_linears
+from lmserve.worker.quantization import (
+    BLOCK_SIZE,
+    LAYER_TYPES,
+    OUTPUT_LAYER_METHOD,
+    PendingBlockLinear,
+    StoredBlocks,
+    finish_block_linears,
+    pend_block_linears,
+    quantize_linears,
+)
+
+if TYPE_CHECKING:
+    # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
@@ -83,14 +94,20 @@ def _rope_tables(config: PretrainedConfig, head_dim: int, max_position: int) -> 
     params = rope_parameters(config)
     rope_type = params.get("rope_type", "default")
     cpu = torch.device("cpu")
-    if rope_type == "default":
+    if rope_type in ("default", "linear"):
+        # transformers' default and linear rope (the two a GGUF header can name), without importing transformers.
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
+        if rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
         scaling = 1.0
-    elif rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
     else:
-        raise ValueError(f"unsupported rope type {rope_type!r}")
+        # Other rope types come from an HF directory's config (a transformers config): transformers' functions.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unsupported rope type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
     rope_freqs = getattr(config, "rope_freqs", None)
     if rope_freqs is not None:
         # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
@@ -335,6 +352,17 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = LAYER_TYPES[OUTPUT_LAYER_METHOD.get(method, method)](head, None)
 
+    def pend_block_layers(self, method: str) -> None:
+        """What quantize(method) makes of a loaded model, decided before loading (on the meta device): every linear
+        layer, and on the last stage the output layer (in OUTPUT_LAYER_METHOD's format; a tied embedding's rows feed
+        it too), becomes a PendingBlockLinear, which load_weights fills from the checkpoint and turns into the block
+        layer. A file's blocks in the layer's format go straight into it: no float32 copy of those weights is made."""
+        pend_block_linears(self.layers, method)
+        if self.parallel.layout.is_last_stage:
+            rows = -(-self.vocab_size // self.parallel.tp_size)
+            method = OUTPUT_LAYER_METHOD.get(method, method)
+            self.lm_head = PendingBlockLinear(method, self.config.hidden_size, rows, bias=False)
+
     # Hugging Face names → our fused parameters: (our name, shard index in the fused tensor)
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
@@ -361,8 +389,12 @@ class LlamaForCausalLM(nn.Module):
             return self.norm is None
         return False
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | StoredBlocks]]) -> None:
+        """Float tensors, or (from a GGUF file, worker/loader.py) StoredBlocks: a PendingBlockLinear takes those as
+        they are, a float parameter gets them dequantized. Finishes the pending block layers."""
         params = dict(self.named_parameters())
+        pending = {f"{name}.weight": module for name, module in self.named_modules()
+                   if isinstance(module, PendingBlockLinear)}
         loaded: set[str] = set()
         tp, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         for hf_name, tensor in weights:
@@ -374,28 +406,61 @@ class LlamaForCausalLM(nn.Module):
             if fused is not None:
                 parts[-2] = fused[0]
                 target = ".".join(parts)
-                self._load_shard(params[target], fused[0], fused[1], tensor.chunk(tp, dim=0)[tp_rank])
+                shard = _rows(tensor, lambda t: t.chunk(tp, dim=0)[tp_rank])
+                offset, size = self._shard_rows(fused[0], fused[1])
+                if shard.shape[0] != size:
+                    raise ValueError(f"{hf_name!r} has {shard.shape[0]} rows for this rank, expected {size}")
+                if target in pending:
+                    pending[target].load_rows(offset, shard)
+                else:
+                    params[target].data[offset : offset + size].copy_(_floats(shard))
             else:
                 target = name
-                if target not in params:
+                if target not in params and target not in pending:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 if name in self._VOCAB_PARALLEL:
-                    tensor = vocab_rows(tensor, self.parallel)
+                    tensor = _rows(tensor, lambda t: vocab_rows(t, self.parallel))
                 elif len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight":
-                    tensor = tensor.chunk(tp, dim=1)[tp_rank]
-                params[target].data.copy_(tensor)
+                    tensor = _column_shard(tensor, tp, tp_rank)
+                if target in pending:
+                    pending[target].load_rows(0, tensor)
+                else:
+                    params[target].data.copy_(_floats(tensor))
+                if name == "embed_tokens.weight" and self.tie_word_embeddings and "lm_head.weight" in pending:
+                    pending["lm_head.weight"].load_rows(0, tensor)  # the tied output layer's own blocks
+                    loaded.add("lm_head.weight")
             loaded.add(target)
-        missing = set(params) - loaded
+        missing = (set(params) | set(pending)) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        finish_block_linears(self)
 
-    def _load_shard(self, param: torch.Tensor, fused_name: str, shard: int, tensor: torch.Tensor) -> None:
-        """`tensor` is this tensor rank's rows of q, k, v, gate or up; they go to their place in the fused matrix."""
+    def _shard_rows(self, fused_name: str, shard: int) -> tuple[int, int]:
+        """Where this tensor rank's rows of q, k, v, gate or up go in the fused matrix: (first row, rows)."""
         layer = self.layers[self.stage_layers.start]
         if fused_name == "qkv_proj":
             attn = layer.self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
             sizes = [layer.mlp.intermediate] * 2
-        offset = sum(sizes[:shard])
-        param.data[offset : offset + sizes[shard]].copy_(tensor)
+        return sum(sizes[:shard]), sizes[shard]
+
+
+def _rows(tensor: torch.Tensor | StoredBlocks, select) -> torch.Tensor | StoredBlocks:
+    """`select` (a function of a tensor's rows) applied to a float tensor or to a file's blocks, row for row."""
+    return tensor.with_data(select(tensor.data)) if isinstance(tensor, StoredBlocks) else select(tensor)
+
+
+def _column_shard(tensor: torch.Tensor | StoredBlocks, tp: int, tp_rank: int) -> torch.Tensor | StoredBlocks:
+    """This tensor rank's input columns of a row-parallel weight. Blocks split at block boundaries when each rank's
+    share is whole blocks (always, for a layer that can be a block layer at all); otherwise in float."""
+    if isinstance(tensor, StoredBlocks):
+        columns = tensor.shape[1]
+        if columns % (tp * BLOCK_SIZE) == 0:
+            return tensor.with_data(tensor.data.chunk(tp, dim=1)[tp_rank])
+        tensor = tensor.dequantize()
+    return tensor.chunk(tp, dim=1)[tp_rank]
+
+
+def _floats(tensor: torch.Tensor | StoredBlocks) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, StoredBlocks) else tensor

@@ -1,0 +1,88 @@
+"""A GGUF's tokenizer is converted by transformers once (seconds: its GGUF reader imports torch) and kept under
+lmserve's cache; later loads read the cached files and give the same tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import transformers
+
+from lmserve.models import ModelSource, load_tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnew lines\r\n",
+    "Ünïcödé — 日本語のテキスト 🙂 emoji",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "def f(x):\n    return x ** 2  # code",
+    "",
+]
+
+
+def assert_same_tokenizer(got, expected) -> None:
+    assert type(got) is type(expected)
+    assert got.backend_tokenizer.to_str() == expected.backend_tokenizer.to_str()  # vocabulary, merges, pre/post
+    assert len(got) == len(expected) and got.get_vocab() == expected.get_vocab()
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "all_special_tokens", "all_special_ids",
+                 "chat_template", "model_max_length", "padding_side", "clean_up_tokenization_spaces"):
+        assert getattr(got, attr) == getattr(expected, attr), attr
+    assert {i: str(t) for i, t in got.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in expected.added_tokens_decoder.items()
+    }
+    for text in TEXTS:
+        for special in (True, False):
+            ids = expected.encode(text, add_special_tokens=special)
+            assert got.encode(text, add_special_tokens=special) == ids, text
+            assert got.decode(ids, skip_special_tokens=special) == expected.decode(ids, skip_special_tokens=special)
+            assert got.convert_ids_to_tokens(ids) == expected.convert_ids_to_tokens(ids)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        expected.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
+    default_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    converted = load_tokenizer(default_source)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+
+    calls = []
+    original = transformers.PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        calls.append(kwargs.get("gguf_file"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", classmethod(from_pretrained))
+    cached = load_tokenizer(default_source)
+    assert calls == [None]  # read from the cache's folder, not converted from the GGUF again
+    assert_same_tokenizer(cached, converted)
+
+    # A damaged entry is rebuilt, never fatal.
+    (entry / "tokenizer.json").write_text("{not json")
+    assert_same_tokenizer(load_tokenizer(default_source), converted)
+    assert calls[1:] == [None, default_source.path.name]
+    assert list((tmp_path / "tokenizers").iterdir()) == [entry] and (entry / "tokenizer.json").stat().st_size > 1000
+
+
+def test_a_changed_file_gets_its_own_entry(
+    default_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry is keyed by the file (path, size, modification time): a file replaced in place is converted anew."""
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "model.gguf"
+    os.symlink(default_source.path, copy)
+    load_tokenizer(ModelSource("gguf", copy, "copy"))
+    copy.unlink()
+    shutil.copyfile(default_source.path, copy)
+    later = time.time() + 10
+    os.utime(copy, (later, later))
+    load_tokenizer(ModelSource("gguf", copy, "copy"))
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
