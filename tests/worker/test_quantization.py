@@ -276,18 +276,20 @@ def test_switching_the_batched_path_drops_a_copy_of_the_other_kind() -> None:
     assert isinstance(layer.batched, Bfloat16WeightLinear)
 
 
-@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"), [
-    (False, False, BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)),
-    (True, False, BatchedPath("bf16", BLOCK_KERNEL_MAX_ROWS)),
-    (True, True, BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)),
+@pytest.mark.parametrize(("avx512_bf16", "amx", "bf16_rows"), [
+    (False, False, BLOCK_KERNEL_MAX_ROWS),
+    (True, False, BLOCK_KERNEL_MAX_ROWS),
+    (True, True, AMX_BLOCK_KERNEL_MAX_ROWS),
 ])
-def test_auto_batched_path_follows_the_cpu(monkeypatch, avx512_bf16: bool, amx: bool, expected: BatchedPath) -> None:
+def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
+    monkeypatch, avx512_bf16: bool, amx: bool, bf16_rows: int
+) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert batched_path("auto") == batched_path(None) == expected
-    assert batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)  # an explicit choice wins
-    # bf16 asked for on a CPU without native bfloat16 runs (slowly) but never goes below the usual row limit.
-    assert batched_path("bf16").weights == "bf16"
+    # auto keeps a request's tokens independent of its batch on every CPU.
+    assert batched_path("auto") == batched_path(None) == batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)
+    # bf16 goes below the usual row limit only where AMX tiles beat the block kernel there.
+    assert batched_path("bf16") == BatchedPath("bf16", bf16_rows)
     with pytest.raises(ValueError, match="unknown batched weights 'int4'"):
         batched_path("int4")
 

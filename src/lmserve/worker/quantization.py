@@ -59,16 +59,17 @@ class BatchedPath:
 
 
 def batched_path(setting: str | None = "auto") -> BatchedPath:
-    """auto: bf16 where the CPU multiplies bfloat16 natively (AVX-512 BF16; with AMX also from a few rows up, where
-    its tiles beat the block kernel), fp16 elsewhere. bf16 on a CPU without AVX-512 BF16 runs, slowly (tests)."""
+    """auto and fp16: the float16 copy above BLOCK_KERNEL_MAX_ROWS rows, whose float32 activations keep a request's
+    tokens the same whatever batch it runs in (to float32 rounding; the engine tests hold it to that). bf16: the
+    bfloat16 copy, 2-10x faster for prefill where the CPU has AVX-512 BF16 or AMX (with AMX from a few rows up, where
+    its tiles beat the block kernel), but its rounding makes greedy tokens depend on the batch a request ran in, so it
+    is asked for, not chosen (docs/benchmarks.md). bf16 on a CPU without AVX-512 BF16 runs, slowly."""
     setting = setting or "auto"
     if setting not in BATCHED_WEIGHTS:
         raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
-    native_bf16 = torch.cpu._is_avx512_bf16_supported()
-    weights = ("bf16" if native_bf16 else "fp16") if setting == "auto" else setting
-    if weights == "bf16" and native_bf16 and torch.cpu._is_amx_tile_supported():
-        return BatchedPath(weights, AMX_BLOCK_KERNEL_MAX_ROWS)
-    return BatchedPath(weights, BLOCK_KERNEL_MAX_ROWS)
+    if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported():
+        return BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)
+    return BatchedPath("fp16" if setting == "auto" else setting, BLOCK_KERNEL_MAX_ROWS)
 
 
 def check_quantization(
