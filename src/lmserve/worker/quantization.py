@@ -15,7 +15,8 @@ the activations. Where a GGUF file stores its linear layers in one of them, `aut
 take the file's own blocks, rearranged into the kernels' panels byte for byte (StoredBlocks, PendingBlockLinear; no
 float copy on the way): the model computes with exactly the weights it shipped with, in fewer bytes per decode step. Up to BLOCK_KERNEL_MAX_ROWS rows (decodes, and the prefill chunks that run beside them)
 the kernels beat fbgemm's float16 GEMM; larger batches, bound by arithmetic, go through a float16 copy of the same
-weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benchmarks.md).
+weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benchmarks.md), or with
+`--batched-weights bf16` a bfloat16 copy through oneDNN (AMX, AVX-512 BF16), faster still but batch-dependent.
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× their median), and int8 weight-only
