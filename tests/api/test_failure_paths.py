@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import Server, alive, start_server, wait_for
+from server_process import LMSERVE, Server, alive, start_server, wait_for
 
 LONG = {"prompt": "Count: 1, 2,", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
 
@@ -113,3 +115,20 @@ def test_max_queued_requests_answers_429_with_retry_after(tmp_path: Path, tiny_l
         assert answer.status_code == 200, answer.text
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_busy_port_fails_before_the_engine_starts(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The port is bound before the engine starts: its ranks open ephemeral ports of their own (gloo, zmq) and once
+    took the one the server was about to listen on (CI: "address already in use" after the model had loaded)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        completed = subprocess.run(
+            [str(LMSERVE), "serve", "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port)],
+            check=False, capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in completed.stderr
+    assert "in use" in completed.stderr
+    assert "loaded" not in completed.stderr  # no model was loaded for a server that could not listen
+

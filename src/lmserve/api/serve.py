@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 
 from lmserve.api.tool_parsers import ToolConfig
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineConfig
@@ -20,6 +21,31 @@ class ShutdownRequested(Exception):
     """SIGINT or SIGTERM arrived: stop serving and shut the engine down."""
 
 
+class PortUnavailable(Exception):
+    """The address to serve on cannot be bound (in use, not ours, not resolvable)."""
+
+
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """Binds HOST:PORT before the engine starts.
+
+    The engine's ranks open ephemeral ports of their own (gloo, zmq): binding after them could find the port taken,
+    and a busy port is better reported before a model loads than after.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise PortUnavailable(f"cannot serve on {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailable(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 async def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -33,7 +59,12 @@ async def serve(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tools: ToolConfig | None = None,
 ) -> int:
-    """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
+    """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies or the address cannot be bound (exit code 1)."""
+    try:
+        listening = bind_listening_socket(host, port)
+    except PortUnavailable as exc:
+        logger.error("%s", exc)
+        return 1
     llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper(),
                    max_queued_requests=max_queued_requests)
     if api_cpus:
@@ -63,12 +94,13 @@ async def serve(
 
     llm.on_engine_dead = on_engine_dead
     try:
-        await server.serve()
+        await server.serve(sockets=[listening])
     except ShutdownRequested:
         pass
     finally:
         await llm.shutdown()
         app.state.recorder.close()
+        listening.close()
     if exit_code:
         logger.error("exiting because the engine died: %s", llm.dead_reason)
     return exit_code
