@@ -15,6 +15,7 @@ from lmserve.worker.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    argmax_rows,
 )
 
 CPU = torch.device("cpu")
@@ -603,3 +604,17 @@ def test_top_p_on_logits_with_nan_stays_inside_the_vocabulary() -> None:
     logits[2] = float("nan")
     out = sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(4)])
     assert ((out >= 0) & (out < V)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (12, 500), generator=gen).to(dtype)  # many ties: the first index must win
+    x[1, 7] = x[1, 300] = float("nan")  # NaN is the maximum, the first one wins
+    x[2] = float("-inf")  # a row with no finite value
+    x[3, 5] = float("inf")
+    x[4, :] = 0.0
+    x[4, 499] = float("inf")
+    for rows in (x, x[:, ::3], x[:0]):  # strided, and no rows
+        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+    assert argmax_rows(x).dtype == torch.int64

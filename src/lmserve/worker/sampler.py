@@ -418,6 +418,14 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
     return logits.scatter_(1, order, sorted_logits)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the first index of each row's maximum (NaN counts as the maximum, as in torch). On the CPU
+    through NumPy: torch's CPU argmax over a 49,152-token row took ~100 us (1 ms for 16 rows), NumPy's ~6 us."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Inverse CDF: one uniform u per row picks the first token whose cumulative probability exceeds u * total.
 
@@ -456,14 +464,14 @@ class Sampler(torch.nn.Module):
             raw_logprobs = logits[rows].to(torch.float32).log_softmax(dim=-1)
 
         if md.all_greedy and not md.any_masks and not md.any_penalties:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax_rows(logits)
         else:
             # A private float32 copy: the stages work in place.
             x = logits.to(torch.float32, copy=True)
             x = apply_masks(x, md)
             x = apply_grammar(x, md)  # before temperature: greedy, seeded and top-p draws all stay inside it
             x = apply_penalties(x, md)
-            greedy_ids = None if md.all_random else x.argmax(dim=-1)
+            greedy_ids = None if md.all_random else argmax_rows(x)
             if md.all_greedy:
                 assert greedy_ids is not None
                 token_ids = greedy_ids
@@ -477,7 +485,9 @@ class Sampler(torch.nn.Module):
                 # A row whose masks leave no token (allowed_token_ids disjoint from a grammar, say) has no
                 # distribution to draw from: give it the model's own choice rather than an id past the vocabulary,
                 # which the next step's embedding lookup could not take. Its grammar then ends the request.
-                token_ids = torch.where(token_ids < logits.shape[-1], token_ids, logits.argmax(dim=-1))
+                no_token = token_ids >= logits.shape[-1]
+                if bool(no_token.any()):
+                    token_ids = torch.where(no_token, argmax_rows(logits), token_ids)
 
         logprobs: list[Logprobs | None] = [None] * md.num_reqs
         if raw_logprobs is not None:
