@@ -119,9 +119,16 @@ def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[S
                                            "--max-model-len", "2048", "--log-level", "WARNING", *extra],
                                     settings=" ".join([defaults, *extra])))
         elif name.startswith("llama-"):
-            gguf = bf16_gguf() if name == "llama-bf16" else packaged_gguf()
+            weights = name.removeprefix("llama-").removesuffix("-norepack")
+            if weights not in ("bf16", "q4_1"):
+                raise SystemExit(f"unknown server {name!r}")
+            gguf = bf16_gguf() if weights == "bf16" else packaged_gguf()
             # 16 slots x 2,048 tokens: room for W1's 384 tokens per request and W3's 1,500-token prompt.
             args = ["-t", "2", "--parallel", "16", "--cont-batching", "-c", str(16 * 2048)]
+            if name.endswith("-norepack"):
+                # llama.cpp's CPU repack of q4_1 segfaults at start-up on some CPUs (an AVX-512 + AMX Xeon,
+                # llama.cpp of llama-cpp-python 0.3.36): the same weights without it.
+                args.append("--no-repack")
             specs.append(ServerSpec(name, [str(LLAMA_BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
                                            "--port", str(port), "--alias", MODEL_NAME, *args],
                                     settings=f"{gguf.name} " + " ".join(args)))
