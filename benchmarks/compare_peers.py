@@ -97,6 +97,14 @@ def packaged_gguf() -> Path:
     return resolve_model(MODEL_NAME).path
 
 
+def hf_dir() -> Path:
+    """The default model as a bfloat16 Hugging Face directory for vLLM (export_hf.py), written on first use."""
+    if not (HF_DIR / "config.json").exists():
+        subprocess.run([sys.executable, str(Path(__file__).parent / "export_hf.py"), str(HF_DIR), "--dtype",
+                        "bfloat16"], check=True)
+    return HF_DIR
+
+
 def bf16_gguf() -> Path:
     out = PEERS_DIR / "smollm2-135m-instruct.BF16.gguf"
     if not out.exists():
@@ -134,8 +142,11 @@ def server_specs(port: int, names: list[str], lmserve_args: list[str]) -> list[S
                                     settings=f"{gguf.name} " + " ".join(args)))
         elif name == "vllm":
             args = ["--dtype", "bfloat16", "--max-model-len", "2048", "--served-model-name", MODEL_NAME]
-            env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
-            specs.append(ServerSpec(name, [str(VLLM_PY), "-c", VLLM_MAIN, "serve", str(HF_DIR), "--host",
+            # VLLM_TARGET_DEVICE: vllm-cpu's platform check looks for "cpu" in the version of a package named vllm;
+            # VLLM_MAIN answers that name with vllm-cpu's plain version ("0.32.0"), so the check needs the override
+            # (without it: "Failed to infer device type").
+            env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_TARGET_DEVICE": "cpu"}
+            specs.append(ServerSpec(name, [str(VLLM_PY), "-c", VLLM_MAIN, "serve", str(hf_dir()), "--host",
                                            "127.0.0.1", "--port", str(port), *args], env=env,
                                     settings="bf16 HF dir " + " ".join(args) + " " +
                                     " ".join(f"{k}={v}" for k, v in env.items()), start_timeout=600))

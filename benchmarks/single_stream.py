@@ -5,7 +5,9 @@ One `lmserve serve` (defaults; --serve-args adds flags) and one offline `LLM` of
 side; only one of them runs at a time. For each round and each setting, the offline engine decodes `--requests`
 requests of a 128-token prompt one after another, then `lmserve bench` sends the server as many (random 128-token
 prompts, one at a time). Both report 1/TPOT: tokens after the first over the time after the first. The table gives
-medians over the rounds and the two ratios.
+medians over the rounds and the two ratios, and the offline engine's sampler time per step (the model runner's
+`_sample`, timed around the call): what a setting adds to a step, which this VM's drift of whole rates (±15% between
+minutes) cannot hide.
 
     .venv/bin/python benchmarks/single_stream.py [--rounds 2] [--output-len 256] [--settings greedy,top_p]
 """
@@ -75,16 +77,30 @@ def main() -> None:
     offline: dict[str, list[float]] = {s: [] for s in settings}
     served: dict[str, list[float]] = {s: [] for s in settings}
     llm = LLM(max_model_len=1024)
+    sampler_s: dict[str, list[float]] = {s: [] for s in settings}
+    current = [settings[0]]
+    runner = llm.engine.executor.worker.runner
+    sample = runner._sample
+
+    def timed_sample(*args, **kwargs):
+        started = time.perf_counter()
+        out = sample(*args, **kwargs)
+        sampler_s[current[0]].append(time.perf_counter() - started)
+        return out
+
+    runner._sample = timed_sample
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         port = free_port()
         server = serve(REPO / "src", port, tmp / "server.log", args.serve_args.split())
         try:
             offline_rate(llm, {}, 16, 1)  # warm-up of both
+            sampler_s[settings[0]].clear()
             bench(port, "W4", tmp / "warmup.json", ["--num-prompts", "1", "--random-output-len", "16"])
             for round_index in range(args.rounds):
                 for setting in settings:
                     params, flags = SETTINGS[setting]
+                    current[0] = setting
                     offline[setting].append(offline_rate(llm, params, args.output_len, args.requests))
                     result = bench(port, "W4", tmp / f"{round_index}-{setting}.json", [*flags, *workload])
                     served[setting].append(1000.0 / result["median_tpot_ms"])
@@ -97,13 +113,14 @@ def main() -> None:
     print(f"\n{platform.processor() or platform.machine()} ({flags}), torch {torch.__version__}, python "
           f"{platform.python_version()}; {args.rounds} rounds x {args.requests} requests of {PROMPT_LEN} + "
           f"{args.output_len} tokens; serve args {args.serve_args!r}; 1/TPOT tok/s, medians")
-    print("| setting | offline | served | served / offline | served / served greedy |")
-    print("|---|---|---|---|---|")
+    print("| setting | offline | served | served / offline | served / served greedy | sampler ms per step (offline) |")
+    print("|---|---|---|---|---|---|")
     greedy = statistics.median(served["greedy"]) if "greedy" in served else None
     for setting in settings:
         off, on = statistics.median(offline[setting]), statistics.median(served[setting])
         vs_greedy = f"{on / greedy:.2f}" if greedy else "-"
-        print(f"| {setting} | {off:.1f} | {on:.1f} | {on / off:.2f} | {vs_greedy} |")
+        sampler_ms = statistics.median(sampler_s[setting]) * 1e3
+        print(f"| {setting} | {off:.1f} | {on:.1f} | {on / off:.2f} | {vs_greedy} | {sampler_ms:.2f} |")
 
 
 if __name__ == "__main__":
