@@ -62,6 +62,7 @@ LMSERVE_VARIANTS = {
 LMSERVE_COLUMNS = {
     "lmserve-torch-ops": ["--attention-backend", "sdpa", "--fused-ops", "none"],
     "lmserve-fp16": ["--quantization", "fp16"],  # the default before q4_1 blocks
+    "lmserve-bf16": ["--batched-weights", "bf16"],  # bfloat16 copies for batches (AMX), opt-in
 }
 W2_RATES = (0.25, 0.5, 1.0, 2.0)  # requests/s, tried upwards
 W2_SLO = "ttft=2000,tpot=100"
