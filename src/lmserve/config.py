@@ -111,10 +111,12 @@ class ModelConfig:
         choices=("auto", "none", "fp16", "q8_0", "q4_1"), short="-q")
     batched_weights: str = setting(
         "auto", "with q4_1/q8_0 blocks, the copy of the weights that batches too large for the block kernel multiply "
-        "with: fp16 (fbgemm, float32 activations: a request's tokens do not depend on its batch) or bf16 (oneDNN, "
-        "activations rounded to bfloat16: 2-10x faster prefill with AMX or AVX-512 BF16, tokens may depend on the "
-        "batch); auto: fp16",
-        choices=("auto", "bf16", "fp16"))
+        "with: fp16 (fbgemm, float32 activations: a request's tokens do not depend on its batch); prompt-bf16 (AMX "
+        "only: prompt tokens through lmserve's AMX kernel on bfloat16 weights, 2-10x faster prefill, generated "
+        "tokens through the block kernel; tokens still do not depend on the batch); bf16 (oneDNN, activations "
+        "rounded to bfloat16 above a few rows: tokens may depend on the batch); auto: prompt-bf16 where the CPU has "
+        "AMX, else fp16",
+        choices=("auto", "bf16", "fp16", "prompt-bf16"))
     attention_backend: str = setting(
         "auto", "paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs",
         choices=("auto", "sdpa", "paged-cpu"))

@@ -40,10 +40,12 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.quantization import (
+    AmxBfloat16Linear,
     BatchedPath,
     Float16WeightLinear,
     Q4_1Linear,
     Q8_0Linear,
+    amx_kernel_loads,
     use_batched_path,
 )
 
@@ -110,6 +112,7 @@ class Parity:
         quantization: str = "none",
         kernels: str = "cpp",
         reference: Path | str | None = None,
+        batched_weights: str = "fp16",  # float32 activations everywhere; prompt-bf16 has a test of its own
     ) -> None:
         attention_backend, fused_ops = KERNELS[kernels]
         self.name = f"{Path(str(path)).name} ({kernels})"
@@ -117,6 +120,7 @@ class Parity:
             ModelConfig(
                 model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
                 quantization=quantization, attention_backend=attention_backend, fused_ops=fused_ops,
+                batched_weights=batched_weights,
             ),
             # float32 K/V: these checks hold the model code to float32 rounding (auto would round K/V to float16).
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype="float32"),
@@ -340,3 +344,41 @@ def test_default_model_q4_1_with_bf16_batches_stays_within_bfloat16_rounding_of_
         assert (logits - expected[positions]).abs().max().item() < 1.5
     print(f"\n{DEFAULT_MODEL} q4_1, bf16 batches: max abs logit error {error:.3g}, same top token {same_top:.0%}, "
           f"KL {kl:.2g}")
+
+
+@pytest.mark.skipif(not amx_kernel_loads(), reason="needs a CPU with AMX (amx_tile, amx_bf16, avx512_bf16)")
+def test_default_model_prompt_rows_on_amx_stay_within_bfloat16_rounding_and_do_not_depend_on_the_batch() -> None:
+    """prompt-bf16 (auto on AMX): prompt rows through the bfloat16 AMX copy, generated rows through the block kernel.
+    The prompt's logits move by bfloat16's rounding; the same prompt row gives bit-identical logits in one chunk or
+    in two, alone or beside another request, which is what keeps a request's greedy tokens independent of its batch."""
+    parity = Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=32, atol=DEFAULT_ATOL, quantization="q4_1",
+                    batched_weights="prompt-bf16")
+    qkv = parity.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.prompt_copies and not parity.runner.model.lm_head.prompt_copies
+    seq = parity.sequence(48, 0)
+    expected = parity.reference_logits(seq)
+    positions, logits = parity.run([scheduled("a", seq, 0, 40, [7, 2, 12])])["a"]
+    assert isinstance(qkv.prompt_copy, AmxBfloat16Linear)  # built by the first prompt rows
+    error = (logits - expected[positions]).abs().max().item()
+    assert 1e-3 < error < 1.5, error  # above the kernel path's 1.3e-4: the bfloat16 copy really ran
+    same_top = (logits.argmax(-1) == expected[positions].argmax(-1)).float().mean().item()
+    assert same_top >= 0.9, same_top
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), expected[positions].log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    assert kl < 0.01, kl
+
+    # The same prompt in two chunks, the second beside another request's prompt and a decode: bit for bit.
+    other = parity.sequence(30, 1)
+    parity.run([scheduled("b", seq, 0, 19, [3, 4, 5])])
+    decode = replace(scheduled("d", other, 29, 30, [9, 10]), prompt_token_ids=other[:20])  # a generated token
+    parity.run([scheduled("d", other, 0, 29, [9, 10])])
+    split = parity.run([scheduled("b", seq, 19, 40, [3, 4, 5]), scheduled("c", other, 0, 25, [13, 14]), decode])
+    assert torch.equal(split["b"][1], logits[19:]), (split["b"][1] - logits[19:]).abs().max().item()
+
+    # Generated rows (decodes) take the block kernel, reading the K/V the bfloat16 prompt rows wrote.
+    for i in range(40, 48):
+        step = replace(scheduled("a", seq, i, i + 1, [7, 2, 12]), prompt_token_ids=seq[:40])
+        positions, logits = parity.run([step])["a"]
+        assert (logits - expected[positions]).abs().max().item() < 1.5
+    print(f"\n{DEFAULT_MODEL} q4_1, prompt rows on AMX: max abs logit error {error:.3g}, same top token "
+          f"{same_top:.0%}, KL {kl:.2g}")

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from lmserve.models import DEFAULT_MODEL, resolve_model, stored_linear_format
-from lmserve.worker import kernels
+from lmserve.worker import kernels, quantization
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.loader import load_weights
+from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
     AMX_BLOCK_KERNEL_MAX_ROWS,
     BLOCK_KERNEL_MAX_ROWS,
+    AmxBfloat16Linear,
     BatchedPath,
     Bfloat16WeightLinear,
     Float16WeightLinear,
@@ -27,6 +30,7 @@ from lmserve.worker.quantization import (
     pack_q8_0,
     quantize_linears,
     use_batched_path,
+    use_prompt_copies,
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -286,12 +290,108 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
 ) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    # auto keeps a request's tokens independent of its batch on every CPU.
+    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
+    # Without lmserve's AMX kernel, auto keeps float32 activations (a request's tokens independent of its batch).
     assert batched_path("auto") == batched_path(None) == batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)
     # bf16 goes below the usual row limit only where AMX tiles beat the block kernel there.
     assert batched_path("bf16") == BatchedPath("bf16", bf16_rows)
     with pytest.raises(ValueError, match="unknown batched weights 'int4'"):
         batched_path("int4")
+    with pytest.raises(ValueError, match="prompt-bf16 needs a CPU with AMX"):
+        batched_path("prompt-bf16")
+
+
+def test_auto_sends_prompt_rows_to_the_amx_kernel_where_it_runs(monkeypatch) -> None:
+    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: True)
+    expected = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
+    assert batched_path("auto") == batched_path("prompt-bf16") == expected
+    assert batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)  # still there when asked for
+
+
+def test_prompt_rows_are_slices_where_contiguous_and_indices_elsewhere() -> None:
+    rows = PromptRows.from_mask(np.array([False, False, True, True, True]))
+    assert (rows.num_rows, rows.generated, rows.prompt) == (5, slice(0, 2), slice(2, 5))
+    assert PromptRows.from_mask(np.array([True, True])) == PromptRows(2, slice(0, 2), None)
+    assert PromptRows.from_mask(np.array([False])) == PromptRows(1, None, slice(0, 1))
+    mixed = PromptRows.from_mask(np.array([False, True, False, True]))
+    assert mixed.generated.tolist() == [0, 2] and mixed.prompt.tolist() == [1, 3]
+
+
+needs_amx = pytest.mark.skipif(not quantization.amx_kernel_loads(), reason="needs a CPU with AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (96, 1536), (3072, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_layer_multiplies_bfloat16_rounded_inputs_and_weights_in_float32(
+    out_features: int, in_features: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    layer = AmxBfloat16Linear(weight, bias)
+    x = torch.randn(77, in_features, generator=gen)  # not a whole number of 32-row passes
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (77, out_features)
+    expected = x.bfloat16().double() @ weight.bfloat16().double().T + (0 if bias is None else bias.double())
+    # Exact products of the bfloat16 values summed in float32, not rounded to bfloat16 on the way out.
+    torch.testing.assert_close(got.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    unrounded = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert (got.double() - unrounded).abs().max() > 1e-3  # the inputs really were rounded to bfloat16
+    assert layer(x[:0]).shape == (0, out_features)
+
+
+@needs_amx
+def test_amx_layer_gives_a_row_the_same_bits_whatever_rows_share_its_call() -> None:
+    gen = torch.Generator().manual_seed(7)
+    layer = AmxBfloat16Linear(torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen))
+    x = torch.randn(300, 576, generator=gen)
+    whole = layer(x)
+    for start, count in [(0, 1), (5, 3), (17, 40), (100, 200), (299, 1)]:
+        assert torch.equal(layer(x[start : start + count]), whole[start : start + count])
+    shuffled = torch.randperm(300, generator=gen)
+    assert torch.equal(layer(x[shuffled]), whole[shuffled])
+
+
+@needs_amx
+def test_amx_layer_refuses_shapes_and_inputs_it_cannot_tile() -> None:
+    assert not AmxBfloat16Linear.fits(40, 64) and not AmxBfloat16Linear.fits(64, 48)
+    op = cpu_kernels().amx_linear
+    packed = cpu_kernels().amx_pack_weight(torch.randn(64, 96))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(2, 80), packed, 64, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(2, 96).double(), packed, 64, None)
+    with pytest.raises(RuntimeError, match="amx_pack_weight"):
+        op(torch.randn(2, 96), torch.randn(64, 96).bfloat16()[:32], 64, None)
+
+
+@needs_amx
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_block_layer_with_prompt_copies_sends_prompt_rows_to_amx_and_generated_rows_to_the_kernel(
+    method: str,
+) -> None:
+    gen = torch.Generator().manual_seed(8)
+    weight = random_blocks(method, 64, 96, seed=8)
+    bias = torch.randn(64, generator=gen)
+    layer = BLOCK_LAYERS[method](weight, bias, BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True))
+    assert use_prompt_copies(nn.Sequential(layer)) == 1
+    op = getattr(cpu_kernels(), f"{method}_linear")
+    x = torch.randn(100, 96, generator=gen)
+    kernel = op(x, layer.blocks, 64, layer.bias)
+    # No prompt rows said, or none in the batch: the block kernel at every size (no float16 copy is made).
+    torch.testing.assert_close(layer(x), kernel, atol=0, rtol=0)
+    with prompt_rows(PromptRows.from_mask(np.zeros(100, dtype=bool))):
+        torch.testing.assert_close(layer(x), kernel, atol=0, rtol=0)
+    assert layer.batched is None and layer.prompt_copy is None
+    amx = AmxBfloat16Linear(layer.dequantized(), bias)(x)
+    for mask in (np.arange(100) >= 30, np.arange(100) % 3 == 0, np.ones(100, dtype=bool)):
+        with prompt_rows(PromptRows.from_mask(mask)):
+            got = layer(x)
+        torch.testing.assert_close(got[mask], amx[mask], atol=0, rtol=0)
+        torch.testing.assert_close(got[~mask], kernel[~mask], atol=0, rtol=0)
+    with prompt_rows(PromptRows.from_mask(np.ones(7, dtype=bool))):  # rows of another batch (the output layer's)
+        torch.testing.assert_close(layer(x[:5]), op(x[:5], layer.blocks, 64, layer.bias), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("setting", ["bf16", "fp16"])

@@ -117,9 +117,16 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    chunks: list[ScheduledChunk], block_size: int, backend: str, device: torch.device, dtype: torch.dtype
+    chunks: list[ScheduledChunk], block_size: int, backend: str, device: torch.device, dtype: torch.dtype,
+    every_chunk_paged: bool = False,
 ) -> AttentionMetadata:
-    """Metadata for a batch whose rows are `chunks` in order; decodes (num_tokens == 1) must come first."""
+    """Metadata for a batch whose rows are `chunks` in order; decodes (num_tokens == 1) must come first.
+
+    every_chunk_paged (paged-cpu): every chunk runs the paged kernel, which computes each query row alone, in the same
+    order, over the cache's K/V, so a row's attention is the same however its prompt was chunked. For prompt rows whose
+    activations are then rounded to bfloat16 (worker/quantization.py, prompt-bf16) that matters: SDPA's flash kernel
+    sums in an order that depends on the chunk's length, and one float32 rounding's difference flips a bfloat16
+    rounding now and then, enough to change a greedy token."""
     bs = block_size
     slots: list[np.ndarray] = []
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
@@ -133,7 +140,9 @@ def build_metadata(
             assert not prefills and num_decodes == len(paged), "decodes must come before prefill chunks"
             paged.append((row, c))
             num_decodes += 1
-        elif backend == "paged-cpu" and c.start_position > 0 and c.num_tokens <= PAGED_CHUNK_MAX_QUERIES:
+        elif backend == "paged-cpu" and (
+            every_chunk_paged or (c.start_position > 0 and c.num_tokens <= PAGED_CHUNK_MAX_QUERIES)
+        ):
             paged.append((row, c))
         else:
             nblocks = -(-(c.start_position + c.num_tokens) // bs)
@@ -213,8 +222,13 @@ class PagedAttention:
         for row, q_len, start, block_ids, mask in md.prefills:
             qs = q[row : row + q_len]
             if start == 0:
-                # A first chunk sees only itself: no gather from the cache needed.
-                keys, values = k[row : row + q_len].transpose(0, 1), v[row : row + q_len].transpose(0, 1)
+                # A first chunk sees only itself: no gather from the cache needed. Its K and V as the cache holds them
+                # (rounded to a float16 cache's precision), so that a prompt attends to the same values whether it
+                # runs in one chunk or in several, whose later ones read the cache.
+                keys, values = k[row : row + q_len], v[row : row + q_len]
+                if k_cache.dtype != keys.dtype:
+                    keys, values = keys.to(k_cache.dtype).to(keys.dtype), values.to(v_cache.dtype).to(values.dtype)
+                keys, values = keys.transpose(0, 1), values.transpose(0, 1)
                 causal = True
             else:
                 keys = _gather(k_cache, block_ids, start + q_len, q.dtype)

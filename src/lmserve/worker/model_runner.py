@@ -31,12 +31,14 @@ from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
+from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
     BLOCK_METHODS,
     batched_path,
     check_quantization,
     prepare_batched_copies,
     use_batched_path,
+    use_prompt_copies,
 )
 from lmserve.worker.sampler import Sampler, SamplingMetadata, reads_output_token_ids, token_logprobs
 
@@ -81,6 +83,7 @@ class BatchInputs:
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]  # the requests that sample, in logits order
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
+    prompt_rows: PromptRows | None = None
 
 
 @dataclass
@@ -127,21 +130,27 @@ class ModelRunner:
         model.load_weights(load_weights(source, self.dtype, blocks=BLOCK_METHODS if block_method else ()))
         if self.quantization != "none" and block_method is None:
             model.quantize(self.quantization)
+        self.prompt_copies = False
         if self.quantization in BLOCK_METHODS:
             self.batched_path = batched_path(model_config.batched_weights)
             use_batched_path(model, self.batched_path)
+            if self.batched_path.prompt_copies:
+                self.prompt_copies = use_prompt_copies(model.layers) > 0
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
         self.model = model.eval()
         if self.quantization in BLOCK_METHODS:
-            threading.Thread(target=prepare_batched_copies, args=(model.layers,), name="batched-copies",
-                             daemon=True).start()
+            # Not a daemon: killed at exit while inside torch, a daemon thread aborts the process ("terminate called
+            # without an active exception"); exit waits for the copies instead (~2 s at most).
+            threading.Thread(target=prepare_batched_copies, args=(model.layers,), name="batched-copies").start()
         self.vocab_size = self.hf_config.vocab_size
         batches = ""
         if self.quantization in BLOCK_METHODS:
             path = self.batched_path
             batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
+            if path.prompt_copies:
+                batches = ", prompt tokens on AMX tiles (bf16 weights)"
         logger.info(
             "loaded %s (%s, quantization %s%s, fused ops %s, %s) in %.1fs", source.name, self.dtype,
             self.quantization, batches, self.fused_ops, self.device, time.perf_counter() - started,
@@ -210,15 +219,18 @@ class ModelRunner:
                 logits_rows.append(row - 1)
                 sampling.append(r)
         positions = np.concatenate([np.arange(r.start_position, r.start_position + r.num_tokens) for r in order])
+        prompt_ends = np.repeat([len(r.prompt_token_ids) for r in order], [r.num_tokens for r in order])
         chunks = [ScheduledChunk(r.start_position, r.num_tokens, r.block_ids) for r in order]
         dev = self.device
         return BatchInputs(
             input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.as_tensor(positions, device=dev),
-            attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype),
+            attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype,
+                                every_chunk_paged=self.prompt_copies),
             logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
             sampling=sampling,
             prompt_scoring=prompt_scoring,
+            prompt_rows=PromptRows.from_mask(positions < prompt_ends),
         )
 
     @torch.inference_mode()
@@ -227,7 +239,8 @@ class ModelRunner:
         return self.model.compute_logits(self._hidden_states(batch)[batch.logits_indices])
 
     def _hidden_states(self, batch: BatchInputs) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        with prompt_rows(batch.prompt_rows):
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
     def _score_prompts(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[Logprobs]]:
         """Each scored prompt token's logprob in the raw model distribution (as vLLM), a slice of rows at a time so
@@ -251,7 +264,8 @@ class ModelRunner:
             shape = (batch.input_ids.shape[0], self.hf_config.hidden_size)
             hidden, residual = self.parallel.recv_from_previous_stage([shape, shape], self.dtype, self.device)
             intermediate = (hidden, residual)
-        out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
+        with prompt_rows(batch.prompt_rows):
+            out = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, intermediate)
         if not self.layout.is_last_stage:
             self.parallel.send_to_next_stage(list(out))
             return None

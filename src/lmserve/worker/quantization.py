@@ -17,6 +17,9 @@ float copy on the way): the model computes with exactly the weights it shipped w
 the kernels beat fbgemm's float16 GEMM; larger batches, bound by arithmetic, go through a float16 copy of the same
 weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benchmarks.md), or with
 `--batched-weights bf16` a bfloat16 copy through oneDNN (AMX, AVX-512 BF16), faster still but batch-dependent.
+Where the CPU has AMX, `auto` (`prompt-bf16`) sends the prompt tokens of the decoder layers through lmserve's own AMX
+kernel on a bfloat16 copy (kernels/amx_linear.cpp), 2-10x faster prefill, and keeps every generated token on the
+block kernel: each row's result depends only on the row (prompt or generated), never on the batch or the chunking.
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× their median), and int8 weight-only
@@ -36,12 +39,13 @@ from torch import nn
 
 from lmserve.models import dequantize_gguf_blocks
 from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load
+from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
-BATCHED_WEIGHTS = ("auto", "bf16", "fp16")
+BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16")
 BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
 # 32 and 64); above it the layer uses its fp16 copy, which fbgemm multiplies 5-14% faster (benchmarks/block_gemm.py).
@@ -53,24 +57,44 @@ AMX_BLOCK_KERNEL_MAX_ROWS = 8
 @dataclass(frozen=True)
 class BatchedPath:
     """How a block layer multiplies batches above `block_kernel_max_rows` rows: a copy of its weights in `weights`
-    (bf16: oneDNN's bfloat16 GEMM, activations rounded to bfloat16; fp16: fbgemm, activations kept in float32)."""
+    (bf16: oneDNN's bfloat16 GEMM, activations rounded to bfloat16; fp16: fbgemm, activations kept in float32).
+    prompt_copies: the decoder layers send prompt rows to a bfloat16 copy on the AMX kernel instead (use_prompt_copies)
+    and every generated row to the block kernel, at any batch size."""
 
     weights: str
     block_kernel_max_rows: int
+    prompt_copies: bool = False
 
 
 def batched_path(setting: str | None = "auto") -> BatchedPath:
-    """auto and fp16: the float16 copy above BLOCK_KERNEL_MAX_ROWS rows, whose float32 activations keep a request's
-    tokens the same whatever batch it runs in (to float32 rounding; the engine tests hold it to that). bf16: the
-    bfloat16 copy, 2-10x faster for prefill where the CPU has AVX-512 BF16 or AMX (with AMX from a few rows up, where
-    its tiles beat the block kernel), but its rounding makes greedy tokens depend on the batch a request ran in, so it
-    is asked for, not chosen (docs/benchmarks.md). bf16 on a CPU without AVX-512 BF16 runs, slowly."""
+    """fp16: the float16 copy above BLOCK_KERNEL_MAX_ROWS rows, whose float32 activations keep a request's tokens the
+    same whatever batch it runs in (to float32 rounding; the engine tests hold it to that). prompt-bf16 (auto where the
+    CPU has AMX): prompt rows through the AMX kernel, generated rows through the block kernel; as batch-independent
+    as fp16, 2-10x faster prefill. bf16: the bfloat16 copy through oneDNN above a few rows, fast, but oneDNN's rounding
+    and choice of kernel make greedy tokens depend on the batch a request ran in, so it is asked for, not chosen
+    (docs/benchmarks.md). bf16 on a CPU without AVX-512 BF16 runs, slowly."""
     setting = setting or "auto"
     if setting not in BATCHED_WEIGHTS:
         raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
+    if setting == "auto":
+        setting = "prompt-bf16" if amx_kernel_loads() else "fp16"
+    if setting == "prompt-bf16":
+        if not amx_kernel_loads():
+            raise ValueError("--batched-weights prompt-bf16 needs a CPU with AMX (amx_tile, amx_bf16, avx512_bf16)")
+        return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
     if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported():
         return BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)
-    return BatchedPath("fp16" if setting == "auto" else setting, BLOCK_KERNEL_MAX_ROWS)
+    return BatchedPath(setting, BLOCK_KERNEL_MAX_ROWS)
+
+
+def amx_kernel_loads() -> bool:
+    """Whether kernels/amx_linear.cpp runs here: built (the compiler saw AMX in -march=native) and the tile state
+    granted by the OS."""
+    try:
+        ops = cpu_kernels()
+    except RuntimeError:
+        return False
+    return hasattr(ops, "amx_linear") and bool(ops.amx_available())
 
 
 def check_quantization(
@@ -150,6 +174,29 @@ class Bfloat16WeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
+
+
+class AmxBfloat16Linear(nn.Module):
+    """y = bfloat16(x) @ W.T + b with W in bfloat16, products summed in float32 on AMX tiles and float32 out
+    (kernels/amx_linear.cpp): each row's result is the same whatever other rows share the call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        ops = cpu_kernels()
+        self.packed = ops.amx_pack_weight(weight.detach())
+        self.linear_op = ops.amx_linear
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return out_features % 32 == 0 and in_features % 32 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_op(x, self.packed, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights on AMX tiles"
 
 
 BATCHED_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": Bfloat16WeightLinear}
@@ -304,6 +351,9 @@ class BlockQuantizedLinear(nn.Module):
         # The copy for large batches (fbgemm's packed float16 one takes ~2 s for the default model's layers) is built
         # off the start-up path (prepare_batched_copies on a background thread), or by the first batch that needs it.
         self.batched: nn.Module | None = None
+        # The decoder layers' copy for prompt rows (use_prompt_copies), built the same way.
+        self.prompt_copies = False
+        self.prompt_copy: nn.Module | None = None
 
     def prepare_batched(self) -> nn.Module:
         batched = self.batched
@@ -317,6 +367,15 @@ class BlockQuantizedLinear(nn.Module):
                     batched = self.batched = layer_type(self.dequantized(), self.bias)
         return batched
 
+    def prepare_prompt_copy(self) -> nn.Module:
+        copy = self.prompt_copy
+        if copy is None:
+            with _BATCHED_COPIES_LOCK:
+                copy = self.prompt_copy
+                if copy is None:
+                    copy = self.prompt_copy = AmxBfloat16Linear(self.dequantized(), self.bias)
+        return copy
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weights these blocks hold."""
         out = torch.empty(self.out_features, self.in_features)
@@ -324,10 +383,25 @@ class BlockQuantizedLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prompt_copies:
+            rows = current_prompt_rows()
+            if rows is not None and rows.prompt is not None and x.dim() == 2 and x.shape[0] == rows.num_rows:
+                return self._split(x, rows)
+            # Generated rows, or a caller that did not say which rows are prompts: the block kernel at every size.
+            return self.linear_op(x, self.blocks, self.out_features, self.bias)
         if x.numel() <= self.batched_path.block_kernel_max_rows * self.in_features:
             return self.linear_op(x, self.blocks, self.out_features, self.bias)
         # The same path for a large batch whether or not the background thread got here first: same numbers.
         return self.prepare_batched()(x)
+
+    def _split(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:
+        prompt = self.prepare_prompt_copy()
+        if rows.generated is None:
+            return prompt(x)
+        y = x.new_empty(x.shape[0], self.out_features)
+        y[rows.generated] = self.linear_op(x[rows.generated], self.blocks, self.out_features, self.bias)
+        y[rows.prompt] = prompt(x[rows.prompt])
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights"
@@ -352,7 +426,22 @@ def prepare_batched_copies(module: nn.Module) -> None:
     its copy then)."""
     for child in module.modules():
         if isinstance(child, BlockQuantizedLinear):
-            child.prepare_batched()
+            if child.prompt_copies:
+                child.prepare_prompt_copy()
+            else:
+                child.prepare_batched()
+
+
+def use_prompt_copies(module: nn.Module) -> int:
+    """Makes every block layer under `module` (the decoder layers: their rows are the batch's tokens) send prompt rows
+    to a bfloat16 copy on the AMX kernel and generated rows to the block kernel (BatchedPath.prompt_copies); returns
+    how many layers take it (a layer whose shape the kernel cannot tile keeps its batched path)."""
+    count = 0
+    for child in module.modules():
+        if isinstance(child, BlockQuantizedLinear) and AmxBfloat16Linear.fits(child.out_features, child.in_features):
+            child.prompt_copies = True
+            count += 1
+    return count
 
 
 def use_batched_path(module: nn.Module, path: BatchedPath) -> None:
