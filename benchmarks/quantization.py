@@ -5,8 +5,9 @@ lmserve's kernels; q4_1 is the default model's own format, so `auto` picks it), 
 (per-channel int8 weights, activations quantized per call), which lmserve does not offer because of what this
 script measures; its layer is defined here so the measurement can be repeated. The block formats hand batches
 above BLOCK_KERNEL_MAX_ROWS rows (every scored window here) to a float16 copy of their weights (fbgemm, float32
-activations); "q4_1 bf16 batches" hands them to a bfloat16 copy instead (oneDNN, activations rounded to bfloat16, the
-default where the CPU has AVX-512 BF16), and "q4_1 kernel" scores with the block kernel at every batch size.
+activations); "q4_1 bf16 batches" hands them to a bfloat16 copy instead (oneDNN, activations rounded to bfloat16,
+`--batched-weights bf16`), "q4_1 kernel" scores with the block kernel at every batch size, and "q4_1
+prompt-bf16" (the default where the CPU has AMX) scores on the AMX kernel's bfloat16 copy.
 
 Accuracy (llama.cpp's `llama-perplexity --kl-divergence` measures the same things): the shipped prose
 (lmserve/bench/data/passages.txt) is scored in windows by both models through lmserve's own forward pass; reported are
@@ -17,6 +18,7 @@ Speed: the offline engine, 64 prompts of 256 random tokens with 128 output token
 (128-token prompt, 256 output tokens), for each setting in one run.
 
     .venv/bin/python benchmarks/quantization.py [--skip-speed] [--skip-accuracy] [--skip-engine]
+        [--settings q4_1 "q4_1 prompt-bf16"]   (accuracy of some settings only)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams as Params
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_runner import ModelRunner
+from lmserve.worker.prompt_rows import prompt_rows
 from lmserve.worker.quantization import (
     BLOCK_KERNEL_MAX_ROWS,
     LAYER_TYPES,
@@ -56,6 +59,8 @@ SETTINGS = {
     "q4_1": {"quantization": "q4_1", "batched": BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)},
     "q4_1 bf16 batches": {"quantization": "q4_1", "batched": BatchedPath("bf16", BLOCK_KERNEL_MAX_ROWS)},
     "q4_1 kernel": {"quantization": "q4_1", "batched": BatchedPath("fp16", 1 << 30)},
+    # The default where the CPU has AMX: prompt rows on the AMX kernel's bfloat16 copy (every scored row here).
+    "q4_1 prompt-bf16": {"quantization": "q4_1", "batched_weights": "prompt-bf16"},
     "int8": {"quantization": "int8"},
 }
 # int8 is not an engine option; "q4_1 kernel" and "q4_1 bf16 batches" are q4_1 with another path for large batches.
@@ -83,7 +88,9 @@ class DynamicInt8Linear(nn.Module):
 def make_runner(kwargs: dict) -> ModelRunner:
     method = kwargs["quantization"]
     runner = ModelRunner(
-        ModelConfig(dtype="float32", quantization="none" if method == "int8" else method), CacheConfig(num_blocks=64)
+        ModelConfig(dtype="float32", quantization="none" if method == "int8" else method,
+                    batched_weights=kwargs.get("batched_weights", "fp16")),
+        CacheConfig(num_blocks=64),
     )
     if method == "int8":
         LAYER_TYPES["int8"] = DynamicInt8Linear
@@ -111,7 +118,7 @@ def window_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
         sampling_params=Params(max_tokens=1), prompt_token_ids=tokens, output_token_ids=[],
     )
     batch = runner.prepare_inputs([request])
-    with torch.inference_mode():
+    with torch.inference_mode(), prompt_rows(batch.prompt_rows):
         hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn)
         return torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
 
@@ -133,7 +140,7 @@ def passage_windows(processor, window: int) -> list[list[int]]:
     return [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def accuracy(window: int) -> dict:
+def accuracy(window: int, settings: list[str]) -> dict:
     llm = LLM(enable_prefix_caching=False, num_blocks=64)
     processor = llm.input_processor
     windows = passage_windows(processor, window)
@@ -146,6 +153,8 @@ def accuracy(window: int) -> dict:
     del llm
     logprobs, answers = {}, {}
     for name, kwargs in SETTINGS.items():
+        if name != "float32" and name not in settings:
+            continue
         runner = make_runner(kwargs)
         logprobs[name] = [window_logprobs(runner, w) for w in windows]
         answers[name] = [greedy(runner, chat, eos) for chat in chats]
@@ -243,13 +252,17 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-engine", action="store_true", help="linear layers only, not the offline engine")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                        help="accuracy of these settings only (float32, the reference, always runs)")
     args = parser.parse_args()
     if not args.skip_accuracy:
-        acc = accuracy(args.window)
+        acc = accuracy(args.window, args.settings)
         print(f"Accuracy over {acc['positions']} positions of passages.txt ({args.window}-token windows)\n")
         print("| setting | perplexity | KL from float32 | same top token | same greedy answer (64 tokens) |")
         print("|---|---|---|---|---|")
         for name in SETTINGS:
+            if name not in acc:
+                continue
             r = acc[name]
             print(
                 f"| {name} | {r['perplexity']:.3f} | {r['kl']:.5f} | {100 * r['top1_same']:.1f}% "
