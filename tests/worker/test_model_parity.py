@@ -322,6 +322,20 @@ def test_default_model_q4_1_blocks_compute_the_files_own_model(monkeypatch) -> N
     print(f"\n{DEFAULT_MODEL} q4_1: max abs logit error {max(error, error_mixed):.3g}")
 
 
+def within_bfloat16_rounding(logits: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, float]:
+    """Max abs error, share of the same top token and KL of logits computed with bfloat16-rounded activations, each
+    held to bfloat16's rounding of the file's model (and the error above the float32 kernel path's 1.3e-4: the
+    bfloat16 copy really ran)."""
+    error = (logits - expected).abs().max().item()
+    assert 1e-3 < error < 1.5, error
+    same_top = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert same_top >= 0.9, same_top
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), expected.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    assert kl < 0.01, kl
+    return error, same_top, kl
+
+
 def test_default_model_q4_1_with_bf16_batches_stays_within_bfloat16_rounding_of_the_files_model() -> None:
     """Batches above 8 rows through the bfloat16 copy (the AMX path): activations and layer outputs rounded to
     bfloat16 move the logits of a 40-token prefill by a few tenths where they span ~30, and the next token's
@@ -331,13 +345,7 @@ def test_default_model_q4_1_with_bf16_batches_stays_within_bfloat16_rounding_of_
     seq = parity.sequence(48, 0)
     expected = parity.reference_logits(seq)
     positions, logits = parity.run([scheduled("a", seq, 0, 40, [7, 2, 12])])["a"]
-    error = (logits - expected[positions]).abs().max().item()
-    assert 1e-3 < error < 1.5, error  # above the kernel path's 1.3e-4: the bfloat16 copy really ran
-    same_top = (logits.argmax(-1) == expected[positions].argmax(-1)).float().mean().item()
-    assert same_top >= 0.9, same_top
-    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), expected[positions].log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
-    assert kl < 0.01, kl
+    error, same_top, kl = within_bfloat16_rounding(logits, expected[positions])
     # Decodes after that prefill (1 row: the block kernel, exact) read the K/V the bfloat16 prefill wrote.
     for i in range(40, 48):
         positions, logits = parity.run([scheduled("a", seq, i, i + 1, [7, 2, 12])])["a"]
@@ -359,13 +367,7 @@ def test_default_model_prompt_rows_on_amx_stay_within_bfloat16_rounding_and_do_n
     expected = parity.reference_logits(seq)
     positions, logits = parity.run([scheduled("a", seq, 0, 40, [7, 2, 12])])["a"]
     assert isinstance(qkv.prompt_copy, AmxBfloat16Linear)  # built by the first prompt rows
-    error = (logits - expected[positions]).abs().max().item()
-    assert 1e-3 < error < 1.5, error  # above the kernel path's 1.3e-4: the bfloat16 copy really ran
-    same_top = (logits.argmax(-1) == expected[positions].argmax(-1)).float().mean().item()
-    assert same_top >= 0.9, same_top
-    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), expected[positions].log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
-    assert kl < 0.01, kl
+    error, same_top, kl = within_bfloat16_rounding(logits, expected[positions])
 
     # The same prompt in two chunks, the second beside another request's prompt and a decode: bit for bit.
     other = parity.sequence(30, 1)

@@ -269,6 +269,14 @@ void widen_panels(const uint8_t* weight, int64_t first, int64_t count, int64_t b
     _mm256_store_ps(tile[t] + 2 * kPanel, acc##t##2);              \
   }
 
+// A tile's T rows ([T][kGemmWidth]) into y's columns [row, row + width), plus the bias.
+inline void write_tile(const float* tile, int T, const float* bias, float* y, int64_t N, int64_t row, int64_t width) {
+  for (int t = 0; t < T; ++t) {
+    float* dst = y + t * N + row;
+    for (int64_t r = 0; r < width; ++r) dst[r] = tile[t * kGemmWidth + r] + (bias ? bias[row + r] : 0.0f);
+  }
+}
+
 #if defined(__AVX512F__)
 #define LMSERVE_GEMM_ROW(t)                                        \
   if constexpr (T > t) {                                           \
@@ -301,27 +309,11 @@ void gemm_tile(const float* w, int64_t K, const float* x, const float* bias, flo
   alignas(64) float tile[kGemmRows][kGemmWidth];
   LMSERVE_GEMM_STORE(0) LMSERVE_GEMM_STORE(1) LMSERVE_GEMM_STORE(2) LMSERVE_GEMM_STORE(3)
   LMSERVE_GEMM_STORE(4) LMSERVE_GEMM_STORE(5) LMSERVE_GEMM_STORE(6) LMSERVE_GEMM_STORE(7)
-  for (int t = 0; t < T; ++t) {
-    float* dst = y + t * N + row;
-    for (int64_t r = 0; r < width; ++r) dst[r] = tile[t][r] + (bias ? bias[row + r] : 0.0f);
-  }
+  write_tile(&tile[0][0], T, bias, y, N, row, width);
 }
 #undef LMSERVE_GEMM_ROW
 #undef LMSERVE_GEMM_STORE
 
-void gemm_rows(int T, const float* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t row,
-               int64_t width, const uint8_t* ahead, int64_t ahead_lines) {
-  switch (T) {
-    case 1: gemm_tile<1>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 2: gemm_tile<2>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 3: gemm_tile<3>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 4: gemm_tile<4>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 5: gemm_tile<5>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 6: gemm_tile<6>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 7: gemm_tile<7>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    default: gemm_tile<8>(w, K, x, bias, y, N, row, width, ahead, ahead_lines);
-  }
-}
 #else
 // T input rows (x: [T, K]) against widened weights [K][kGemmWidth] into y's columns [row, row + width). Every 4
 // steps it prefetches one line of [ahead, ahead + 64 * ahead_lines): the next group's packed weights, which otherwise
@@ -342,24 +334,22 @@ void gemm_tile(const float* w, int64_t K, const float* x, const float* bias, flo
   }
   alignas(32) float tile[kGemmRows][kGemmWidth];
   LMSERVE_GEMM_STORE(0) LMSERVE_GEMM_STORE(1) LMSERVE_GEMM_STORE(2) LMSERVE_GEMM_STORE(3)
-  for (int t = 0; t < T; ++t) {
-    float* dst = y + t * N + row;
-    for (int64_t r = 0; r < width; ++r) dst[r] = tile[t][r] + (bias ? bias[row + r] : 0.0f);
-  }
+  write_tile(&tile[0][0], T, bias, y, N, row, width);
 }
 #undef LMSERVE_GEMM_ROW
 #undef LMSERVE_GEMM_STORE
 
-void gemm_rows(int T, const float* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t row,
-               int64_t width, const uint8_t* ahead, int64_t ahead_lines) {
-  switch (T) {
-    case 1: gemm_tile<1>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 2: gemm_tile<2>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    case 3: gemm_tile<3>(w, K, x, bias, y, N, row, width, ahead, ahead_lines); break;
-    default: gemm_tile<4>(w, K, x, bias, y, N, row, width, ahead, ahead_lines);
-  }
-}
 #endif  // AVX-512
+
+// A tile of `rows` (1 to kGemmRows) input rows: gemm_tile<rows>.
+template <int T = kGemmRows>
+void gemm_rows(int rows, const float* w, int64_t K, const float* x, const float* bias, float* y, int64_t N,
+               int64_t row, int64_t width, const uint8_t* ahead, int64_t ahead_lines) {
+  if constexpr (T > 1) {
+    if (rows < T) return gemm_rows<T - 1>(rows, w, K, x, bias, y, N, row, width, ahead, ahead_lines);
+  }
+  gemm_tile<T>(w, K, x, bias, y, N, row, width, ahead, ahead_lines);
+}
 
 // x: [M, K] (M > kMaxTileRows) against the panel groups [begin, end) of kGemmPanels panels each.
 template <class Format>
