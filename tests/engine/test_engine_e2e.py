@@ -170,6 +170,24 @@ def test_prefix_cache_hit_matches_miss(llm: LLM) -> None:
     assert_idle(llm)
 
 
+def test_next_turn_over_a_cached_answer_matches_a_cold_cache(llm: LLM) -> None:
+    """A chat's next turn repeats the last answer in its prompt. Where prompt tokens and generated ones are computed
+    differently (prompt-bf16, the default with AMX), the answer's cached blocks hold K/V of generated tokens, so the
+    next turn must not take them (engine/kv_cache.py keys them apart): its tokens are those of a cold cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for i in (1, 9, 11, 14):  # 11: taking the answer's blocks changed its next turn's tokens on an AMX CPU
+        reset_prefix_cache(llm)
+        (first,) = llm.generate(PROMPTS[i], params)
+        next_turn = list(first.prompt_token_ids) + token_ids(first)
+        (warm,) = llm.generate(next_turn, params)
+        assert warm.num_cached_tokens >= len(first.prompt_token_ids) // 16 * 16  # the first turn's prompt hit
+        reset_prefix_cache(llm)
+        (cold,) = llm.generate(next_turn, params)
+        assert cold.num_cached_tokens == 0
+        assert token_ids(warm) == token_ids(cold), i
+    assert_idle(llm)
+
+
 def test_preempted_requests_match_alone(tiny_pool_llm: LLM, alone: dict[int, list[int]]) -> None:
     engine = tiny_pool_llm.engine
     before = engine.num_preemptions

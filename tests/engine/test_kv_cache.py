@@ -102,6 +102,24 @@ def test_salt_separates_caches() -> None:
     assert kv.get_computed_blocks(make_request("d", prompt, salt="alice"))[1] == 16
 
 
+@pytest.mark.parametrize("key_generated_blocks", [False, True])
+def test_blocks_of_generated_tokens_are_keyed_apart_where_the_model_computes_them_differently(
+    key_generated_blocks: bool,
+) -> None:
+    """With prompt-bf16 a generated token's K/V differ from the same token's as a prompt token: a chat's next turn,
+    whose prompt repeats the last answer, must not take the answer's blocks, while the request itself, recomputed after
+    preemption, still finds them."""
+    kv = KVCacheManager(num_blocks=16, block_size=16, key_generated_blocks=key_generated_blocks)
+    a = make_request("a", list(range(1000, 1020)))  # 20 prompt tokens: block 1 holds the first generated tokens
+    a.output_token_ids.extend(range(2000, 2030))
+    assert admit(kv, a) == 0  # 50 tokens: blocks 0-2 full and cached
+    next_turn = make_request("b", a.all_token_ids + [7])
+    assert kv.get_computed_blocks(next_turn)[1] == (16 if key_generated_blocks else 48)
+    resumed = make_request("a2", a.prompt_token_ids)
+    resumed.output_token_ids.extend(a.output_token_ids)
+    assert kv.get_computed_blocks(resumed)[1] == 48
+
+
 def test_hash_collision_never_returns_wrong_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_cache, "hash_block_tokens", lambda *args: b"same")
     kv = KVCacheManager(num_blocks=16, block_size=4)

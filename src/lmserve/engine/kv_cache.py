@@ -125,12 +125,20 @@ class BlockPool:
 class KVCacheManager:
     """Block tables per request on top of a BlockPool, plus prefix-cache lookups and statistics."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+        key_generated_blocks: bool = False,
+    ) -> None:
+        """key_generated_blocks: the model computes prompt tokens and generated ones with different arithmetic
+        (`--batched-weights prompt-bf16`), so a block holding generated tokens is keyed by where the prompt ends in it.
+        A later request whose prompt repeats those tokens (a chat's next turn) computes them as prompt tokens, and must
+        not take K/V that differ from what it would compute itself: a hit then would change its tokens."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.key_generated_blocks = key_generated_blocks
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[str, list[Block]] = {}
         # Chained hashes of each request's full blocks: they depend only on its tokens, which never change once
@@ -190,10 +198,16 @@ class KVCacheManager:
             self._extra_keys(request, i),
         )
 
-    @staticmethod
-    def _extra_keys(request: Request, block_index: int) -> tuple[object, ...] | None:
+    def _extra_keys(self, request: Request, block_index: int) -> tuple[object, ...] | None:
         # Only the first block carries the salt; the chain carries it on to every later block.
-        return (request.cache_salt,) if block_index == 0 and request.cache_salt is not None else None
+        keys: tuple[object, ...] = ()
+        if block_index == 0 and request.cache_salt is not None:
+            keys = (request.cache_salt,)
+        prompt_tokens_in_block = request.num_prompt_tokens - block_index * self.block_size
+        if self.key_generated_blocks and 0 <= prompt_tokens_in_block < self.block_size:
+            # The first block with a generated token; the chain carries the mark on to every later block.
+            keys += (("prompt tokens", prompt_tokens_in_block),)
+        return keys or None
 
     def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[int], int]:
         """The longest run of cached full blocks that prefixes the request's tokens: (block ids, tokens).

@@ -44,15 +44,17 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         grammar: GrammarManager | None = None,
+        key_generated_blocks: bool = False,
     ) -> None:
-        """`grammar`: compiles and advances constrained requests' grammars (None: no structured output)."""
+        """`grammar`: compiles and advances constrained requests' grammars (None: no structured output).
+        `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager)."""
         self.config = scheduler_config
         self.grammar = grammar
         # Outputs made outside a step's update (a grammar that failed to compile): returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, key_generated_blocks
         )
         # A request longer than the whole pool could never be admitted again once preempted, so the pool caps
         # the usable context: such a request finishes with "length" instead of waiting forever.

@@ -29,6 +29,9 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     kv_bytes_per_block: int
+    # Prompt tokens and generated ones go through different arithmetic (prompt-bf16), so a block's K/V depends on
+    # which of its tokens were prompt tokens: the prefix cache keys such blocks apart (engine/kv_cache.py).
+    prompt_rows_computed_apart: bool = False
 
 
 class Worker:
@@ -53,7 +56,8 @@ class Worker:
     @property
     def info(self) -> WorkerInfo:
         runner = self.runner
-        return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block)
+        return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
+                          prompt_rows_computed_apart=runner.prompt_copies)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)
