@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -356,24 +357,21 @@ class BlockQuantizedLinear(nn.Module):
         self.prompt_copy: nn.Module | None = None
 
     def prepare_batched(self) -> nn.Module:
-        batched = self.batched
-        if batched is None:
+        return self._copy("batched", lambda: BATCHED_LAYER_TYPES[self.batched_path.weights])
+
+    def prepare_prompt_copy(self) -> nn.Module:
+        return self._copy("prompt_copy", lambda: AmxBfloat16Linear)
+
+    def _copy(self, attribute: str, layer_type: Callable[[], type[nn.Module]]) -> nn.Module:
+        copy = getattr(self, attribute)
+        if copy is None:
             # One builder at a time: a forward pass that needs a copy waits for the background thread's build of
             # it instead of making a second one (twice the memory, and freed memory a process rarely gives back).
             with _BATCHED_COPIES_LOCK:
-                batched = self.batched
-                if batched is None:
-                    layer_type = BATCHED_LAYER_TYPES[self.batched_path.weights]
-                    batched = self.batched = layer_type(self.dequantized(), self.bias)
-        return batched
-
-    def prepare_prompt_copy(self) -> nn.Module:
-        copy = self.prompt_copy
-        if copy is None:
-            with _BATCHED_COPIES_LOCK:
-                copy = self.prompt_copy
+                copy = getattr(self, attribute)
                 if copy is None:
-                    copy = self.prompt_copy = AmxBfloat16Linear(self.dequantized(), self.bias)
+                    copy = layer_type()(self.dequantized(), self.bias)
+                    setattr(self, attribute, copy)
         return copy
 
     def dequantized(self) -> torch.Tensor:
