@@ -59,6 +59,8 @@ SETTINGS = {
     "q4_1": {"quantization": "q4_1", "batched": BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)},
     "q4_1 bf16 batches": {"quantization": "q4_1", "batched": BatchedPath("bf16", BLOCK_KERNEL_MAX_ROWS)},
     "q4_1 kernel": {"quantization": "q4_1", "batched": BatchedPath("fp16", 1 << 30)},
+    # The block kernels at every batch size with 16-bit integer activations (--block-activations int16).
+    "q4_1 int16 kernel": {"quantization": "q4_1", "batched": BatchedPath("fp16", 1 << 30), "block_activations": "int16"},
     # The default where the CPU has AMX: prompt rows on the AMX kernel's bfloat16 copy (every scored row here).
     "q4_1 prompt-bf16": {"quantization": "q4_1", "batched_weights": "prompt-bf16"},
     "int8": {"quantization": "int8"},
@@ -89,7 +91,8 @@ def make_runner(kwargs: dict) -> ModelRunner:
     method = kwargs["quantization"]
     runner = ModelRunner(
         ModelConfig(dtype="float32", quantization="none" if method == "int8" else method,
-                    batched_weights=kwargs.get("batched_weights", "fp16")),
+                    batched_weights=kwargs.get("batched_weights", "fp16"),
+                    block_activations=kwargs.get("block_activations", "float32")),
         CacheConfig(num_blocks=64),
     )
     if method == "int8":

@@ -37,6 +37,7 @@ from lmserve.config import CacheConfig, ModelConfig
 from lmserve.engine.outputs import ScheduledRequest
 from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
 from lmserve.sampling_params import SamplingParams
+from lmserve.worker import quantization
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.quantization import (
@@ -113,6 +114,7 @@ class Parity:
         kernels: str = "cpp",
         reference: Path | str | None = None,
         batched_weights: str = "fp16",  # float32 activations everywhere; prompt-bf16 has a test of its own
+        block_activations: str = "float32",  # likewise; int16 has a test of its own
     ) -> None:
         attention_backend, fused_ops = KERNELS[kernels]
         self.name = f"{Path(str(path)).name} ({kernels})"
@@ -120,7 +122,7 @@ class Parity:
             ModelConfig(
                 model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
                 quantization=quantization, attention_backend=attention_backend, fused_ops=fused_ops,
-                batched_weights=batched_weights,
+                batched_weights=batched_weights, block_activations=block_activations,
             ),
             # float32 K/V: these checks hold the model code to float32 rounding (auto would round K/V to float16).
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype="float32"),
@@ -320,6 +322,31 @@ def test_default_model_q4_1_blocks_compute_the_files_own_model(monkeypatch) -> N
     error, _ = chunked_prefill_then_decode(parity, seq, split=19, prompt_len=35, blocks=[7, 2, 12])
     error_mixed, _ = mixed_batch(parity, {"a": [5, 0], "b": [14, 9, 3], "c": [10]})
     print(f"\n{DEFAULT_MODEL} q4_1: max abs logit error {max(error, error_mixed):.3g}")
+
+
+@pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="needs a CPU with AVX-512 VNNI")
+def test_default_model_q4_1_with_int16_activations_stays_within_their_rounding_of_the_files_model() -> None:
+    """The block kernel with 16-bit integer activations (`--block-activations int16`) for every row, prefill chunks
+    and decodes in shared batches: each input is rounded to 1/65,000 of its block's range, which moves the logits
+    by a few hundredths where they span ~30 (the float32 kernel: ~1e-4), and the next token's distribution by a KL
+    of ~1e-6."""
+    parity = Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, quantization="q4_1",
+                    block_activations="int16")
+    assert parity.runner.block_activations == "int16"
+    use_batched_path(parity.runner.model, BatchedPath("fp16", 1 << 20))  # the kernel for chunks too
+    seq = parity.sequence(48, 0)
+    expected = parity.reference_logits(seq)
+    got = [parity.run([scheduled("a", seq, 0, 40, [7, 2, 12])])["a"]]
+    got += [parity.run([scheduled("a", seq, i, i + 1, [7, 2, 12])])["a"] for i in range(40, 48)]
+    logits = torch.cat([g[1] for g in got])
+    reference = expected[torch.cat([torch.as_tensor(g[0]) for g in got])]
+    error = (logits - reference).abs().max().item()
+    assert DEFAULT_ATOL < error < 0.2, error
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.95
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    assert kl < 1e-4, kl
+    print(f"\n{DEFAULT_MODEL} q4_1, int16 activations: max abs logit error {error:.3g}, KL {kl:.2g}")
 
 
 def within_bfloat16_rounding(logits: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, float]:

@@ -35,9 +35,11 @@ from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
     BLOCK_METHODS,
     batched_path,
+    block_activations,
     check_quantization,
     prepare_batched_copies,
     use_batched_path,
+    use_block_activations,
     use_prompt_copies,
 )
 from lmserve.worker.sampler import Sampler, SamplingMetadata, reads_output_token_ids, token_logprobs
@@ -131,11 +133,15 @@ class ModelRunner:
         if self.quantization != "none" and block_method is None:
             model.quantize(self.quantization)
         self.prompt_copies = False
+        self.block_activations = "float32"
         if self.quantization in BLOCK_METHODS:
             self.batched_path = batched_path(model_config.batched_weights)
             use_batched_path(model, self.batched_path)
             if self.batched_path.prompt_copies:
                 self.prompt_copies = use_prompt_copies(model.layers) > 0
+            self.block_activations = block_activations(model_config.block_activations)
+            if use_block_activations(model, self.block_activations) == 0:
+                self.block_activations = "float32"
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
@@ -151,6 +157,7 @@ class ModelRunner:
             batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
             if path.prompt_copies:
                 batches = ", prompt tokens on AMX tiles (bf16 weights)"
+            batches += f", {self.block_activations} activations in the block kernel"
         logger.info(
             "loaded %s (%s, quantization %s%s, fused ops %s, %s) in %.1fs", source.name, self.dtype,
             self.quantization, batches, self.fused_ops, self.device, time.perf_counter() - started,

@@ -23,7 +23,9 @@ from lmserve.config import cache_directory
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp", "amx_linear.cpp")
+SOURCES = (
+    "paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp", "amx_linear.cpp", "int16_activations.cpp",
+)
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the
 # kernel ran on one thread). The link names libgomp.so.1, the same soname as the runtime torch already loaded, so the
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
