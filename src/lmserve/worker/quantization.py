@@ -22,8 +22,8 @@ kernel on a bfloat16 copy (kernels/amx_linear.cpp), 2-10x faster prefill, and ke
 block kernel: each row's result depends only on the row (prompt or generated), never on the batch or the chunking.
 Where the CPU has AVX-512 VNNI, `--block-activations auto` (int16) runs the block kernels with the activations as
 16-bit integers per block of 32 inputs (kernels/int16_activations.cpp): exact integer dot products, so a row's result
-still does not depend on the batch, 1.1-2.4x faster at 1-64 rows, and a next-token KL of ~1e-6 from the float32 model
-(bfloat16 activations: ~1e-4).
+still does not depend on the batch, 1.2-2.7x faster at 1-64 rows, and a next-token KL below 1e-5 from the float32
+model (bfloat16 activations: 1e-4).
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× their median), and int8 weight-only
@@ -96,7 +96,7 @@ def batched_path(setting: str | None = "auto") -> BatchedPath:
 def block_activations(setting: str | None = "auto") -> str:
     """How the block kernels take their activations: float32 (kernels/quantized_linear.cpp) or int16, 16-bit
     integers per block of 32 inputs through AVX-512 VNNI's exact integer dot products (kernels/int16_activations.cpp:
-    1.1-2.4x faster at 1-16 rows; next-token KL ~1e-6 from the float32 weights' model). auto: int16 where it runs."""
+    1.2-2.7x faster at 1-64 rows; next-token KL below 1e-5 from the float32 model). auto: int16 where it runs."""
     setting = setting or "auto"
     if setting not in BLOCK_ACTIVATIONS:
         raise ValueError(f"unknown block activations {setting!r}: use one of {', '.join(BLOCK_ACTIVATIONS)}")

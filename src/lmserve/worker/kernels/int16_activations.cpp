@@ -10,8 +10,8 @@
 // x_lo = round((x - s x_hi) * 256 / s) in -128..127: x = (s / 256) (256 x_hi + x_lo) to within s / 512, a 16-bit
 // fixed point of the block's range; the block's float32 sum of x is kept for the minimums. llama.cpp quantizes them
 // to one int8 per block: on this model's MLP inputs (outliers ~1,000x their median) that moved the next-token
-// distribution by a KL of 0.0036 from the float32 model over the shipped prose, where two halves move it by 4e-7
-// and bfloat16 activations by 1e-4 (docs/benchmarks.md).
+// distribution by a KL of 0.0036 from the float32 model over the shipped prose (simulated), where this kernel's two
+// halves move it by < 1e-5 and bfloat16 activations by 1e-4 (docs/benchmarks.md).
 // Weights: q4_1's w = d q + m with q in 0..15 as unsigned bytes, so per block and output
 //   y += d (s / 256) (256 (q . x_hi) + (q . x_lo)) + m sum(x),
 // where both dot products are exact int32 and 256 (q . x_hi) + (q . x_lo) < 2^24 is exact in float32.
@@ -42,7 +42,7 @@ namespace {
 
 constexpr int64_t kGroup = 16;  // output rows per group: one vector of 16 int32 / float32 lanes
 constexpr int64_t kBlock = 32;  // inputs per block
-constexpr int kTileRows = 4;    // input rows that share one decoding of the weights
+constexpr int kTileRows = 6;    // input rows that share one decoding of the weights (1.03-1.12x over 4)
 // As quantized_linear.cpp: the block 4 KB ahead is asked for, so that few-row products do not wait on memory.
 constexpr int64_t kPrefetchAhead = 4096;
 
@@ -231,7 +231,9 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
           case 1: group_product<Format, 1>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup); break;
           case 2: group_product<Format, 2>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup); break;
           case 3: group_product<Format, 3>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup); break;
-          default: group_product<Format, 4>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup);
+          case 4: group_product<Format, 4>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup); break;
+          case 5: group_product<Format, 5>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup); break;
+          default: group_product<Format, 6>(group, blocks, a, row, K, bias_data, yp, N, g * kGroup);
         }
       }
     }
