@@ -1,18 +1,22 @@
-"""The paged kernel on head-major cache blocks against the token-major kernel it replaced, side by side in one process.
+"""The paged kernel against an earlier commit's, on the layouts each reads, side by side in one process.
 
-Commit 4e75515 laid blocks out [block, key, kv head, dim] and prefetched the whole next block in one burst at the
-start of each block; the current kernel reads [block, kv head, key, dim] blocks and spreads the next block's
-prefetch over the keys it computes (kernels/paged_attention.cpp). This script builds that commit's kernel from git
-under another op namespace, fills 30 layers' caches with the same values in each layout (so K/V stream from memory,
-as in a real step), checks that both give the same output, and times 30 layers of each, interleaved, for a float32
-and a float16 cache.
+The current kernel reads K blocks transposed ([block, kv head, dim, key]: a query's scores against 16 keys are one
+chain of multiply-adds along a vector of keys) and V blocks [block, kv head, key, dim]. `--base` (default 83b999f,
+the last kernel on [block, kv head, key, dim] K blocks, which summed each key's dot product across a vector's lanes)
+is built from git under another op namespace. Both get 30 layers' caches of the same values, each in its own layout
+(so K/V stream from memory, as in a real step), must agree, and are timed over the 30 layers in turns.
 
-    .venv/bin/python benchmarks/kv_layout.py [--repeats 15]
+Cases: decodes (W1's 16 streams, W4's one, and 16 at a longer context), a short chunk beside decodes, and a step of
+eight 256-token prompts as first chunks: the prompt path computes every chunk with this kernel where prompt rows
+run in bfloat16 (attention.build_metadata, every_chunk_paged).
+
+    .venv/bin/python benchmarks/kv_layout.py [--base 83b999f] [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import subprocess
 import tempfile
@@ -22,47 +26,51 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from lmserve.worker.kernels import BUILD_FLAGS, paged_attention_op
+from lmserve.worker.kernels import BUILD_FLAGS, cpu_flags, paged_attention_op
 
 REPO = Path(__file__).resolve().parent.parent
-OLD_COMMIT = "4e75515"
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 9, 3, 64, 16, 1024, 30
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 CASES = {  # label: [(query length, context length)], decodes first as the runner orders them
     "16 decodes at 300-375 (W1)": [(1, 300 + 5 * i) for i in range(16)],
-    "4 decodes at 330 + 16-token chunk at 1484 (W3, threshold 16)": [(1, 330)] * 4 + [(16, 1484)],
     "1 decode at 400 (W4)": [(1, 400)],
+    "16 decodes at 1000-1075": [(1, 1000 + 5 * i) for i in range(16)],
+    "4 decodes at 330 + 16-token chunk at 1484": [(1, 330)] * 4 + [(16, 1484)],
+    "8 prompts of 256, first chunks": [(256, 256)] * 8,
 }
 
 
-def old_kernel(build: Path):
-    """The old commit's paged_attention op, as torch.ops.lmserve_token_major."""
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:src/lmserve/worker/kernels/paged_attention.cpp"],
+def base_kernel(commit: str, build: Path):
+    """The commit's paged_attention op, as torch.ops.lmserve_base."""
+    source = subprocess.run(["git", "show", f"{commit}:src/lmserve/worker/kernels/paged_attention.cpp"],
                             cwd=REPO, check=True, capture_output=True, text=True).stdout
-    source = source.replace("TORCH_LIBRARY(lmserve,", "TORCH_LIBRARY(lmserve_token_major,")
-    source = source.replace("TORCH_LIBRARY_IMPL(lmserve,", "TORCH_LIBRARY_IMPL(lmserve_token_major,")
-    (build / "token_major.cpp").write_text(source)
-    cpp_extension.load(name="lmserve_token_major", sources=[str(build / "token_major.cpp")], extra_cflags=BUILD_FLAGS,
+    source = source.replace("TORCH_LIBRARY(lmserve,", "TORCH_LIBRARY(lmserve_base,")
+    source = source.replace("TORCH_LIBRARY_IMPL(lmserve,", "TORCH_LIBRARY_IMPL(lmserve_base,")
+    (build / "base.cpp").write_text(source)
+    cpp_extension.load(name="lmserve_base", sources=[str(build / "base.cpp")], extra_cflags=BUILD_FLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
-    return torch.ops.lmserve_token_major.paged_attention
+    return torch.ops.lmserve_base.paged_attention
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="83b999f")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     new_op = paged_attention_op()
     with tempfile.TemporaryDirectory() as tmp:
-        old_op = old_kernel(Path(tmp))
+        base_op = base_kernel(args.base, Path(tmp))
     gen = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {LAYERS} layers' caches of {NUM_BLOCKS} "
-          f"blocks, each request's blocks scattered\n")
-    print("| case | cache | token-major (4e75515), ms | head-major, ms | ratio |\n|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.float16):
-        token_major = [tuple(torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-                             for _ in "kv") for _ in range(LAYERS)]
-        head_major = [tuple(c.transpose(1, 2).contiguous() for c in layer) for layer in token_major]
+    isa = "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
+    print(f"{platform.processor() or platform.machine()} ({isa}), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {LAYERS} layers' caches, each request's blocks scattered\n")
+    print(f"| case | cache | {args.base}, ms | keys transposed, ms | ratio |\n|---|---|---|---|---|")
+    for dtype in (torch.float16, torch.float32):
         for label, requests in CASES.items():
-            order = torch.randperm(NUM_BLOCKS, generator=gen)
+            num_blocks = sum(-(-ctx // BLOCK) for _, ctx in requests) + 64
+            base_layout = [tuple(torch.randn(num_blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
+                                 for _ in "kv") for _ in range(LAYERS)]
+            new_layout = [(k.transpose(2, 3).contiguous(), v) for k, v in base_layout]
+            order = torch.randperm(num_blocks, generator=gen)
             max_blocks = max(-(-ctx // BLOCK) for _, ctx in requests)
             table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
             info, used, row = [], 0, 0
@@ -73,21 +81,22 @@ def main() -> None:
                 used, row = used + n, row + q_len
             info_t = torch.tensor(info)
             q = torch.randn(row, HEADS, HEAD_DIM, generator=gen)
-            out_old, out_new = torch.empty_like(q), torch.empty_like(q)
-            old_op(out_old, q, *token_major[0], table, info_t, HEAD_DIM**-0.5)
-            new_op(out_new, q, *head_major[0], table, info_t, HEAD_DIM**-0.5)
-            torch.testing.assert_close(out_old, out_new, rtol=1e-5, atol=1e-5)
-            times: dict[str, list[float]] = {"old": [], "new": []}
-            for _ in range(args.repeats):
-                for name, op, caches, out in (("old", old_op, token_major, out_old),
-                                              ("new", new_op, head_major, out_new)):
+            out_base, out_new = torch.empty_like(q), torch.empty_like(q)
+            base_op(out_base, q, *base_layout[0], table, info_t, HEAD_DIM**-0.5)
+            new_op(out_new, q, *new_layout[0], table, info_t, HEAD_DIM**-0.5)
+            torch.testing.assert_close(out_base, out_new, rtol=1e-5, atol=1e-5)
+            times: dict[str, list[float]] = {"base": [], "new": []}
+            repeats = args.repeats if row < 64 else max(3, args.repeats // 3)
+            for _ in range(repeats):
+                for name, op, caches, out in (("base", base_op, base_layout, out_base),
+                                              ("new", new_op, new_layout, out_new)):
                     started = time.perf_counter()
                     for k_cache, v_cache in caches:
                         op(out, q, k_cache, v_cache, table, info_t, HEAD_DIM**-0.5)
                     times[name].append(time.perf_counter() - started)
-            old, new = (statistics.median(times[n]) * 1e3 for n in ("old", "new"))
+            base, new = (statistics.median(times[n]) * 1e3 for n in ("base", "new"))
             cache = str(dtype).removeprefix("torch.")
-            print(f"| {label} | {cache} | {old:.1f} | {new:.1f} | {old / new:.2f}x |", flush=True)
+            print(f"| {label} | {cache} | {base:.1f} | {new:.1f} | {base / new:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def layer_case(requests: list[tuple[int, int]], backend: str, caches) -> float:
     return median_ms(lambda: attn.forward(q, k, v, *caches, md), 30)
 
 
-def kernel_on_chunk(q_len: int, ctx: int, caches) -> tuple[float, float]:
+def kernel_on_chunk(q_len: int, ctx: int, caches, transposed_keys) -> tuple[float, float]:
     """One chunk over a cached prefix: the paged kernel against block gather + SDPA (what the backends do)."""
     k_cache, v_cache = caches
     blocks = torch.randperm(NUM_BLOCKS)[: -(-ctx // BLOCK)]
@@ -75,7 +75,7 @@ def kernel_on_chunk(q_len: int, ctx: int, caches) -> tuple[float, float]:
                                        enable_gqa=True)
 
     kernel = paged_attention_op()
-    return median_ms(lambda: kernel(out, q, k_cache, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
+    return median_ms(lambda: kernel(out, q, transposed_keys, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
 
 
 STEP_CASES = [  # (label, decodes, their context, prefill chunk length, chunk's context)
@@ -141,16 +141,17 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     shape = (NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
     caches = (torch.randn(shape), torch.randn(shape))
-    half_caches = (caches[0].half(), caches[1].half())  # --kv-cache-dtype float16
+    paged_caches = (caches[0].transpose(2, 3).contiguous(), caches[1])  # attention.kv_cache_shapes("paged-cpu")
+    half_caches = (paged_caches[0].half(), paged_caches[1].half())  # --kv-cache-dtype float16
     print("\n| one attention layer (ms) | sdpa | paged-cpu | ratio | paged-cpu, float16 cache | float32 / float16 |"
           "\n|---|---|---|---|---|---|")
     for label, requests in LAYER_CASES:
-        sdpa, paged = layer_case(requests, "sdpa", caches), layer_case(requests, "paged-cpu", caches)
+        sdpa, paged = layer_case(requests, "sdpa", caches), layer_case(requests, "paged-cpu", paged_caches)
         half = layer_case(requests, "paged-cpu", half_caches)
         print(f"| {label} | {sdpa:.3f} | {paged:.3f} | {sdpa / paged:.2f}x | {half:.3f} | {paged / half:.2f}x |")
     print("\n| prefill chunk over a cached prefix (ms) | gather + SDPA | paged kernel | kernel / SDPA |\n|---|---|---|---|")
     for q_len, ctx in CHUNK_CASES:
-        kernel, sdpa = kernel_on_chunk(q_len, ctx, caches)
+        kernel, sdpa = kernel_on_chunk(q_len, ctx, caches, paged_caches[0])
         print(f"| {q_len} queries at context {ctx} | {sdpa:.2f} | {kernel:.2f} | {kernel / sdpa:.2f}x |")
     if not args.skip_steps:
         steps()

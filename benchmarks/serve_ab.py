@@ -3,7 +3,7 @@
 Each side's server runs from its own checkout (a temporary git worktree for the base), one server at a time, the two
 taking turns for --rounds rounds (so both see the same machine state through this VM's drift). The same `lmserve
 bench` client (this tree's) measures each turn:
-  W1: 256-token prompts, 128 output tokens (ignore EOS), 32 requests, 16 concurrent: output tokens/s;
+  W1: 256-token prompts, 128 output tokens (ignore EOS), 32 requests, 16 concurrent: output tokens/s, median TTFT;
   W4: 128-token prompts, 128 output tokens, 3 requests one at a time: 1/TPOT (tokens/s).
 It reports the median of each over the rounds, and the ratio working tree / base.
 
@@ -75,6 +75,7 @@ def measure(source: Path, tmp: Path, tag: str, workloads: list[str], extra: list
             result = bench(port, workload, tmp / f"{tag}-{workload}.json", extra)
             if workload == "W1":
                 results["W1 output tok/s"] = result["output_throughput"]
+                results["W1 TTFT p50 ms"] = result["median_ttft_ms"]
             else:
                 results["W4 1/TPOT tok/s"] = 1000.0 / result["median_tpot_ms"]
     finally:

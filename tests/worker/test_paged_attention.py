@@ -15,10 +15,17 @@ from lmserve.worker.attention import (
     build_metadata,
     check_attention_backend,
     check_kv_cache_dtype,
+    kv_cache_shapes,
 )
 from lmserve.worker.kernels import paged_attention_op
 
 CPU = torch.device("cpu")
+
+
+def transposed(k_cache: torch.Tensor) -> torch.Tensor:
+    """A [blocks, kv heads, block size, head dim] K cache in the kernel's layout, [blocks, kv heads, head dim, block
+    size] (attention.kv_cache_shapes)."""
+    return k_cache.transpose(2, 3).contiguous()
 
 
 def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int) -> torch.Tensor:
@@ -62,7 +69,7 @@ def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, hea
     q = fused[:, :num_heads]
     out = torch.full((rows, num_heads, head_dim), 7.0)
     info = torch.tensor([(r, q_len, ctx) for r, (q_len, ctx) in zip(first_rows, requests, strict=True)])
-    paged_attention_op()(out, q, k_cache, v_cache, block_tables, info, head_dim**-0.5)
+    paged_attention_op()(out, q, transposed(k_cache), v_cache, block_tables, info, head_dim**-0.5)
 
     assert (out[0] == 7.0).all()
     for i, (q_len, ctx) in enumerate(requests):
@@ -80,9 +87,54 @@ def test_kernel_splits_a_single_stream_by_kv_head_with_the_same_result(context: 
     q = torch.randn(1, 9, 64, generator=gen)
     out = torch.empty_like(q)
     table = blocks.int()[None]
-    paged_attention_op()(out, q, k_cache, v_cache, table, torch.tensor([[0, 1, context]]), 64**-0.5)
+    paged_attention_op()(out, q, transposed(k_cache), v_cache, table, torch.tensor([[0, 1, context]]), 64**-0.5)
     expected = reference(q, k_cache, v_cache, blocks.tolist(), context)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 16, 16), (8, 2, 128, 32), (2, 1, 8, 4), (6, 3, 32, 16)],
+)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+) -> None:
+    """Prompt rows in bfloat16 need a row's attention to be one function of its query and the cache: the kernel
+    computes each row alone whatever shares its work item (a decode, runs of rows that share a kv head, tiles of 16
+    or 8 queries, items split by kv head). A 70-token prompt as one chunk, as chunks of 5, 16 and 49 beside other
+    requests, and token by token as decodes: the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    context = 70
+    blocks = -(-context // block_size)
+    k_cache = torch.randn(blocks + 8, num_kv_heads, block_size, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(blocks + 8, num_kv_heads, block_size, head_dim, generator=gen).to(kv_dtype)
+    keys = transposed(k_cache)
+    table = torch.randperm(blocks + 8, generator=gen)[:blocks].int()
+    q = torch.randn(context, num_heads, head_dim, generator=gen)
+    other = torch.randn(3, num_heads, head_dim, generator=gen)  # decodes of another request over the same blocks
+
+    def attend(pieces: list[tuple[int, int]], with_others: bool) -> torch.Tensor:
+        """The prompt's rows, computed in pieces of (first query, count): each piece one call, alone or after
+        three single-query requests."""
+        out = torch.empty_like(q)
+        for first, count in pieces:
+            rows = torch.cat([other, q[first : first + count]]) if with_others else q[first : first + count]
+            info = ([[i, 1, 20 + i] for i in range(3)] if with_others else []) + [[len(rows) - count, count,
+                                                                                    first + count]]
+            tables = table[None].expand(len(info), -1).contiguous()
+            result = torch.empty_like(rows)
+            paged_attention_op()(result, rows.contiguous(), keys, v_cache, tables, torch.tensor(info),
+                                 head_dim**-0.5)
+            out[first : first + count] = result[len(rows) - count :]
+        return out
+
+    whole = attend([(0, context)], with_others=False)
+    assert torch.equal(attend([(i, 1) for i in range(context)], with_others=False), whole)
+    assert torch.equal(attend([(0, 5), (5, 16), (21, 49)], with_others=True), whole)
+    assert torch.equal(attend([(0, 33), (33, 37)], with_others=True), whole)
+    expected = reference(q, k_cache.float(), v_cache.float(), table.tolist(), context)
+    torch.testing.assert_close(whole.double(), expected, atol=2e-6, rtol=1e-5)
 
 
 def test_kernel_shares_torchs_openmp_runtime() -> None:
@@ -95,19 +147,21 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
 
 def test_kernel_refuses_what_it_cannot_compute() -> None:
     op = paged_attention_op()
-    cache = torch.zeros(4, 1, 16, 64)
+    keys, cache = torch.zeros(4, 1, 64, 16), torch.zeros(4, 1, 16, 64)
     q, out = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
     tables = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32 queries"):
-        op(out, q.double(), cache, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
+        op(out, q.double(), keys, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="float32 or float16 caches"):
-        op(out, q, cache.bfloat16(), cache.bfloat16(), tables, torch.tensor([[0, 1, 5]]), 1.0)
+        op(out, q, keys.bfloat16(), cache.bfloat16(), tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="float32 or float16 caches"):  # K and V of different types
-        op(out, q, cache, cache.half(), tables, torch.tensor([[0, 1, 5]]), 1.0)
+        op(out, q, keys, cache.half(), tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="context 40"):  # longer than its two blocks of 16
-        op(out, q, cache, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
+        op(out, q, keys, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
+    with pytest.raises(RuntimeError, match=r"K \[blocks, kv heads, head dim, block size\]"):  # K not transposed
+        op(out, q, cache, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim 24"):
-        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), torch.zeros(4, 1, 16, 24), torch.zeros(4, 1, 16, 24),
+        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), torch.zeros(4, 1, 24, 16), torch.zeros(4, 1, 16, 24),
            tables, torch.tensor([[0, 1, 5]]), 1.0)
 
 
@@ -195,8 +249,11 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
     outs, written = {}, {}
     for backend in ("paged-cpu", "sdpa"):
         md = build_metadata(chunks, bs, backend, CPU, torch.float32)
-        written[backend] = (k_cache.clone(), v_cache.clone())
+        keys = transposed(k_cache) if backend == "paged-cpu" else k_cache.clone()
+        assert keys.shape == kv_cache_shapes(backend, 40, kv_heads, bs, dim)[0]
+        written[backend] = (keys, v_cache.clone())
         outs[backend] = attention.forward(q, k, v, *written[backend], md)
+    written["paged-cpu"] = (written["paged-cpu"][0].transpose(2, 3), written["paged-cpu"][1])
     assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 3
     torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)
     # Each new position's K and V landed in its block's row for every kv head, and nothing else changed.
@@ -231,12 +288,12 @@ def test_write_kv_cache_matches_index_copy(kv_dtype: torch.dtype, tokens: int) -
     slots = torch.randperm(40 * bs, generator=gen)[:tokens]
     chunks = [ScheduledChunk(int(s) % bs, 1, [int(s) // bs]) for s in slots]
     rows = build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).cache_rows(kv_heads)
-    k_op, v_op = torch.zeros(40, kv_heads, bs, dim, dtype=kv_dtype), torch.zeros(40, kv_heads, bs, dim, dtype=kv_dtype)
-    k_ref, v_ref = k_op.clone(), v_op.clone()
+    k_op, v_op = torch.zeros(40, kv_heads, dim, bs, dtype=kv_dtype), torch.zeros(40, kv_heads, bs, dim, dtype=kv_dtype)
+    k_ref, v_ref = v_op.clone(), v_op.clone()
     kernels.write_kv_cache_op()(k_op, v_op, k, v, rows)
     k_ref.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim).to(kv_dtype))
     v_ref.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim).to(kv_dtype))
-    assert torch.equal(k_op, k_ref) and torch.equal(v_op, v_ref)
+    assert torch.equal(k_op.transpose(2, 3), k_ref) and torch.equal(v_op, v_ref)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.write_kv_cache_op()(k_op, v_op, k, v, rows + 40 * kv_heads * bs)
     with pytest.raises(RuntimeError, match="float32 K and V"):
@@ -244,7 +301,7 @@ def test_write_kv_cache_matches_index_copy(kv_dtype: torch.dtype, tokens: int) -
 
 
 def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
-    """A float16 cache gives what the float32 kernel gives on the same (float16-rounded) values."""
+    """A float16 cache gives what the float32 kernel gives on the same (float16-rounded) values, bit for bit."""
     gen = torch.Generator().manual_seed(6)
     k_half = torch.randn(32, 3, 16, 64, generator=gen).half()
     v_half = torch.randn(32, 3, 16, 64, generator=gen).half()
@@ -252,9 +309,9 @@ def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
     tables = torch.tensor([[3, 7, 1, 0], [9, 0, 0, 0], [4, 5, 6, 8]], dtype=torch.int32)
     q = torch.randn(14, 9, 64, generator=gen)
     out_half, out_float = torch.empty_like(q), torch.empty_like(q)
-    paged_attention_op()(out_half, q, k_half, v_half, tables, requests, 0.125)
-    paged_attention_op()(out_float, q, k_half.float(), v_half.float(), tables, requests, 0.125)
-    torch.testing.assert_close(out_half, out_float, atol=1e-6, rtol=1e-6)
+    paged_attention_op()(out_half, q, transposed(k_half), v_half, tables, requests, 0.125)
+    paged_attention_op()(out_float, q, transposed(k_half.float()), v_half.float(), tables, requests, 0.125)
+    assert torch.equal(out_half, out_float)  # float16 widens to float32 exactly
     expected = reference(q[2:], k_half.float(), v_half.float(), [4, 5, 6, 8], 60).float()
     torch.testing.assert_close(out_half[2:], expected, atol=1e-5, rtol=1e-5)
 

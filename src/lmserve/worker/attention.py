@@ -51,6 +51,18 @@ def check_attention_backend(name: str | None, device: torch.device, dtype: torch
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
+def kv_cache_shapes(
+    backend: str, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The K and V caches' shapes. Blocks are head-major: one kv head's part of a block is contiguous. paged-cpu
+    stores each such part of K transposed, [head dim, block size], so that the kernel's scores for a vector of keys
+    are one chain of multiply-adds along K's rows (worker/kernels/paged_attention.cpp)."""
+    v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if backend == "paged-cpu":
+        return (num_blocks, num_kv_heads, head_dim, block_size), v_shape
+    return v_shape, v_shape
+
+
 def check_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, backend: str) -> torch.dtype:
     """The KV cache's element type. float16 halves the bytes that attention streams per step and the memory per token,
     at float16's rounding of K and V; the paged-cpu kernel widens it with F16C. auto is float16 for a float32 model
@@ -176,10 +188,15 @@ def build_metadata(
     )
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context: int, dtype: torch.dtype) -> torch.Tensor:
-    """[KVH, context, D]: a sequence's first `context` cached positions, copied out of its blocks."""
-    blocks = cache.index_select(0, block_ids)  # [blocks, KVH, block size, D]
-    return blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])[:, :context].to(dtype)
+def _gather(
+    cache: torch.Tensor, block_ids: torch.Tensor, context: int, dtype: torch.dtype, transposed: bool = False
+) -> torch.Tensor:
+    """[KVH, context, D]: a sequence's first `context` cached positions, copied out of its blocks ([blocks, KVH,
+    block size, D], or [blocks, KVH, D, block size] where `transposed`: paged-cpu's keys)."""
+    blocks = cache.index_select(0, block_ids)
+    if transposed:
+        blocks = blocks.transpose(2, 3)
+    return blocks.transpose(0, 1).reshape(cache.shape[1], -1, blocks.shape[3])[:, :context].to(dtype)
 
 
 def _chunk_mask(positions: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -202,7 +219,7 @@ class PagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
+        k_cache: torch.Tensor,  # kv_cache_shapes(md.backend, ...)
         v_cache: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:
@@ -231,7 +248,7 @@ class PagedAttention:
                 keys, values = keys.transpose(0, 1), values.transpose(0, 1)
                 causal = True
             else:
-                keys = _gather(k_cache, block_ids, start + q_len, q.dtype)
+                keys = _gather(k_cache, block_ids, start + q_len, q.dtype, transposed=md.backend == "paged-cpu")
                 values = _gather(v_cache, block_ids, start + q_len, q.dtype)
                 causal = False
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,

@@ -16,7 +16,7 @@ import torch
 
 from lmserve.config import CacheConfig, parse_memory
 from lmserve.kv_sizing import blocks_needed, kv_blocks_for_memory_utilization
-from lmserve.worker.attention import ScheduledChunk, build_metadata
+from lmserve.worker.attention import ScheduledChunk, build_metadata, kv_cache_shapes
 from lmserve.worker.models.llama import LlamaForCausalLM
 
 # On CPU the KV cache takes this unless --kv-cache-memory says otherwise: RAM is shared with everything else on the
@@ -81,9 +81,9 @@ def profiling_step(
         chunks.append(ScheduledChunk(0, n, list(range(next_block, next_block + count))))
         next_block += count
     num_kv_heads, head_dim = model.kv_shape
-    shape = (next_block, num_kv_heads, block_size, head_dim)
+    k_shape, v_shape = kv_cache_shapes(attention_backend, next_block, num_kv_heads, block_size, head_dim)
     kv_caches = [
-        (torch.zeros(shape, dtype=kv_cache_dtype, device=device), torch.zeros(shape, dtype=kv_cache_dtype, device=device))
+        (torch.zeros(k_shape, dtype=kv_cache_dtype, device=device), torch.zeros(v_shape, dtype=kv_cache_dtype, device=device))
         for _ in range(model.num_layers)
     ]
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)

@@ -24,6 +24,7 @@ from lmserve.worker.attention import (
     build_metadata,
     check_attention_backend,
     check_kv_cache_dtype,
+    kv_cache_shapes,
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.loader import load_weights
@@ -181,12 +182,13 @@ class ModelRunner:
                 self.block_size, self.attention_backend, self.kv_cache_dtype,
             ),
         ), most_blocks_usable=scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size))
-        # Head-major blocks: one kv head's keys of a block are contiguous (worker/kernels/paged_attention.cpp).
-        shape = (self.num_blocks, num_kv_heads, self.block_size, head_dim)
+        k_shape, v_shape = kv_cache_shapes(
+            self.attention_backend, self.num_blocks, num_kv_heads, self.block_size, head_dim
+        )
         self.kv_caches = [
             (
-                zeroed_lazily(shape, self.kv_cache_dtype, self.device),
-                zeroed_lazily(shape, self.kv_cache_dtype, self.device),
+                zeroed_lazily(k_shape, self.kv_cache_dtype, self.device),
+                zeroed_lazily(v_shape, self.kv_cache_dtype, self.device),
             )
             for _ in range(model.num_layers)
         ]
