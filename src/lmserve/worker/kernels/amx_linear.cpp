@@ -62,23 +62,21 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// Rows [0, M) of x (float32, row stride K) into out as bfloat16 (round to nearest even, as torch's .to(bfloat16)),
-// [M_padded, K]; rows from M on are zeros.
-void round_rows(const float* x, int64_t M, int64_t M_padded, int64_t K, uint16_t* out) {
-  at::parallel_for(0, M_padded, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      uint16_t* dst = out + r * K;
-      if (r >= M) {
-        std::memset(dst, 0, K * sizeof(uint16_t));
-        continue;
-      }
-      const float* src = x + r * K;
-      for (int64_t k = 0; k < K; k += 32) {
-        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
-        _mm512_storeu_si512(dst + k, (__m512i)pair);
-      }
+// Rows [m0, m0 + count) of x (float32, row stride K) as bfloat16 (round to nearest even, as torch's .to(bfloat16)) into
+// out, [count_padded, K]; rows from M on are zeros.
+void round_rows(const float* x, int64_t m0, int64_t count_padded, int64_t M, int64_t K, uint16_t* out) {
+  for (int64_t r = 0; r < count_padded; ++r) {
+    uint16_t* dst = out + r * K;
+    if (m0 + r >= M) {
+      std::memset(dst, 0, K * sizeof(uint16_t));
+      continue;
     }
-  });
+    const float* src = x + (m0 + r) * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+      _mm512_storeu_si512(dst + k, (__m512i)pair);
+    }
+  }
 }
 
 // Output columns [n0, n0 + 32) of rows [m0, m0 + 32): the four accumulators over all of K.
@@ -141,16 +139,23 @@ torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& weight
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y.view(out_shape);
   const int64_t M_padded = (M + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
-  std::vector<uint16_t> rounded(M_padded * K);
-  round_rows(x.data_ptr<float>(), M, M_padded, K, rounded.data());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / kColsPerPass, 1, [&](int64_t begin, int64_t end) {
+    // Each thread rounds the chunk of rows it is about to use into its own buffer, which stays in its L2: no pass of
+    // all rows through memory before the products, and no buffer of all of them.
+    std::vector<uint16_t> rounded(kRowsPerChunk * K + 32);
+    // 64-byte aligned (32 bfloat16), so that no tile row straddles two cache lines.
+    uint16_t* chunk = rounded.data() + (32 - reinterpret_cast<uintptr_t>(rounded.data()) % 64 / 2) % 32;
     configure_tiles();
-    for (int64_t c0 = 0; c0 < M_padded; c0 += kRowsPerChunk)
+    for (int64_t c0 = 0; c0 < M_padded; c0 += kRowsPerChunk) {
+      const int64_t rows = std::min(M_padded, c0 + kRowsPerChunk) - c0;
+      round_rows(xp, c0, rows, M, K, chunk);
       for (int64_t pair = begin; pair < end; ++pair)
-        for (int64_t m0 = c0; m0 < std::min(M_padded, c0 + kRowsPerChunk); m0 += kRowsPerPass)
-          tile_pass(rounded.data(), w, K, m0, pair * 2, M, N, bias_data, yp);
+        for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass)
+          tile_pass(chunk, w, K, m0, pair * 2, M - c0, N, bias_data, yp + c0 * N);
+    }
     _tile_release();
   });
   return y.view(out_shape);
