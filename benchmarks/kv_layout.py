@@ -10,7 +10,10 @@ Cases: decodes (W1's 16 streams, W4's one, and 16 at a longer context), a short 
 eight 256-token prompts as first chunks: the prompt path computes every chunk with this kernel where prompt rows
 run in bfloat16 (attention.build_metadata, every_chunk_paged).
 
-    .venv/bin/python benchmarks/kv_layout.py [--base 83b999f] [--repeats 15]
+`--march haswell` builds both kernels from source for another -march (both then under their own namespaces): on an
+AVX-512 machine, a look at the AVX2 code paths (8-lane vectors) that AVX2-only machines run.
+
+    .venv/bin/python benchmarks/kv_layout.py [--base 83b999f] [--repeats 15] [--march haswell]
 """
 
 from __future__ import annotations
@@ -39,28 +42,33 @@ CASES = {  # label: [(query length, context length)], decodes first as the runne
 }
 
 
-def base_kernel(commit: str, build: Path):
-    """The commit's paged_attention op, as torch.ops.lmserve_base."""
-    source = subprocess.run(["git", "show", f"{commit}:src/lmserve/worker/kernels/paged_attention.cpp"],
-                            cwd=REPO, check=True, capture_output=True, text=True).stdout
-    source = source.replace("TORCH_LIBRARY(lmserve,", "TORCH_LIBRARY(lmserve_base,")
-    source = source.replace("TORCH_LIBRARY_IMPL(lmserve,", "TORCH_LIBRARY_IMPL(lmserve_base,")
-    (build / "base.cpp").write_text(source)
-    cpp_extension.load(name="lmserve_base", sources=[str(build / "base.cpp")], extra_cflags=BUILD_FLAGS,
+def built_kernel(source: str, name: str, build: Path, flags: list[str]):
+    """The paged_attention op of this kernel source, as torch.ops.<name>."""
+    source = source.replace("TORCH_LIBRARY(lmserve,", f"TORCH_LIBRARY({name},")
+    source = source.replace("TORCH_LIBRARY_IMPL(lmserve,", f"TORCH_LIBRARY_IMPL({name},")
+    (build / f"{name}.cpp").write_text(source)
+    cpp_extension.load(name=name, sources=[str(build / f"{name}.cpp")], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
-    return torch.ops.lmserve_base.paged_attention
+    return getattr(torch.ops, name).paged_attention
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="83b999f")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--march", help="build both kernels for this -march (default: the library's native build)")
     args = parser.parse_args()
-    new_op = paged_attention_op()
+    flags = [f"-march={args.march}" if f == "-march=native" else f for f in BUILD_FLAGS] if args.march else BUILD_FLAGS
+    base_source = subprocess.run(["git", "show", f"{args.base}:src/lmserve/worker/kernels/paged_attention.cpp"],
+                                 cwd=REPO, check=True, capture_output=True, text=True).stdout
+    tag = (args.march or "native").replace("-", "_")
     with tempfile.TemporaryDirectory() as tmp:
-        base_op = base_kernel(args.base, Path(tmp))
+        base_op = built_kernel(base_source, f"lmserve_base_{tag}", Path(tmp), flags)
+        new_op = paged_attention_op() if not args.march else built_kernel(
+            (REPO / "src/lmserve/worker/kernels/paged_attention.cpp").read_text(), f"lmserve_tree_{tag}", Path(tmp),
+            flags)
     gen = torch.Generator().manual_seed(0)
-    isa = "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
+    isa = f"-march={args.march}" if args.march else "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
     print(f"{platform.processor() or platform.machine()} ({isa}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {LAYERS} layers' caches, each request's blocks scattered\n")
     print(f"| case | cache | {args.base}, ms | keys transposed, ms | ratio |\n|---|---|---|---|---|")
