@@ -17,15 +17,20 @@ from lmserve.worker.attention import (
     check_kv_cache_dtype,
     kv_cache_shapes,
 )
-from lmserve.worker.kernels import paged_attention_op
+from lmserve.worker.kernels import paged_attention_op, paged_keys_transposed
 
 CPU = torch.device("cpu")
 
 
-def transposed(k_cache: torch.Tensor) -> torch.Tensor:
-    """A [blocks, kv heads, block size, head dim] K cache in the kernel's layout, [blocks, kv heads, head dim, block
-    size] (attention.kv_cache_shapes)."""
-    return k_cache.transpose(2, 3).contiguous()
+def in_kernel_layout(k_cache: torch.Tensor) -> torch.Tensor:
+    """A [blocks, kv heads, block size, head dim] K cache in the built kernel's layout: [blocks, kv heads, head dim,
+    block size] where it reads K transposed (attention.kv_cache_shapes)."""
+    return k_cache.transpose(2, 3).contiguous() if paged_keys_transposed() else k_cache.clone()
+
+
+def from_kernel_layout(k_cache: torch.Tensor) -> torch.Tensor:
+    """in_kernel_layout's inverse."""
+    return k_cache.transpose(2, 3) if paged_keys_transposed() else k_cache
 
 
 def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int) -> torch.Tensor:
@@ -69,7 +74,7 @@ def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, hea
     q = fused[:, :num_heads]
     out = torch.full((rows, num_heads, head_dim), 7.0)
     info = torch.tensor([(r, q_len, ctx) for r, (q_len, ctx) in zip(first_rows, requests, strict=True)])
-    paged_attention_op()(out, q, transposed(k_cache), v_cache, block_tables, info, head_dim**-0.5)
+    paged_attention_op()(out, q, in_kernel_layout(k_cache), v_cache, block_tables, info, head_dim**-0.5)
 
     assert (out[0] == 7.0).all()
     for i, (q_len, ctx) in enumerate(requests):
@@ -87,7 +92,7 @@ def test_kernel_splits_a_single_stream_by_kv_head_with_the_same_result(context: 
     q = torch.randn(1, 9, 64, generator=gen)
     out = torch.empty_like(q)
     table = blocks.int()[None]
-    paged_attention_op()(out, q, transposed(k_cache), v_cache, table, torch.tensor([[0, 1, context]]), 64**-0.5)
+    paged_attention_op()(out, q, in_kernel_layout(k_cache), v_cache, table, torch.tensor([[0, 1, context]]), 64**-0.5)
     expected = reference(q, k_cache, v_cache, blocks.tolist(), context)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
 
@@ -109,7 +114,7 @@ def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(
     blocks = -(-context // block_size)
     k_cache = torch.randn(blocks + 8, num_kv_heads, block_size, head_dim, generator=gen).to(kv_dtype)
     v_cache = torch.randn(blocks + 8, num_kv_heads, block_size, head_dim, generator=gen).to(kv_dtype)
-    keys = transposed(k_cache)
+    keys = in_kernel_layout(k_cache)
     table = torch.randperm(blocks + 8, generator=gen)[:blocks].int()
     q = torch.randn(context, num_heads, head_dim, generator=gen)
     other = torch.randn(3, num_heads, head_dim, generator=gen)  # decodes of another request over the same blocks
@@ -147,7 +152,9 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
 
 def test_kernel_refuses_what_it_cannot_compute() -> None:
     op = paged_attention_op()
-    keys, cache = torch.zeros(4, 1, 64, 16), torch.zeros(4, 1, 16, 64)
+    cache = torch.zeros(4, 1, 16, 64)
+    keys = in_kernel_layout(cache)
+    other_layout = cache if paged_keys_transposed() else cache.transpose(2, 3).contiguous()
     q, out = torch.zeros(1, 1, 64), torch.zeros(1, 1, 64)
     tables = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32 queries"):
@@ -158,11 +165,22 @@ def test_kernel_refuses_what_it_cannot_compute() -> None:
         op(out, q, keys, cache.half(), tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="context 40"):  # longer than its two blocks of 16
         op(out, q, keys, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
-    with pytest.raises(RuntimeError, match=r"K \[blocks, kv heads, head dim, block size\]"):  # K not transposed
-        op(out, q, cache, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
+    with pytest.raises(RuntimeError, match=r"caches must be K .*\[blocks, kv heads, "):  # K in the other layout
+        op(out, q, other_layout, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim 24"):
-        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), torch.zeros(4, 1, 24, 16), torch.zeros(4, 1, 16, 24),
-           tables, torch.tensor([[0, 1, 5]]), 1.0)
+        op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), in_kernel_layout(torch.zeros(4, 1, 16, 24)),
+           torch.zeros(4, 1, 16, 24), tables, torch.tensor([[0, 1, 5]]), 1.0)
+
+
+def test_the_key_layout_follows_the_build() -> None:
+    """Transposed keys where the kernel is built for AVX-512 (with F16C), V's layout everywhere else; the caches the
+    runner allocates follow the kernel."""
+    if kernels.kernel_march() == "native":
+        assert paged_keys_transposed() == ({"avx512f", "f16c"} <= kernels.cpu_flags())
+    k_shape, v_shape = kv_cache_shapes("paged-cpu", 5, 3, 16, 64)
+    assert v_shape == (5, 3, 16, 64)
+    assert k_shape == ((5, 3, 64, 16) if paged_keys_transposed() else v_shape)
+    assert kv_cache_shapes("sdpa", 5, 3, 16, 64) == (v_shape, v_shape)
 
 
 def test_auto_picks_the_kernel_only_where_it_runs() -> None:
@@ -249,11 +267,11 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
     outs, written = {}, {}
     for backend in ("paged-cpu", "sdpa"):
         md = build_metadata(chunks, bs, backend, CPU, torch.float32)
-        keys = transposed(k_cache) if backend == "paged-cpu" else k_cache.clone()
+        keys = in_kernel_layout(k_cache) if backend == "paged-cpu" else k_cache.clone()
         assert keys.shape == kv_cache_shapes(backend, 40, kv_heads, bs, dim)[0]
         written[backend] = (keys, v_cache.clone())
         outs[backend] = attention.forward(q, k, v, *written[backend], md)
-    written["paged-cpu"] = (written["paged-cpu"][0].transpose(2, 3), written["paged-cpu"][1])
+    written["paged-cpu"] = (from_kernel_layout(written["paged-cpu"][0]), written["paged-cpu"][1])
     assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 3
     torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)
     # Each new position's K and V landed in its block's row for every kv head, and nothing else changed.
@@ -288,12 +306,13 @@ def test_write_kv_cache_matches_index_copy(kv_dtype: torch.dtype, tokens: int) -
     slots = torch.randperm(40 * bs, generator=gen)[:tokens]
     chunks = [ScheduledChunk(int(s) % bs, 1, [int(s) // bs]) for s in slots]
     rows = build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).cache_rows(kv_heads)
-    k_op, v_op = torch.zeros(40, kv_heads, dim, bs, dtype=kv_dtype), torch.zeros(40, kv_heads, bs, dim, dtype=kv_dtype)
+    k_shape, v_shape = kv_cache_shapes("paged-cpu", 40, kv_heads, bs, dim)
+    k_op, v_op = torch.zeros(k_shape, dtype=kv_dtype), torch.zeros(v_shape, dtype=kv_dtype)
     k_ref, v_ref = v_op.clone(), v_op.clone()
     kernels.write_kv_cache_op()(k_op, v_op, k, v, rows)
     k_ref.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim).to(kv_dtype))
     v_ref.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim).to(kv_dtype))
-    assert torch.equal(k_op.transpose(2, 3), k_ref) and torch.equal(v_op, v_ref)
+    assert torch.equal(from_kernel_layout(k_op), k_ref) and torch.equal(v_op, v_ref)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.write_kv_cache_op()(k_op, v_op, k, v, rows + 40 * kv_heads * bs)
     with pytest.raises(RuntimeError, match="float32 K and V"):
@@ -309,8 +328,8 @@ def test_kernel_widens_a_float16_cache_to_the_same_result() -> None:
     tables = torch.tensor([[3, 7, 1, 0], [9, 0, 0, 0], [4, 5, 6, 8]], dtype=torch.int32)
     q = torch.randn(14, 9, 64, generator=gen)
     out_half, out_float = torch.empty_like(q), torch.empty_like(q)
-    paged_attention_op()(out_half, q, transposed(k_half), v_half, tables, requests, 0.125)
-    paged_attention_op()(out_float, q, transposed(k_half.float()), v_half.float(), tables, requests, 0.125)
+    paged_attention_op()(out_half, q, in_kernel_layout(k_half), v_half, tables, requests, 0.125)
+    paged_attention_op()(out_float, q, in_kernel_layout(k_half.float()), v_half.float(), tables, requests, 0.125)
     assert torch.equal(out_half, out_float)  # float16 widens to float32 exactly
     expected = reference(q[2:], k_half.float(), v_half.float(), [4, 5, 6, 8], 60).float()
     torch.testing.assert_close(out_half[2:], expected, atol=1e-5, rtol=1e-5)

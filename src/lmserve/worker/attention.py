@@ -21,7 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lmserve.worker.kernels import cpu_flags, cpu_kernels_load, paged_attention_op, write_kv_cache_op
+from lmserve.worker.kernels import (
+    cpu_flags,
+    cpu_kernels_load,
+    paged_attention_op,
+    paged_keys_transposed,
+    write_kv_cache_op,
+)
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
 PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
@@ -54,13 +60,18 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 def kv_cache_shapes(
     backend: str, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The K and V caches' shapes. Blocks are head-major: one kv head's part of a block is contiguous. paged-cpu
-    stores each such part of K transposed, [head dim, block size], so that the kernel's scores for a vector of keys
-    are one chain of multiply-adds along K's rows (worker/kernels/paged_attention.cpp)."""
+    """The K and V caches' shapes. Blocks are head-major: one kv head's part of a block is contiguous. paged-cpu's
+    kernel for AVX-512 stores each such part of K transposed, [head dim, block size], so that its scores for a vector
+    of keys are one chain of multiply-adds along K's rows (worker/kernels/paged_attention.h)."""
     v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if backend == "paged-cpu":
+    if keys_transposed(backend):
         return (num_blocks, num_kv_heads, head_dim, block_size), v_shape
     return v_shape, v_shape
+
+
+def keys_transposed(backend: str) -> bool:
+    """Whether `backend` stores K blocks transposed (kv_cache_shapes)."""
+    return backend == "paged-cpu" and paged_keys_transposed()
 
 
 def check_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, backend: str) -> torch.dtype:
@@ -192,7 +203,7 @@ def _gather(
     cache: torch.Tensor, block_ids: torch.Tensor, context: int, dtype: torch.dtype, transposed: bool = False
 ) -> torch.Tensor:
     """[KVH, context, D]: a sequence's first `context` cached positions, copied out of its blocks ([blocks, KVH,
-    block size, D], or [blocks, KVH, D, block size] where `transposed`: paged-cpu's keys)."""
+    block size, D], or [blocks, KVH, D, block size] where `transposed`: kv_cache_shapes)."""
     blocks = cache.index_select(0, block_ids)
     if transposed:
         blocks = blocks.transpose(2, 3)
@@ -248,7 +259,7 @@ class PagedAttention:
                 keys, values = keys.transpose(0, 1), values.transpose(0, 1)
                 causal = True
             else:
-                keys = _gather(k_cache, block_ids, start + q_len, q.dtype, transposed=md.backend == "paged-cpu")
+                keys = _gather(k_cache, block_ids, start + q_len, q.dtype, transposed=keys_transposed(md.backend))
                 values = _gather(v_cache, block_ids, start + q_len, q.dtype)
                 causal = False
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,

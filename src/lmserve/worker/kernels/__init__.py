@@ -10,7 +10,9 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -24,14 +26,18 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = (
-    "paged_attention.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp", "amx_linear.cpp", "int16_activations.cpp",
+    "paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp",
+    "amx_linear.cpp", "int16_activations.cpp",
 )
+HEADERS = ("paged_attention.h",)  # included by SOURCES: part of what a build is made of
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the
 # kernel ran on one thread). The link names libgomp.so.1, the same soname as the runtime torch already loaded, so the
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's
 # vector versions; the kernels never compute with infinities (a softmax's running max starts at the lowest float).
 BUILD_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
+# Another -march than native for the kernels (e.g. haswell: the AVX2 build, tested and measured on an AVX-512 machine).
+KERNEL_MARCH_VARIABLE = "LMSERVE_KERNEL_MARCH"
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
 LIBRARY = "lmserve_cpu_kernels"
 BUILD_STAMP = f"{LIBRARY}.stamp"  # build_key() of the library beside it
@@ -51,10 +57,26 @@ def cpu_signature() -> str:
     return hashlib.sha1(f"{platform.machine()} {' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:10]
 
 
+def kernel_march() -> str:
+    """The -march the kernels are built for: native, or what LMSERVE_KERNEL_MARCH names (checked to be one word, as it
+    goes onto the compiler's command line)."""
+    march = os.environ.get(KERNEL_MARCH_VARIABLE, "").strip() or "native"
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", march):
+        raise ValueError(f"{KERNEL_MARCH_VARIABLE}={march!r} is not a -march name (e.g. native, haswell, x86-64-v3)")
+    return march
+
+
+def build_flags() -> list[str]:
+    """BUILD_FLAGS for kernel_march()."""
+    return [f"-march={kernel_march()}" if flag == "-march=native" else flag for flag in BUILD_FLAGS]
+
+
 def build_directory() -> Path:
-    """One folder per torch version and CPU, under lmserve's cache, so that a kernel built against another torch or
-    for another CPU (a shared home directory) is never loaded."""
-    path = cache_directory() / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_signature()}"
+    """One folder per torch version, CPU and -march, under lmserve's cache, so that a kernel built against another
+    torch or for another CPU (a shared home directory) is never loaded."""
+    march = kernel_march()
+    cpu = f"cpu-{cpu_signature()}" + ("" if march == "native" else f"-march-{march}")
+    path = cache_directory() / "kernels" / f"torch-{torch.__version__}" / cpu
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -84,10 +106,10 @@ def build_key() -> str:
     and Python. Written beside the library once it loaded (BUILD_STAMP). The real place, so that one virtualenv
     reached through two paths (a symlink) shares one build instead of rebuilding whenever the other path starts."""
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
     torch_files = str(Path(torch.__file__).resolve().parent)
-    digest.update(" ".join([*BUILD_FLAGS, "|", *LINK_FLAGS, torch.__version__, torch_files, sys.version]).encode())
+    digest.update(" ".join([*build_flags(), "|", *LINK_FLAGS, torch.__version__, torch_files, sys.version]).encode())
     return digest.hexdigest()
 
 
@@ -113,7 +135,7 @@ def cpu_kernels():
                 cpp_extension.load(
                     name=LIBRARY,
                     sources=[str(SOURCE_DIR / name) for name in SOURCES],
-                    extra_cflags=BUILD_FLAGS,
+                    extra_cflags=build_flags(),
                     extra_ldflags=LINK_FLAGS,
                     build_directory=str(directory),
                     is_python_module=False,
@@ -129,6 +151,13 @@ def cpu_kernels():
 def paged_attention_op():
     """`torch.ops.lmserve.paged_attention` (worker/kernels/paged_attention.cpp)."""
     return cpu_kernels().paged_attention
+
+
+@functools.cache
+def paged_keys_transposed() -> bool:
+    """Whether the built paged attention kernel reads K blocks transposed, [block, kv head, head dim, key] (a build
+    for AVX-512), or laid out as V's, [block, kv head, key, head dim] (any other): kernels/paged_attention.h."""
+    return bool(cpu_kernels().paged_keys_transposed())
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-// Causal attention that reads K/V from the paged block cache in place, for CPU and float32 queries.
+// Causal attention that reads K/V from the paged block cache in place, for CPU and float32 queries: the kernel of
+// builds that target AVX-512 (paged_attention.h says why there are two).
 //
 // Each request contributes `query_len` query rows that attend over its first `context_len` cached positions; query i
 // sits at position context_len - query_len + i and sees keys up to and including its own position. The PyTorch path
@@ -21,35 +22,25 @@
 // every_chunk_paged). Rows that share a kv head are computed together so that each K^T and V value is loaded once
 // for several rows.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "paged_attention.h"
+
+#if defined(__AVX512F__) && defined(__F16C__)
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kQueryTile = 16;  // queries per work item: keeps the tile's accumulators in L1/L2
+using namespace lmserve_paged;
 
-#if defined(__AVX512F__)
 constexpr int kLanes = 16;   // keys per score vector
 constexpr int kPartials = 4; // independent chains of multiply-adds per score vector (summed at the end)
 constexpr int kRunRows = 6;  // rows computed together: kRunRows x kPartials accumulators in registers
-#else
-constexpr int kLanes = 8;
-constexpr int kPartials = 2;
-constexpr int kRunRows = 4;
-#endif
 
 // The vectors: kLanes floats for scores, kLanes or 8 for p . V (a head size that is not a multiple of kLanes).
 // aligned(4) lets a pointer cast load from any float address. Typedefs inside a struct, because one passed as a
@@ -71,18 +62,10 @@ typedef int32_t IntVec __attribute__((vector_size(4 * kLanes), aligned(4)));
 // every inlined copy: in a test, 22 of 96 scores of six rows computed together differed by an ulp from the same rows
 // computed alone. With every product fused explicitly, a row's arithmetic is the same wherever it is computed.
 inline Floats<8>::type fmadd(Floats<8>::type a, Floats<8>::type b, Floats<8>::type c) {
-#if defined(__FMA__)
   return (Floats<8>::type)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
 }
 inline Floats<16>::type fmadd(Floats<16>::type a, Floats<16>::type b, Floats<16>::type c) {
-#if defined(__AVX512F__)
   return (Floats<16>::type)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-  return a * b + c;
-#endif
 }
 
 inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
@@ -117,24 +100,8 @@ inline Vec exp_nonpositive(Vec x) {
 }
 
 // A vector's sum (in one fixed order of halves) and maximum.
-inline float sum_lanes(Vec v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  const __m128 quads = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-#endif
-}
-inline float max_lanes(Vec v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps((__m512)v);
-#else
-  const __m128 quads = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-  const __m128 pairs = _mm_max_ps(quads, _mm_movehl_ps(quads, quads));
-  return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_movehdup_ps(pairs)));
-#endif
-}
+inline float sum_lanes(Vec v) { return _mm512_reduce_add_ps((__m512)v); }
+inline float max_lanes(Vec v) { return _mm512_reduce_max_ps((__m512)v); }
 
 // Cache values as float32 vectors: float32 caches as they are, float16 ones (`--kv-cache-dtype float16`, half the
 // bytes to stream per step) widened with F16C, which is exact.
@@ -146,27 +113,17 @@ inline typename Floats<kWidth>::type load_as(const float* p) {
 template <int kWidth>
 inline typename Floats<kWidth>::type load_as(const at::Half* p) {
   using V = typename Floats<kWidth>::type;
-#if defined(__F16C__)
-  if constexpr (kWidth == 16) {
-#if defined(__AVX512F__)
+  if constexpr (kWidth == 16)
     return (V)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#endif
-  } else {
+  else
     return (V)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-#endif
-  V v;
-  for (int i = 0; i < kWidth; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
 }
 
 // n cache values into float32.
 template <typename KV>
 inline void widen(const KV* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) *reinterpret_cast<Floats<16>::type*>(dst + i) = load_as<16>(src + i);
-#endif
   for (; i + 8 <= n; i += 8) *reinterpret_cast<Floats<8>::type*>(dst + i) = load_as<8>(src + i);
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -317,25 +274,13 @@ void run_rows(int64_t rows, const float* queries, float* acc, float* scores, flo
       case 1: run_block<kDim, 1, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
       case 2: run_block<kDim, 2, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
       case 3: run_block<kDim, 3, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-#if defined(__AVX512F__)
       case 4: run_block<kDim, 4, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
       case 5: run_block<kDim, 5, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
       default: run_block<kDim, 6, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-#else
-      default: run_block<kDim, 4, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-#endif
     }
     part.next_k = part.next_v = nullptr;  // the first run prefetched them
   }
 }
-
-struct WorkItem {
-  int64_t request;
-  int64_t first_head;  // query heads [first_head, first_head + num_heads)
-  int64_t num_heads;
-  int64_t first_query;  // within the request
-  int64_t num_queries;
-};
 
 template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -353,25 +298,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t head_values = block_size * kDim, block_stride = num_kv_heads * head_values;
   const float fscale = static_cast<float>(scale);
 
-  // Each thread takes a contiguous run of items of about equal cost (queries x keys x heads), so that one long chunk
-  // next to short decodes does not leave a thread idle while the other computes the chunk.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(items.size()));
-  {
-    auto cost = [&](const WorkItem& it) {
-      const int64_t last_key = req[3 * it.request + 2] - req[3 * it.request + 1] + it.first_query + it.num_queries;
-      return it.num_queries * last_key * it.num_heads;
-    };
-    int64_t total = 0, done = 0;
-    for (const WorkItem& it : items) total += cost(it);
-    bounds[0] = 0;
-    int64_t t = 1;
-    for (int64_t w = 0; w < static_cast<int64_t>(items.size()) && t < threads; ++w) {
-      done += cost(items[w]);
-      // Thread t - 1's run ends once the items so far hold t shares of the total.
-      while (t < threads && done * threads >= total * t) bounds[t++] = w + 1;
-    }
-  }
+  const std::vector<int64_t> bounds = thread_bounds(items, requests);
+  const int64_t threads = bounds.size() - 1;
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     const int64_t begin = bounds[first_thread], end = bounds[last_thread];
     const int64_t max_rows = kQueryTile * q.size(1);
@@ -444,20 +372,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& requests,
                      double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 queries");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "paged_attention: float32 or float16 caches");
-#if !defined(__F16C__)
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_attention: a float16 cache needs a CPU with F16C");
-#endif
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: shapes");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: head_dim must be contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
-  TORCH_CHECK(requests.scalar_type() == at::kLong && requests.is_contiguous() && requests.size(1) == 3,
-              "requests: int64 [R, 3] of (first row, query length, context length)");
-
+  check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = v_cache.size(2), num_kv_heads = v_cache.size(1);
   TORCH_CHECK(v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && k_cache.size(0) == v_cache.size(0) &&
@@ -466,69 +381,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
               "block size, head dim] with head dim ", head_dim, " and a kv head count that divides ", num_heads,
               " query heads");
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t num_requests = requests.size(0), max_blocks = block_tables.size(1);
-  TORCH_CHECK(block_tables.size(0) == num_requests, "block_tables: one row per request");
-
-  const int64_t* req = requests.data_ptr<int64_t>();
-  int64_t tiles = 0;
-  for (int64_t r = 0; r < num_requests; ++r) {
-    const int64_t query_len = req[3 * r + 1], context_len = req[3 * r + 2];
-    TORCH_CHECK(query_len >= 1 && context_len >= query_len && context_len <= max_blocks * block_size,
-                "paged_attention: request ", r, " has query length ", query_len, " and context ", context_len);
-    tiles += (query_len + kQueryTile - 1) / kQueryTile;
-  }
-  // With enough tiles to keep every thread busy, one work item takes all heads: it then reads each cache block
-  // once. With fewer (a single stream), items split by kv head so that all threads work. So does
-  // a request that alone costs more than a thread's share (a prefill chunk over a long context among decodes), with
-  // half tiles of queries, so that its pieces spread evenly over the threads.
-  const int64_t threads = at::get_num_threads();
-  int64_t total_cost = 0;
-  for (int64_t r = 0; r < num_requests; ++r) total_cost += req[3 * r + 1] * req[3 * r + 2];
-  std::vector<WorkItem> items;
-  for (int64_t r = 0; r < num_requests; ++r) {
-    const int64_t query_len = req[3 * r + 1];
-    const bool dominant = threads > 1 && query_len > 1 && query_len * req[3 * r + 2] * threads > total_cost;
-    const int64_t heads_per_item = tiles >= 2 * threads && !dominant ? num_heads : group;
-    const int64_t query_tile = dominant ? kQueryTile / 2 : kQueryTile;
-    for (int64_t head = 0; head < num_heads; head += heads_per_item)
-      for (int64_t first = 0; first < query_len; first += query_tile)
-        items.push_back({r, head, heads_per_item, first, std::min(query_tile, query_len - first)});
-  }
-
-#if defined(__F16C__)
-  if (k_cache.scalar_type() == at::kHalf) {
-    switch (head_dim) {
-      case 8: return run<8, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-      case 16: return run<16, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-      case 32: return run<32, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-      case 64: return run<64, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-      case 128: return run<128, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-      case 256: return run<256, at::Half>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-      default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " is not one of 8, 16, 32, 64, 128, 256");
-    }
-  }
-#endif
-  switch (head_dim) {
-    case 8: return run<8, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 16: return run<16, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 32: return run<32, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 64: return run<64, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 128: return run<128, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    case 256: return run<256, float>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
-    default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " is not one of 8, 16, 32, 64, 128, 256");
-  }
-}
-
-// One new position's K (or V) row of one kv head into its cache row, in the cache's element type.
-inline void store_row(float* dst, const float* src, int64_t dim) { std::copy(src, src + dim, dst); }
-inline void store_row(at::Half* dst, const float* src, int64_t dim) {
-  int64_t d = 0;
-#if defined(__F16C__)
-  for (; d + 8 <= dim; d += 8)  // round to nearest even, as at::Half's conversion does
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-  for (; d < dim; ++d) dst[d] = at::Half(src[d]);
+  const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
+  dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
+    run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+  });
 }
 
 // One new position's K row of one kv head into its column of the block's K^T: value d lands block_size apart.
@@ -562,27 +418,26 @@ void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::
 // two index_copy_ calls.
 void write_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& rows) {
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "write_kv_cache: float32 K and V");
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
-              "write_kv_cache: K and V must be [tokens, kv heads, head dim] with contiguous rows");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "write_kv_cache: float32 or float16 caches");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
-                  v_cache.size(1) == k.size(1) && v_cache.size(3) == k.size(2) &&
-                  k_cache.sizes() == at::IntArrayRef({v_cache.size(0), v_cache.size(1), v_cache.size(3), v_cache.size(2)}),
+  check_write_inputs(k_cache, v_cache, k, v, rows);
+  TORCH_CHECK(k_cache.sizes() == at::IntArrayRef({v_cache.size(0), v_cache.size(1), v_cache.size(3), v_cache.size(2)}),
               "write_kv_cache: caches must be K [blocks, kv heads, head dim, block size] and V [blocks, kv heads, "
               "block size, head dim] matching K and V");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == k.size(0) * k.size(1),
-              "write_kv_cache: one int64 row per token and kv head");
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t cache_rows = v_cache.numel() / v_cache.size(3);
-  for (int64_t i = 0; i < rows.numel(); ++i)
-    TORCH_CHECK(row[i] >= 0 && row[i] < cache_rows, "write_kv_cache: row ", row[i], " is outside the cache");
-  if (k_cache.scalar_type() == at::kHalf) return write_rows<at::Half>(k_cache, v_cache, k, v, row);
-  write_rows<float>(k_cache, v_cache, k, v, row);
+  if (k_cache.scalar_type() == at::kHalf) return write_rows<at::Half>(k_cache, v_cache, k, v, rows.data_ptr<int64_t>());
+  write_rows<float>(k_cache, v_cache, k, v, rows.data_ptr<int64_t>());
 }
 
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
+
+#endif  // __AVX512F__ && __F16C__
+
+// The ops' schemas, whichever kernel the build holds.
+namespace {
+bool paged_keys_transposed() { return lmserve_paged::kKeysTransposed; }
 }  // namespace
 
 TORCH_LIBRARY(lmserve, m) {
@@ -590,9 +445,5 @@ TORCH_LIBRARY(lmserve, m) {
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor requests, float scale) -> ()");
   m.def("write_kv_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor rows) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv_cache", &write_kv_cache);
+  m.def("paged_keys_transposed() -> bool", &paged_keys_transposed);
 }
