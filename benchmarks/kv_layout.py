@@ -1,17 +1,18 @@
 """The paged kernel against an earlier commit's, on the layouts each reads, side by side in one process.
 
-The current kernel reads K blocks transposed ([block, kv head, dim, key]: a query's scores against 16 keys are one
-chain of multiply-adds along a vector of keys) and V blocks [block, kv head, key, dim]. `--base` (default 83b999f,
-the last kernel on [block, kv head, key, dim] K blocks, which summed each key's dot product across a vector's lanes)
-is built from git under another op namespace. Both get 30 layers' caches of the same values, each in its own layout
-(so K/V stream from memory, as in a real step), must agree, and are timed over the 30 layers in turns.
+The tree's kernel for AVX-512 reads K blocks transposed ([block, kv head, dim, key]: a query's scores against 16 keys
+are one chain of multiply-adds along a vector of keys), its kernel for other builds (paged_attention_avx2.cpp) reads
+them as V's, [block, kv head, key, dim]; each says which (`paged_keys_transposed`). `--base` (default 83b999f, the last
+commit with one kernel on [block, kv head, key, dim] K blocks, which summed each key's dot product across a vector's
+lanes) is built from git under another op namespace. Both get 30 layers' caches of the same values, each in its own
+layout (so K/V stream from memory, as in a real step), must agree, and are timed over the 30 layers in turns.
 
 Cases: decodes (W1's 16 streams, W4's one, and 16 at a longer context), a short chunk beside decodes, and a step of
 eight 256-token prompts as first chunks: the prompt path computes every chunk with this kernel where prompt rows
 run in bfloat16 (attention.build_metadata, every_chunk_paged).
 
 `--march haswell` builds both kernels from source for another -march (both then under their own namespaces): on an
-AVX-512 machine, a look at the AVX2 code paths (8-lane vectors) that AVX2-only machines run.
+AVX-512 machine, the kernel that AVX2-only machines build.
 
     .venv/bin/python benchmarks/kv_layout.py [--base 83b999f] [--repeats 15] [--march haswell]
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from lmserve.worker.kernels import BUILD_FLAGS, cpu_flags, paged_attention_op
+from lmserve.worker.kernels import BUILD_FLAGS, HEADERS, cpu_flags, paged_attention_op, paged_keys_transposed
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -42,14 +43,17 @@ CASES = {  # label: [(query length, context length)], decodes first as the runne
 }
 
 
-def built_kernel(source: str, name: str, build: Path, flags: list[str]):
-    """The paged_attention op of this kernel source, as torch.ops.<name>."""
-    source = source.replace("TORCH_LIBRARY(lmserve,", f"TORCH_LIBRARY({name},")
-    source = source.replace("TORCH_LIBRARY_IMPL(lmserve,", f"TORCH_LIBRARY_IMPL({name},")
-    (build / f"{name}.cpp").write_text(source)
-    cpp_extension.load(name=name, sources=[str(build / f"{name}.cpp")], extra_cflags=flags,
+def built_kernel(sources: dict[str, str], name: str, build: Path, flags: list[str]):
+    """The ops of these kernel sources (file name: text; headers beside them), as torch.ops.<name>."""
+    paths = []
+    for file, source in sources.items():
+        source = source.replace("TORCH_LIBRARY(lmserve,", f"TORCH_LIBRARY({name},")
+        source = source.replace("TORCH_LIBRARY_IMPL(lmserve,", f"TORCH_LIBRARY_IMPL({name},")
+        (build / f"{name}_{file}").write_text(source)
+        paths.append(str(build / f"{name}_{file}"))
+    cpp_extension.load(name=name, sources=[p for p in paths if p.endswith(".cpp")], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
-    return getattr(torch.ops, name).paged_attention
+    return getattr(torch.ops, name)
 
 
 def main() -> None:
@@ -62,22 +66,31 @@ def main() -> None:
     base_source = subprocess.run(["git", "show", f"{args.base}:src/lmserve/worker/kernels/paged_attention.cpp"],
                                  cwd=REPO, check=True, capture_output=True, text=True).stdout
     tag = (args.march or "native").replace("-", "_")
+    kernels = REPO / "src/lmserve/worker/kernels"
     with tempfile.TemporaryDirectory() as tmp:
-        base_op = built_kernel(base_source, f"lmserve_base_{tag}", Path(tmp), flags)
-        new_op = paged_attention_op() if not args.march else built_kernel(
-            (REPO / "src/lmserve/worker/kernels/paged_attention.cpp").read_text(), f"lmserve_tree_{tag}", Path(tmp),
-            flags)
+        base_op = built_kernel({"paged_attention.cpp": base_source}, f"lmserve_base_{tag}", Path(tmp),
+                               flags).paged_attention
+        if args.march:
+            # The headers keep their names, so that the sources' #include finds them.
+            for header in HEADERS:
+                (Path(tmp) / header).write_text((kernels / header).read_text())
+            tree = built_kernel({f: (kernels / f).read_text() for f in ("paged_attention.cpp", "paged_attention_avx2.cpp")},
+                                f"lmserve_tree_{tag}", Path(tmp), flags)
+            new_op, transposed = tree.paged_attention, bool(tree.paged_keys_transposed())
+        else:
+            new_op, transposed = paged_attention_op(), paged_keys_transposed()
     gen = torch.Generator().manual_seed(0)
     isa = f"-march={args.march}" if args.march else "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
     print(f"{platform.processor() or platform.machine()} ({isa}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {LAYERS} layers' caches, each request's blocks scattered\n")
-    print(f"| case | cache | {args.base}, ms | keys transposed, ms | ratio |\n|---|---|---|---|---|")
+    tree = "tree (keys transposed)" if transposed else "tree (keys as V's)"
+    print(f"| case | cache | {args.base}, ms | {tree}, ms | ratio |\n|---|---|---|---|---|")
     for dtype in (torch.float16, torch.float32):
         for label, requests in CASES.items():
             num_blocks = sum(-(-ctx // BLOCK) for _, ctx in requests) + 64
             base_layout = [tuple(torch.randn(num_blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
                                  for _ in "kv") for _ in range(LAYERS)]
-            new_layout = [(k.transpose(2, 3).contiguous(), v) for k, v in base_layout]
+            new_layout = [(k.transpose(2, 3).contiguous() if transposed else k, v) for k, v in base_layout]
             order = torch.randperm(num_blocks, generator=gen)
             max_blocks = max(-(-ctx // BLOCK) for _, ctx in requests)
             table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)

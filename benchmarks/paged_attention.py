@@ -27,7 +27,7 @@ from timing import median_ms
 
 from lmserve import LLM, SamplingParams
 from lmserve.worker.attention import PagedAttention, ScheduledChunk, build_metadata
-from lmserve.worker.kernels import paged_attention_op
+from lmserve.worker.kernels import paged_attention_op, paged_keys_transposed
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 NUM_BLOCKS = 4096
@@ -58,7 +58,7 @@ def layer_case(requests: list[tuple[int, int]], backend: str, caches) -> float:
     return median_ms(lambda: attn.forward(q, k, v, *caches, md), 30)
 
 
-def kernel_on_chunk(q_len: int, ctx: int, caches, transposed_keys) -> tuple[float, float]:
+def kernel_on_chunk(q_len: int, ctx: int, caches, kernel_keys) -> tuple[float, float]:
     """One chunk over a cached prefix: the paged kernel against block gather + SDPA (what the backends do)."""
     k_cache, v_cache = caches
     blocks = torch.randperm(NUM_BLOCKS)[: -(-ctx // BLOCK)]
@@ -75,7 +75,7 @@ def kernel_on_chunk(q_len: int, ctx: int, caches, transposed_keys) -> tuple[floa
                                        enable_gqa=True)
 
     kernel = paged_attention_op()
-    return median_ms(lambda: kernel(out, q, transposed_keys, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
+    return median_ms(lambda: kernel(out, q, kernel_keys, v_cache, table, info, HEAD_DIM**-0.5), 20), median_ms(sdpa, 20)
 
 
 STEP_CASES = [  # (label, decodes, their context, prefill chunk length, chunk's context)
@@ -141,7 +141,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     shape = (NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
     caches = (torch.randn(shape), torch.randn(shape))
-    paged_caches = (caches[0].transpose(2, 3).contiguous(), caches[1])  # attention.kv_cache_shapes("paged-cpu")
+    # attention.kv_cache_shapes("paged-cpu"): K transposed where the kernel is built for AVX-512
+    paged_keys = caches[0].transpose(2, 3).contiguous() if paged_keys_transposed() else caches[0]
+    paged_caches = (paged_keys, caches[1])
     half_caches = (paged_caches[0].half(), paged_caches[1].half())  # --kv-cache-dtype float16
     print("\n| one attention layer (ms) | sdpa | paged-cpu | ratio | paged-cpu, float16 cache | float32 / float16 |"
           "\n|---|---|---|---|---|---|")
