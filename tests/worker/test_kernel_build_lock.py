@@ -65,3 +65,22 @@ def test_a_warm_start_never_imports_torchs_builder() -> None:
             " assert 'torch.utils.cpp_extension' not in sys.modules and 'setuptools' not in sys.modules")
     env = {**os.environ, "PYTHONPATH": str(Path(kernels.__file__).parents[3])}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+def test_another_march_builds_apart_and_a_bad_one_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMSERVE_KERNEL_MARCH builds for that -march into a folder of its own, under a key of its own, so that the
+    native library and the other one never replace each other; a value that is not one word never reaches g++."""
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.KERNEL_MARCH_VARIABLE, raising=False)
+    native_directory, native_key = kernels.build_directory(), kernels.build_key()
+    assert "-march=native" in kernels.build_flags()
+    monkeypatch.setenv(kernels.KERNEL_MARCH_VARIABLE, "haswell")
+    assert "-march=haswell" in kernels.build_flags() and "-march=native" not in kernels.build_flags()
+    assert kernels.build_directory() != native_directory and kernels.build_key() != native_key
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: seen.update(kwargs))
+    kernels.cpu_kernels.__wrapped__()
+    assert "-march=haswell" in seen["extra_cflags"] and seen["build_directory"] == str(kernels.build_directory())
+    monkeypatch.setenv(kernels.KERNEL_MARCH_VARIABLE, "haswell -fplugin=evil.so")
+    with pytest.raises(ValueError, match="not a -march name"):
+        kernels.build_flags()
