@@ -38,6 +38,17 @@ def test_silu_and_mul(rows: int) -> None:
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_silu_of_a_very_negative_gate_is_zero_not_nan() -> None:
+    """e^-g overflows float past g = -88.7; the product must still be silu's 0 (an outlier in one layer's gate would
+    otherwise turn the whole forward pass into NaN)."""
+    gate = torch.tensor([[-1e4, -200.0, -100.0, -89.7, -88.0, -50.0, 0.0, 50.0, 100.0, 1e4] * 16])
+    up = torch.full_like(gate, 3.0)
+    out = torch.full((1, gate.shape[1]), float("nan"))
+    cpu_kernels().silu_and_mul(out, torch.cat([gate, up], dim=1))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 200])
 def test_rotary_embedding_rotates_q_and_k_in_place_and_leaves_v(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -50,6 +61,48 @@ def test_rotary_embedding_rotates_q_and_k_in_place_and_leaves_v(rows: int) -> No
     cpu_kernels().rotary_embedding(qkv, cos, sin, heads + kv_heads)
     torch.testing.assert_close(qkv[:, : heads + kv_heads], expected_qk, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, heads + kv_heads :], v_before)
+
+
+def heavy_tailed(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Values spread over several orders of magnitude, as hidden states with outliers are."""
+    return torch.randn(*shape, generator=gen) * torch.rand(*shape, generator=gen).pow(8) * 30
+
+
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch_split_over_the_threads() -> None:
+    """160 rows are split over the threads, one row runs on the calling thread: the same bits for the row either way.
+    (With the row code inlined into both of at::parallel_for's paths, GCC compiled the sum of squares two ways and
+    some 20 of these 160 norms moved by an ulp between the two: a seeded token drew differently in a batch.)"""
+    gen = torch.Generator().manual_seed(0)
+    ops = cpu_kernels()
+    x, residual, weight = heavy_tailed(gen, 160, 576), torch.randn(160, 576, generator=gen) * 0.02, torch.randn(576)
+    gate_up = heavy_tailed(gen, 160, 2 * 1536)
+    qkv = heavy_tailed(gen, 160, 15, 64)
+    angles = torch.rand(160, 1, 32, generator=gen) * 6.28
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+
+    def norm(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, rs = x[rows].clone(), residual[rows].clone()
+        ops.fused_add_rms_norm(xs, rs, weight, 1e-5)
+        return xs, rs
+
+    def silu(rows: slice) -> torch.Tensor:
+        out = torch.empty(gate_up[rows].shape[0], 1536)
+        ops.silu_and_mul(out, gate_up[rows])
+        return out
+
+    def rope(rows: slice) -> torch.Tensor:
+        out = qkv[rows].clone()
+        ops.rotary_embedding(out, cos[rows], sin[rows], 12)
+        return out
+
+    for op in (norm, silu, rope):
+        batch = op(slice(0, 160))
+        for row in range(160):
+            alone = op(slice(row, row + 1))
+            if isinstance(batch, tuple):
+                assert all(torch.equal(a, b[row : row + 1]) for a, b in zip(alone, batch, strict=True)), (op, row)
+            else:
+                assert torch.equal(alone, batch[row : row + 1]), (op, row)
 
 
 def test_ops_refuse_other_dtypes_and_shapes() -> None:

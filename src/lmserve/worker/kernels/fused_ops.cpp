@@ -6,12 +6,19 @@
 //   silu_and_mul:       out = silu(x[:, :I]) * x[:, I:]
 //   rotary_embedding:   rotate-half RoPE of the first num_heads heads of a [T, heads, D] view, in place
 // Rows are split over torch's intra-op threads only when there is enough work to pay for waking them.
+//
+// Each op's work on one row is a function of its own that is never inlined. at::parallel_for calls its body inline
+// when the rows fit one task and through the thread pool otherwise, and GCC compiled the two copies of an inlined
+// body differently (-ffast-math lets it reorder a sum of squares): a row's norm then changed in its last bit between
+// a batch of 113 rows and one of 114, and a seeded token with it. One copy of the row code gives each row the same
+// bits in any batch.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -26,6 +33,19 @@ void check_float_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": a 2-D tensor with contiguous rows");
 }
 
+__attribute__((noinline)) void add_rms_norm_row(float* xr, float* rr, const float* w, int64_t hidden, double eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float v = rr[i] + xr[i];
+    rr[i] = v;
+    squares += v * v;
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) xr[i] = rr[i] * inv * w[i];
+}
+
 void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_float_rows(x, "fused_add_rms_norm x");
   check_float_rows(residual, "fused_add_rms_norm residual");
@@ -38,21 +58,16 @@ void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   const float* w = weight.data_ptr<float>();
   const int64_t x_row = x.stride(0), r_row = residual.stride(0);
   at::parallel_for(0, x.size(0), grain(hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* xr = xs + t * x_row;
-      float* rr = rs + t * r_row;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float v = rr[i] + xr[i];
-        rr[i] = v;
-        squares += v * v;
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) xr[i] = rr[i] * inv * w[i];
-    }
+    for (int64_t t = begin; t < end; ++t) add_rms_norm_row(xs + t * x_row, rs + t * r_row, w, hidden, eps);
   });
+}
+
+__attribute__((noinline)) void silu_and_mul_row(float* o, const float* gate, int64_t inner) {
+  const float* up = gate + inner;
+#pragma omp simd
+  // e^-g capped at e^80: past e^88.7 it is infinite, which -ffast-math's reciprocal turns into NaN for a gate below
+  // -88.7, where silu is 0 to float precision (as it still is with the cap).
+  for (int64_t i = 0; i < inner; ++i) o[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 80.f))) * up[i];
 }
 
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
@@ -64,14 +79,18 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   float* os = out.data_ptr<float>();
   const int64_t x_row = x.stride(0), o_row = out.stride(0);
   at::parallel_for(0, x.size(0), grain(2 * inner), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* gate = xs + t * x_row;
-      const float* up = gate + inner;
-      float* o = os + t * o_row;
-#pragma omp simd
-      for (int64_t i = 0; i < inner; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+    for (int64_t t = begin; t < end; ++t) silu_and_mul_row(os + t * o_row, xs + t * x_row, inner);
   });
+}
+
+__attribute__((noinline)) void rotate_head(float* x1, const float* c, const float* s, int64_t half) {
+  float* x2 = x1 + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x1[i], b = x2[i];
+    x1[i] = a * c[i] - b * s[i];
+    x2[i] = b * c[i] + a * s[i];
+  }
 }
 
 void rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
@@ -86,20 +105,8 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   const float* ss = sin.data_ptr<float>();
   const int64_t row = x.stride(0), head = x.stride(1);
   at::parallel_for(0, tokens, grain(num_heads * 2 * half), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cs + t * half;
-      const float* s = ss + t * half;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* x1 = xs + t * row + h * head;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < num_heads; ++h) rotate_head(xs + t * row + h * head, cs + t * half, ss + t * half, half);
   });
 }
 
