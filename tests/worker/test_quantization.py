@@ -291,8 +291,11 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
-    # Without lmserve's AMX kernel, auto keeps float32 activations (a request's tokens independent of its batch).
-    assert batched_path("auto") == batched_path(None) == batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)
+    # Without lmserve's AMX kernel, auto keeps float32 activations and fixes each row's path by what the row is: prompt
+    # rows on the float16 copy, generated rows on the block kernel (a request's tokens independent of its batch).
+    prompt_fp16 = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
+    assert batched_path("auto") == batched_path(None) == batched_path("prompt-fp16") == prompt_fp16
+    assert batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)
     # bf16 goes below the usual row limit only where AMX tiles beat the block kernel there.
     assert batched_path("bf16") == BatchedPath("bf16", bf16_rows)
     with pytest.raises(ValueError, match="unknown batched weights 'int4'"):
@@ -394,7 +397,35 @@ def test_block_layer_with_prompt_copies_sends_prompt_rows_to_amx_and_generated_r
         torch.testing.assert_close(layer(x[:5]), op(x[:5], layer.blocks, 64, layer.bias), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("setting", ["bf16", "fp16"])
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_prompt_fp16_sends_prompt_rows_to_the_float16_copy_and_generated_rows_to_the_kernel(method: str) -> None:
+    """prompt-fp16 (auto without AMX): a row's path is fixed by what it is, never by the batch's size: so a prompt row
+    gives the same bits alone, among 100 prompt rows or beside generated ones, and so does a generated row."""
+    gen = torch.Generator().manual_seed(9)
+    weight = random_blocks(method, 64, 96, seed=9)
+    bias = torch.randn(64, generator=gen)
+    path = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
+    layer = BLOCK_LAYERS[method](weight, bias, path)
+    assert use_prompt_copies(nn.Sequential(layer)) == 1
+    op = getattr(cpu_kernels(), f"{method}_linear")
+    x = torch.randn(100, 96, generator=gen)
+    kernel = op(x, layer.blocks, 64, layer.bias)
+    copy = Float16WeightLinear(layer.dequantized(), bias)
+    fp16 = copy(x)
+    assert not torch.equal(fp16, kernel)  # two paths indeed: without the split a row would depend on the batch
+    for mask in (np.arange(100) >= 30, np.arange(100) % 3 == 0, np.ones(100, dtype=bool)):
+        with prompt_rows(PromptRows.from_mask(mask)):
+            got = layer(x)
+        torch.testing.assert_close(got[mask], fp16[mask], atol=0, rtol=0)
+        torch.testing.assert_close(got[~mask], kernel[~mask], atol=0, rtol=0)
+    for rows in (slice(0, 1), slice(40, 47), slice(3, 70)):  # prompt rows alone or few: still the float16 copy
+        n = rows.stop - rows.start
+        with prompt_rows(PromptRows.from_mask(np.ones(n, dtype=bool))):
+            torch.testing.assert_close(layer(x[rows]), fp16[rows], atol=0, rtol=0)
+    assert isinstance(layer.prompt_copy, Float16WeightLinear) and layer.batched is None
+
+
+@pytest.mark.parametrize("setting", ["bf16", "fp16", "prompt-fp16"])
 def test_the_runner_gives_every_block_layer_the_batched_path_it_was_asked_for(setting: str) -> None:
     from lmserve.config import CacheConfig, ModelConfig
     from lmserve.worker.model_runner import ModelRunner

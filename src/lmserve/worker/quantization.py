@@ -20,6 +20,7 @@ weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benc
 Where the CPU has AMX, `auto` (`prompt-bf16`) sends the prompt tokens of the decoder layers through lmserve's own AMX
 kernel on a bfloat16 copy (kernels/amx_linear.cpp), 2-10x faster prefill, and keeps every generated token on the
 block kernel: each row's result depends only on the row (prompt or generated), never on the batch or the chunking.
+Elsewhere `auto` (`prompt-fp16`) does the same with fbgemm's float16 copy for the prompt tokens.
 Where the CPU has AVX-512 VNNI, `--block-activations auto` (int16) runs the block kernels with the activations as
 16-bit integers per block of 32 inputs (kernels/int16_activations.cpp): exact integer dot products, so a row's result
 still does not depend on the batch, 1.2-2.7x faster at 1-64 rows, and a next-token KL below 1e-5 from the float32
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
-BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16")
+BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
 BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
@@ -64,30 +65,37 @@ AMX_BLOCK_KERNEL_MAX_ROWS = 8
 class BatchedPath:
     """How a block layer multiplies batches above `block_kernel_max_rows` rows: a copy of its weights in `weights`
     (bf16: oneDNN's bfloat16 GEMM, activations rounded to bfloat16; fp16: fbgemm, activations kept in float32).
-    prompt_copies: the decoder layers send prompt rows to a bfloat16 copy on the AMX kernel instead (use_prompt_copies)
-    and every generated row to the block kernel, at any batch size."""
+    prompt_copies: the decoder layers send prompt rows to a copy in `prompt_weights` instead (use_prompt_copies: bf16
+    on the AMX kernel, or fp16 through fbgemm) and every generated row to the block kernel, at any batch size."""
 
     weights: str
     block_kernel_max_rows: int
     prompt_copies: bool = False
+    prompt_weights: str = "bf16"
 
 
 def batched_path(setting: str | None = "auto") -> BatchedPath:
-    """fp16: the float16 copy above BLOCK_KERNEL_MAX_ROWS rows, whose float32 activations keep a request's tokens the
-    same whatever batch it runs in (to float32 rounding; the engine tests hold it to that). prompt-bf16 (auto where the
-    CPU has AMX): prompt rows through the AMX kernel, generated rows through the block kernel; as batch-independent
-    as fp16, 2-10x faster prefill. bf16: the bfloat16 copy through oneDNN above a few rows, fast, but oneDNN's rounding
-    and choice of kernel make greedy tokens depend on the batch a request ran in, so it is asked for, not chosen
-    (docs/benchmarks.md). bf16 on a CPU without AVX-512 BF16 runs, slowly."""
+    """Each row's path fixed by what the row is, never by the batch: prompt-bf16 (auto where the CPU has AMX): prompt
+    rows through the AMX kernel on a bfloat16 copy, 2-10x faster prefill; prompt-fp16 (auto elsewhere): prompt rows
+    through fbgemm on a float16 copy, float32 activations. Generated rows go through the block kernel in both, at any
+    batch size. A row's result then depends only on the row (fbgemm's, like the AMX kernel's, does not depend on the
+    other rows of its call).
+    fp16: the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the float16 copy above, for prompt and generated rows
+    alike: a row's result then depends on its batch's size, by the float16 rounding of the blocks' weights (on an AVX2
+    build a seeded request drew another first token in a batch of 16 than alone; logprobs moved by 3e-4). bf16: the bfloat16 copy through oneDNN above a few
+    rows, fast, but oneDNN's rounding and choice of kernel make greedy tokens depend on the batch a request ran in, so
+    it is asked for, not chosen (docs/benchmarks.md). bf16 on a CPU without AVX-512 BF16 runs, slowly."""
     setting = setting or "auto"
     if setting not in BATCHED_WEIGHTS:
         raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
     if setting == "auto":
-        setting = "prompt-bf16" if amx_kernel_loads() else "fp16"
+        setting = "prompt-bf16" if amx_kernel_loads() else "prompt-fp16"
     if setting == "prompt-bf16":
         if not amx_kernel_loads():
             raise ValueError("--batched-weights prompt-bf16 needs a CPU with AMX (amx_tile, amx_bf16, avx512_bf16)")
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
+    if setting == "prompt-fp16":
+        return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
     if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported():
         return BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)
     return BatchedPath(setting, BLOCK_KERNEL_MAX_ROWS)
@@ -229,6 +237,7 @@ class AmxBfloat16Linear(nn.Module):
 
 
 BATCHED_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": Bfloat16WeightLinear}
+PROMPT_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": AmxBfloat16Linear}
 
 
 # llama.cpp's block formats as a GGUF file stores them, per 32 weights of a row: block_q4_1 is float16 d, float16 m,
@@ -420,7 +429,7 @@ class BlockQuantizedLinear(nn.Module):
         return self._copy("batched", lambda: BATCHED_LAYER_TYPES[self.batched_path.weights])
 
     def prepare_prompt_copy(self) -> nn.Module:
-        return self._copy("prompt_copy", lambda: AmxBfloat16Linear)
+        return self._copy("prompt_copy", lambda: PROMPT_LAYER_TYPES[self.batched_path.prompt_weights])
 
     def _copy(self, attribute: str, layer_type: Callable[[], type[nn.Module]]) -> nn.Module:
         copy = getattr(self, attribute)
@@ -493,11 +502,13 @@ def prepare_batched_copies(module: nn.Module) -> None:
 
 def use_prompt_copies(module: nn.Module) -> int:
     """Makes every block layer under `module` (the decoder layers: their rows are the batch's tokens) send prompt rows
-    to a bfloat16 copy on the AMX kernel and generated rows to the block kernel (BatchedPath.prompt_copies); returns
-    how many layers take it (a layer whose shape the kernel cannot tile keeps its batched path)."""
+    to a copy in its path's prompt_weights and generated rows to the block kernel (BatchedPath.prompt_copies); returns
+    how many layers take it (a layer whose shape the AMX kernel cannot tile keeps its batched path)."""
     count = 0
     for child in module.modules():
-        if isinstance(child, BlockQuantizedLinear) and AmxBfloat16Linear.fits(child.out_features, child.in_features):
+        if not isinstance(child, BlockQuantizedLinear):
+            continue
+        if child.batched_path.prompt_weights == "fp16" or AmxBfloat16Linear.fits(child.out_features, child.in_features):
             child.prompt_copies = True
             count += 1
     return count
