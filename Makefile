@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint bench clean browser
+.PHONY: install serve generate test test-fast lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q -ra
+
+# The inner loop before a commit: everything but the tests marked slow (make test runs them all).
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/python -m pytest -q -m "not slow" -x
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/offline_throughput.py

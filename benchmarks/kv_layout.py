@@ -8,8 +8,7 @@ lanes) is built from git under another op namespace. Both get 30 layers' caches 
 layout (so K/V stream from memory, as in a real step), must agree, and are timed over the 30 layers in turns.
 
 Cases: decodes (W1's 16 streams, W4's one, and 16 at a longer context), a short chunk beside decodes, and a step of
-eight 256-token prompts as first chunks: the prompt path computes every chunk with this kernel where prompt rows
-run in bfloat16 (attention.build_metadata, every_chunk_paged).
+eight 256-token prompts as first chunks: paged-cpu computes every chunk with this kernel (attention.build_metadata).
 
 `--march haswell` builds both kernels from source for another -march (both then under their own namespaces): on an
 AVX-512 machine, the kernel that AVX2-only machines build.

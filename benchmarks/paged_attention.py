@@ -3,8 +3,7 @@
 Layer: SmolLM2's attention shape (9 query heads over 3 KV heads of 64), a 4,096-block cache with each request's
 blocks scattered through it, one `PagedAttention.forward` per call (K/V write included), median of 30 calls; the
 paged kernel also over a float16 copy of the cache (`--kv-cache-dtype float16`). Also
-the paged kernel on prefill chunks against SDPA: the measurement behind sending short chunks after cached positions
-to the kernel (attention.PAGED_CHUNK_MAX_QUERIES) and longer ones to SDPA.
+the paged kernel on prefill chunks against SDPA (paged-cpu now sends every chunk to the kernel, for row invariance).
 
 Steps: `ModelRunner.execute` on the default model for a fixed batch (decodes at a given context, or decodes beside a
 prefill chunk), median of 10, for each pair of settings: sdpa without fused ops, paged-cpu, paged-cpu with fused ops.

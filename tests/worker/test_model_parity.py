@@ -355,7 +355,8 @@ def within_bfloat16_rounding(logits: torch.Tensor, expected: torch.Tensor) -> tu
     bfloat16 copy really ran)."""
     error = (logits - expected).abs().max().item()
     assert 1e-3 < error < 1.5, error
-    same_top = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    # Counted in Python: 36 of 40 is 0.9, where float32's mean gives 0.89999998.
+    same_top = (logits.argmax(-1) == expected.argmax(-1)).sum().item() / logits.shape[0]
     assert same_top >= 0.9, same_top
     kl = torch.nn.functional.kl_div(logits.log_softmax(-1), expected.log_softmax(-1), log_target=True,
                                     reduction="batchmean").item()

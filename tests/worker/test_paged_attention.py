@@ -9,7 +9,6 @@ import torch
 
 from lmserve.worker import attention, kernels
 from lmserve.worker.attention import (
-    PAGED_CHUNK_MAX_QUERIES,
     PagedAttention,
     ScheduledChunk,
     build_metadata,
@@ -233,9 +232,14 @@ def test_metadata_of_each_backend() -> None:
     (row, q_len, start, block_ids, mask), = sdpa.prefills
     assert (row, q_len, start, block_ids.tolist()) == (2, 4, 16, [7, 1])
     assert mask.shape == (4, 20) and mask[0, 16].item() == 0 and mask[0, 17].item() == float("-inf")
-    first_and_long = [ScheduledChunk(0, 5, [3]), ScheduledChunk(16, PAGED_CHUNK_MAX_QUERIES + 1, [4, 6, 8])]
-    assert [p[:3] for p in build_metadata(first_and_long, 16, "paged-cpu", CPU, torch.float32).prefills] == [
-        (0, 5, 0), (5, PAGED_CHUNK_MAX_QUERIES + 1, 16)]
+    # Under paged-cpu a first chunk and a long one run the kernel too, row by row (never SDPA: its sums follow the
+    # chunk's length, so a prompt row's bits would depend on how the prompt was chunked).
+    first_and_long = [ScheduledChunk(0, 5, [3]), ScheduledChunk(16, 40, [4, 6, 8, 9])]
+    both = build_metadata(first_and_long, 16, "paged-cpu", CPU, torch.float32)
+    assert both.prefills == [] and both.num_decodes == 0
+    assert both.decode_requests.tolist() == [[0, 5, 5], [5, 40, 56]]
+    assert [p[:3] for p in build_metadata(first_and_long, 16, "sdpa", CPU, torch.float32).prefills] == [
+        (0, 5, 0), (5, 40, 16)]
     assert sdpa.decode_requests is None and sdpa.decode_block_tables.dtype == torch.int64
     assert sdpa.decode_mask.shape == (2, 1, 1, 32)
     visible = (sdpa.decode_mask == 0).view(2, 32).sum(-1).tolist()
@@ -247,8 +251,9 @@ def test_metadata_of_each_backend() -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) -> None:
-    """Decodes, a short chunk after cached positions (paged kernel under paged-cpu), a long one and a first chunk
-    (SDPA under both): the same output from either backend's metadata, with a float32 or a float16 cache."""
+    """Decodes, a short chunk after cached positions, a long one and a first chunk (all on the paged kernel under
+    paged-cpu, SDPA calls under sdpa): the same output from either backend's metadata, with a float32 or a float16
+    cache."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     k_cache = torch.randn(40, kv_heads, bs, dim, generator=gen).to(kv_dtype)
@@ -257,7 +262,7 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
         ScheduledChunk(37, 1, [0, 1, 2]),
         ScheduledChunk(5, 1, [3]),
         ScheduledChunk(40, 12, [4, 5, 6, 7]),  # short, after cached positions, crossing a block edge
-        ScheduledChunk(33, PAGED_CHUNK_MAX_QUERIES + 7, [8, 9, 10, 11]),
+        ScheduledChunk(33, 23, [8, 9, 10, 11]),
         ScheduledChunk(0, 9, [12]),
     ]
     rows = sum(c.num_tokens for c in chunks)
@@ -272,7 +277,7 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
         written[backend] = (keys, v_cache.clone())
         outs[backend] = attention.forward(q, k, v, *written[backend], md)
     written["paged-cpu"] = (from_kernel_layout(written["paged-cpu"][0]), written["paged-cpu"][1])
-    assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 3
+    assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 5
     torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)
     # Each new position's K and V landed in its block's row for every kv head, and nothing else changed.
     k_expected, v_expected = k_cache.clone(), v_cache.clone()

@@ -291,6 +291,7 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
+    monkeypatch.delenv(kernels.DISABLED_FEATURES_VARIABLE, raising=False)  # the CPU is what the patches above say
     # Without lmserve's AMX kernel, auto keeps float32 activations and fixes each row's path by what the row is: prompt
     # rows on the float16 copy, generated rows on the block kernel (a request's tokens independent of its batch).
     prompt_fp16 = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")

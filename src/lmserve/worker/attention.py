@@ -3,12 +3,13 @@
 Two backends (`--attention-backend`):
 - `sdpa`, portable: every decode (query length 1) goes into one SDPA call over K/V gathered from the blocks and padded
   to the longest context in the batch; each prefill chunk is one SDPA call. No Python loop over a sequence's tokens.
-- `paged-cpu`: decodes go through a C++ kernel (worker/kernels/) that reads the blocks in place, each request over its
-  own context: no gather, no padding. So do short chunks that follow cached positions (up to
-  PAGED_CHUNK_MAX_QUERIES queries: the small chunks of `--long-prefill-token-threshold`), where SDPA would first
-  gather the whole context and apply a mask: 1.15-1.24x faster for 4 decodes beside a 16-token chunk over 1,484
-  positions (benchmarks/paged_attention.py). Longer chunks stay on SDPA, whose flash kernel computes a many-query
-  chunk faster than the paged kernel.
+- `paged-cpu`: every row (decodes and prompt chunks alike) goes through a C++ kernel (worker/kernels/) that reads
+  the blocks in place and computes each query row alone, in the same order, over its own context: no gather, no
+  padding, and a row's attention the same bits however its prompt was chunked and whatever shared its step. SDPA's
+  flash kernel sums in an order that depends on the chunk's length: a 4-token prompt computed as one chunk and as 3 + 1
+  beside other requests differed by 1e-7 after the first layer, and on an AVX-512 CPU without AMX that changed a seeded
+  request's first token (issue 32). The kernel is as fast as SDPA on long chunks on AVX-512 builds, 0.85x on a
+  2,000-token prompt on the AVX2 build (docs/benchmarks.md).
 `auto` picks paged-cpu on CPU with float32 when the kernel builds, sdpa otherwise.
 """
 
@@ -31,8 +32,6 @@ from lmserve.worker.kernels import (
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
 PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
-# A chunk after cached positions with up to this many queries runs the paged kernel (its query tile); longer ones SDPA.
-PAGED_CHUNK_MAX_QUERIES = 16
 
 
 def check_attention_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -140,20 +139,15 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    chunks: list[ScheduledChunk], block_size: int, backend: str, device: torch.device, dtype: torch.dtype,
-    every_chunk_paged: bool = False,
+    chunks: list[ScheduledChunk], block_size: int, backend: str, device: torch.device, dtype: torch.dtype
 ) -> AttentionMetadata:
-    """Metadata for a batch whose rows are `chunks` in order; decodes (num_tokens == 1) must come first.
-
-    every_chunk_paged (paged-cpu): every chunk runs the paged kernel, which computes each query row alone, in the same
-    order, over the cache's K/V, so a row's attention is the same however its prompt was chunked. For prompt rows whose
-    activations are then rounded to bfloat16 (worker/quantization.py, prompt-bf16) that matters: SDPA's flash kernel
-    sums in an order that depends on the chunk's length, and one float32 rounding's difference flips a bfloat16
-    rounding now and then, enough to change a greedy token."""
+    """Metadata for a batch whose rows are `chunks` in order; decodes (num_tokens == 1) must come first. Under
+    paged-cpu every chunk runs the paged kernel (row by row, so a row's attention does not depend on its chunking);
+    under sdpa each decode joins one padded SDPA call and each longer chunk is an SDPA call of its own."""
     bs = block_size
     slots: list[np.ndarray] = []
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
-    paged: list[tuple[int, ScheduledChunk]] = []  # (first query row, chunk): the decodes, then short later chunks
+    paged: list[tuple[int, ScheduledChunk]] = []  # (first query row, chunk): the decodes, then (paged-cpu) the rest
     num_decodes = row = 0
     for c in chunks:
         pos = np.arange(c.start_position, c.start_position + c.num_tokens)
@@ -163,9 +157,7 @@ def build_metadata(
             assert not prefills and num_decodes == len(paged), "decodes must come before prefill chunks"
             paged.append((row, c))
             num_decodes += 1
-        elif backend == "paged-cpu" and (
-            every_chunk_paged or (c.start_position > 0 and c.num_tokens <= PAGED_CHUNK_MAX_QUERIES)
-        ):
+        elif backend == "paged-cpu":
             paged.append((row, c))
         else:
             nblocks = -(-(c.start_position + c.num_tokens) // bs)

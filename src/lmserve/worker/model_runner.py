@@ -170,9 +170,6 @@ class ModelRunner:
             model_config.attention_backend, self.device, self.dtype, head_dim
         )
         self.kv_cache_dtype = check_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.attention_backend)
-        # Prompt rows rounded to bfloat16 need every chunk's attention computed row by row (build_metadata); float32
-        # prompt rows (prompt-fp16) keep SDPA for long chunks, as the fp16 path always did.
-        self.every_chunk_paged = self.prompt_copies and self.batched_path.prompt_weights == "bf16"
         logger.info("attention backend: %s, KV cache in %s", self.attention_backend, self.kv_cache_dtype)
         # Every rank holds as many blocks (one block table serves them all): size them for the largest stage.
         largest_stage = len(stage_layers(self.hf_config.num_hidden_layers, self.layout.pp_size, 0))
@@ -238,8 +235,7 @@ class ModelRunner:
         return BatchInputs(
             input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.as_tensor(positions, device=dev),
-            attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype,
-                                every_chunk_paged=self.every_chunk_paged),
+            attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype),
             logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
             sampling=sampling,
             prompt_scoring=prompt_scoring,

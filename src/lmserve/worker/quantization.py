@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from lmserve.models import dequantize_gguf_blocks
-from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load
+from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load, disabled_features
 from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,9 @@ def batched_path(setting: str | None = "auto") -> BatchedPath:
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
     if setting == "prompt-fp16":
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
-    if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported():
+    if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported() and (
+        "amx" not in disabled_features()
+    ):
         return BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)
     return BatchedPath(setting, BLOCK_KERNEL_MAX_ROWS)
 
@@ -117,7 +119,10 @@ def block_activations(setting: str | None = "auto") -> str:
 
 
 def int16_kernel_loads() -> bool:
-    """Whether kernels/int16_activations.cpp was built here (the compiler saw AVX-512 VNNI in -march=native)."""
+    """Whether kernels/int16_activations.cpp was built here (the compiler saw AVX-512 VNNI in -march=native) and is
+    not turned off (LMSERVE_DISABLE_CPU_FEATURES=vnni)."""
+    if "vnni" in disabled_features():
+        return False
     try:
         return hasattr(cpu_kernels(), "q4_1_int16_linear")
     except RuntimeError:
@@ -126,7 +131,9 @@ def int16_kernel_loads() -> bool:
 
 def amx_kernel_loads() -> bool:
     """Whether kernels/amx_linear.cpp runs here: built (the compiler saw AMX in -march=native) and the tile state
-    granted by the OS."""
+    granted by the OS, and not turned off (LMSERVE_DISABLE_CPU_FEATURES=amx)."""
+    if "amx" in disabled_features():
+        return False
     try:
         ops = cpu_kernels()
     except RuntimeError:

@@ -38,6 +38,10 @@ BUILD_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
 # Another -march than native for the kernels (e.g. haswell: the AVX2 build, tested and measured on an AVX-512 machine).
 KERNEL_MARCH_VARIABLE = "LMSERVE_KERNEL_MARCH"
+# CPU features the kernels' dispatch treats as absent (comma-separated; e.g. amx,vnni): how one machine runs the choices
+# another CPU kind would make (batched_path's auto, block_activations' auto) without another build.
+DISABLED_FEATURES_VARIABLE = "LMSERVE_DISABLE_CPU_FEATURES"
+DISABLEABLE_FEATURES = ("amx", "vnni")
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
 LIBRARY = "lmserve_cpu_kernels"
 BUILD_STAMP = f"{LIBRARY}.stamp"  # build_key() of the library beside it
@@ -59,16 +63,30 @@ def cpu_signature() -> str:
 
 def kernel_march() -> str:
     """The -march the kernels are built for: native, or what LMSERVE_KERNEL_MARCH names (checked to be one word, as it
-    goes onto the compiler's command line)."""
+    goes onto the compiler's command line), optionally with `+`-joined -m options: `haswell` (the AVX2 build),
+    `native+no-amx-tile` (no AMX kernel built), `znver3+avx512f+avx512vnni+...` (what GCC 12.2 makes of a Zen 4)."""
     march = os.environ.get(KERNEL_MARCH_VARIABLE, "").strip() or "native"
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", march):
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*(\+[a-z0-9][a-z0-9_.-]*)*", march):
         raise ValueError(f"{KERNEL_MARCH_VARIABLE}={march!r} is not a -march name (e.g. native, haswell, x86-64-v3)")
     return march
 
 
+def disabled_features() -> frozenset[str]:
+    """What LMSERVE_DISABLE_CPU_FEATURES names (amx: no AMX kernel, prompt rows as a CPU without AMX runs them; vnni:
+    no int16-activation kernel); an unknown name raises."""
+    names = frozenset(n.strip() for n in os.environ.get(DISABLED_FEATURES_VARIABLE, "").split(",") if n.strip())
+    unknown = sorted(names - set(DISABLEABLE_FEATURES))
+    if unknown:
+        raise ValueError(f"{DISABLED_FEATURES_VARIABLE}: unknown feature {', '.join(unknown)}: use any of "
+                         f"{', '.join(DISABLEABLE_FEATURES)}")
+    return names
+
+
 def build_flags() -> list[str]:
-    """BUILD_FLAGS for kernel_march()."""
-    return [f"-march={kernel_march()}" if flag == "-march=native" else flag for flag in BUILD_FLAGS]
+    """BUILD_FLAGS for kernel_march(): -march=NAME, then -mOPTION for each `+OPTION`."""
+    march, *extensions = kernel_march().split("+")
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in BUILD_FLAGS]
+    return flags + [f"-m{extension}" for extension in extensions]
 
 
 def build_directory() -> Path:

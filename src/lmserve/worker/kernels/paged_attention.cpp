@@ -18,8 +18,8 @@
 //
 // Every query row is computed alone, in the same order of operations whatever shares its work item: its scores,
 // maximum, exponentials and sums never mix with another row's. So a row's output is the same bits as a decode, in a
-// chunk of 16 queries or of 500 (prompt rows rounded to bfloat16 rely on it: worker/attention.py,
-// every_chunk_paged). Rows that share a kv head are computed together so that each K^T and V value is loaded once
+// chunk of 16 queries or of 500 (worker/attention.py sends every chunk here for it: a row's attention then does not
+// depend on how its prompt was chunked or on what shared its step). Rows that share a kv head are computed together so that each K^T and V value is loaded once
 // for several rows.
 
 #include <torch/library.h>

@@ -1,0 +1,71 @@
+"""The engine's batch-invariance and seeded-sampling tests under every kernel path this machine can execute.
+
+Each CPU kind takes its own path through the kernels (AMX: prompt rows on the AMX kernel; AVX-512 VNNI without AMX:
+prompt rows on fbgemm's float16 copy, int16 block activations; AVX2 only: float32 block activations and another
+attention kernel build). Issue 32 was a seeded request whose first token changed with its batch on the second kind
+only, which no machine we tested on ran. Here the same tests run in a fresh interpreter with the dispatch told to act
+as each other kind would (LMSERVE_DISABLE_CPU_FEATURES, LMSERVE_KERNEL_MARCH); a path that cannot run here is skipped
+with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmserve.worker import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+INVARIANCE_TESTS = "matches_alone or bit_for_bit or seeded"
+
+
+def _needs(*flags: str) -> str | None:
+    missing = [flag for flag in flags if flag not in kernels.cpu_flags()]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+# (id, environment, reason it cannot run here or None)
+FORCED_PATHS = [
+    ("no-amx", {kernels.DISABLED_FEATURES_VARIABLE: "amx"},
+     _needs("amx_tile") and "no AMX here: the native run already takes the path of a CPU without it"),
+    ("no-amx-no-vnni", {kernels.DISABLED_FEATURES_VARIABLE: "amx,vnni"},
+     _needs("avx512_vnni") and "no AVX-512 VNNI here: the native run already takes float32 block activations"),
+    ("avx2-build", {kernels.KERNEL_MARCH_VARIABLE: "haswell", kernels.DISABLED_FEATURES_VARIABLE: "amx,vnni"},
+     _needs("avx2", "fma", "f16c")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("env", "unavailable"), [p[1:] for p in FORCED_PATHS], ids=[p[0] for p in FORCED_PATHS])
+def test_engine_invariance_under_forced_kernel_path(env: dict[str, str], unavailable: str | None) -> None:
+    if unavailable:
+        pytest.skip(unavailable)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+               str(ROOT / "tests/engine/test_engine_e2e.py"), "-k", INVARIANCE_TESTS]
+    result = subprocess.run(command, check=False, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                            timeout=900)
+    tail = result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 0, f"under {env}:\n{tail}"
+    assert " passed" in result.stdout and " failed" not in result.stdout, tail
+
+
+def test_forced_features_reach_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What LMSERVE_DISABLE_CPU_FEATURES names is off for every auto choice; an unknown name is refused."""
+    from lmserve.worker import quantization
+
+    monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,vnni")
+    assert not quantization.amx_kernel_loads() and not quantization.int16_kernel_loads()
+    assert quantization.block_activations("auto") == "float32"
+    path = quantization.batched_path("auto")
+    assert path.prompt_copies and path.prompt_weights == "fp16"
+    with pytest.raises(ValueError, match="prompt-bf16 needs a CPU with AMX"):
+        quantization.batched_path("prompt-bf16")
+    with pytest.raises(ValueError, match="int16 needs a CPU with AVX-512 VNNI"):
+        quantization.block_activations("int16")
+    monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,sse9")
+    with pytest.raises(ValueError, match="unknown feature sse9"):
+        kernels.disabled_features()
