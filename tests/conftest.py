@@ -326,6 +326,12 @@ def random_k_quant(rows: int, cols: int, qtype: Q, rng: np.random.Generator, std
     return raw.reshape(rows, -1)
 
 
+@pytest.fixture(scope="session")
+def make_k_quant() -> Callable[..., np.ndarray]:
+    """random_k_quant, for tests that make their own K-quant blocks."""
+    return random_k_quant
+
+
 def k_quant_type_for(gguf_name: str) -> Q:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
@@ -369,3 +375,26 @@ def tiny_kquant_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_kquant) -> P
     """The GGUF of tiny_kquant_dir: its K-quant blocks as they are."""
     directory, blocks = tiny_kquant
     return write_gguf(directory, tmp_path_factory.mktemp("gguf") / "tiny-kquant.gguf", blocks=blocks)
+
+
+# As llama.cpp stores a model whose rows are not a multiple of 256 wide: Q5_0 where Q4_K would go, Q8_0 for some V
+# (fused into one layer with Q5_0 Q and K), a Q4_0 output projection, gate and up in two types (Q5_0 and Q4_0: one q8_0
+# layer), down in Q6_K (no exact kernel format: float16), the tied embedding in Q5_0 (its output layer: q8_0).
+MIXED_TYPES = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q5_0,
+               "ffn_up": Q.Q4_0}
+
+
+@pytest.fixture(scope="session")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_kquant) -> Path:
+    directory, kquant_blocks = tiny_kquant
+    downs = {name: blocks for name, blocks in kquant_blocks.items() if ".ffn_down." in name}
+    downs = {name: (random_k_quant(256, 512, Q.Q6_K, np.random.default_rng(i)), Q.Q6_K)
+             for i, name in enumerate(sorted(downs))}
+
+    def type_for(name: str) -> Q:
+        parts = name.split(".")
+        if name.endswith(".bias") or "norm" in name:
+            return Q.F32
+        return MIXED_TYPES[parts[2]] if parts[0] == "blk" else Q.Q5_0
+
+    return write_gguf(directory, tmp_path_factory.mktemp("gguf") / "mixed.gguf", blocks=downs, type_for=type_for)

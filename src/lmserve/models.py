@@ -389,9 +389,12 @@ def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
 
 
 def dequantize_gguf_blocks(type_name: str, blocks: np.ndarray) -> np.ndarray:
-    """[rows, blocks, bytes] of a q4_1 or q8_0 tensor (read_gguf_blocks, or rows or blocks of one) as float32
+    """[rows, blocks, bytes] of a quantized tensor (read_gguf_blocks, or rows or blocks of one) as float32
     [rows, columns]: read_gguf_tensor's values."""
-    fast = _FAST_DEQUANTIZE[gguf.GGMLQuantizationType[type_name.upper()]]
+    qtype = gguf.GGMLQuantizationType[type_name.upper()]
+    fast = _FAST_DEQUANTIZE.get(qtype)
+    if fast is None:  # the K-quants: gguf's own reader
+        return gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1), qtype).reshape(blocks.shape[0], -1)
     return fast(blocks.reshape(-1, blocks.shape[-1])).reshape(blocks.shape[0], -1)
 
 

@@ -45,10 +45,22 @@ def test_auto_picks_fp16_only_where_it_runs() -> None:
     assert check_quantization("fp16", CPU, torch.float32) == "fp16"
 
 
-def test_auto_gives_k_quant_files_fp16(tiny_kquant_gguf) -> None:
-    """No kernel reads K-quant super-blocks: a Q4_K_M-like file (Q4_K and Q6_K layers) and a pure Q4_K one get fp16."""
+def test_auto_gives_k_quant_files_their_kernel_where_it_runs_else_fp16(tiny_kquant_gguf) -> None:
+    """A Q4_K_M-like file (Q4_K and Q6_K layers, and Q2_K, Q3_K, Q5_K ones): its Q4_K and Q6_K layers run at their
+    stored size where the K-quant kernel does (AVX-512 VNNI); elsewhere, and for the other K-quants, float16."""
+    from lmserve.worker.kquant_formats import kernel_formats, kquant_kernels_load
+    from lmserve.worker.loader import stored_matrix_types
+    from lmserve.worker.stored_formats import BLOCK_FORMATS, preferred_kernel_format
+
     assert stored_linear_format(resolve_model(str(tiny_kquant_gguf))) is None  # mixed types
-    assert check_quantization("auto", CPU, torch.float32, "q4_k") == "fp16"
+    types = stored_matrix_types(resolve_model(str(tiny_kquant_gguf))).values()
+    formats = kernel_formats()
+    assert ("q4_k" in formats) == kquant_kernels_load()
+    stored_as = preferred_kernel_format(types, formats)
+    assert stored_as == ("q4_k" if kquant_kernels_load() else None)
+    assert check_quantization("auto", CPU, torch.float32, stored_as) == (stored_as or "fp16")
+    assert preferred_kernel_format(types, BLOCK_FORMATS) is None
+    assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
 
 
 @pytest.mark.parametrize(("method", "device", "dtype", "message"), [
@@ -99,7 +111,7 @@ BLOCK_LAYERS = {"q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
 def test_auto_keeps_the_files_block_format() -> None:
     assert check_quantization("auto", CPU, torch.float32, "q4_1") == "q4_1"
     assert check_quantization("auto", CPU, torch.float32, "q8_0") == "q8_0"
-    assert check_quantization("auto", CPU, torch.float32, "q4_k") == "fp16"  # a format without a kernel here
+    assert check_quantization("auto", CPU, torch.float32, "q5_k") == "fp16"  # a format without a kernel here
     assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
     assert check_quantization("auto", CUDA, torch.float32, "q4_1") == "none"
     assert check_quantization("q8_0", CPU, torch.float32, "q4_1") == "q8_0"

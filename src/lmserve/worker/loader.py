@@ -150,6 +150,18 @@ def _gguf_weights(
         yield name, StoredBlocks(method, tensor) if as_blocks else tensor
 
 
+def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
+    """For a GGUF file, each matrix's stored type by Hugging Face name (lower case: q5_0, q4_k, f32...), which decides
+    the kernel format each layer takes (worker/stored_formats.py); None for any other source."""
+    if source.kind != "gguf":
+        return None
+    return {
+        hf_name_from_gguf(info.name): ggml_type_name(info.ggml_type).lower()
+        for info in read_gguf_header(source.path).tensors
+        if len(info.shape) == 2 and info.name != "rope_freqs.weight"
+    }
+
+
 def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute`: per head, rows [i, half] back to [half, i] (HF's rotate_half layout). Only rows
     move, so `w` may be [rows, columns] floats or [rows, blocks, bytes] of a file's blocks. In NumPy, like every byte

@@ -13,6 +13,7 @@ packs, so the float32 weights of those layers never exist.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,14 +29,16 @@ if TYPE_CHECKING:
 def build_model(
     config: PretrainedConfig, max_position: int, device: torch.device, dtype: torch.dtype,
     parallel: ParallelGroups | None = None, block_method: str | None = None,
+    stored_types: Mapping[str, str] | None = None,
 ) -> LlamaForCausalLM:
     """The model's modules on `device` in `dtype`, parameters uninitialised (load its weights next). The RoPE
     tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded.
-    block_method: the linear layers' block format (LlamaForCausalLM.pend_block_layers), or None for float ones."""
+    block_method: the linear layers' block format (LlamaForCausalLM.pend_block_layers), or None for float ones;
+    stored_types: a GGUF's matrix types, for a format per layer (the same method)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
         if block_method is not None:
-            model.pend_block_layers(block_method)
+            model.pend_block_layers(block_method, stored_types)
     return _to_empty(model.to(dtype), device)
 
 

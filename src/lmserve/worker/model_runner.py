@@ -16,7 +16,7 @@ from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerC
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.kv_sizing import kv_bytes_per_block
-from lmserve.models import load_model_config, resolve_model, stored_linear_format
+from lmserve.models import load_model_config, resolve_model
 from lmserve.outputs import Logprobs
 from lmserve.worker.attention import (
     AttentionMetadata,
@@ -27,14 +27,15 @@ from lmserve.worker.attention import (
     kv_cache_shapes,
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
-from lmserve.worker.loader import load_weights
+from lmserve.worker.kquant_formats import kernel_formats
+from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
-    BLOCK_METHODS,
+    LAYER_METHODS,
     batched_path,
     block_activations,
     check_quantization,
@@ -44,6 +45,7 @@ from lmserve.worker.quantization import (
     use_prompt_copies,
 )
 from lmserve.worker.sampler import Sampler, SamplingMetadata, reads_output_token_ids, token_logprobs
+from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, preferred_kernel_format, runnable_types
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +113,16 @@ class ModelRunner:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         source = resolve_model(model_config.model)
-        self.quantization = check_quantization(
-            model_config.quantization, self.device, self.dtype, stored_linear_format(source)
-        )
+        # A GGUF's matrices by stored type: under auto each layer takes the kernel format that holds its file's
+        # values exactly (worker/stored_formats.py), the rest fp16.
+        stored_types = stored_matrix_types(source)
+        on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
+        formats = kernel_formats(model_config.block_activations) if stored_types and on_cpu else ()
+        stored_as = preferred_kernel_format(stored_types.values(), formats) if stored_types else None
+        self.quantization = check_quantization(model_config.quantization, self.device, self.dtype, stored_as)
+        per_layer = None
+        if stored_types and (model_config.quantization or "auto") == "auto":
+            per_layer = runnable_types(stored_types, formats)
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
             numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
@@ -128,14 +137,17 @@ class ModelRunner:
         # on a missing one), so no parameter depends on it.
         torch.manual_seed(model_config.seed)
         # A block format's layers take the file's own blocks as they load; fp16 converts the loaded float weights.
-        block_method = self.quantization if self.quantization in BLOCK_METHODS else None
-        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method)
-        model.load_weights(load_weights(source, self.dtype, blocks=BLOCK_METHODS if block_method else ()))
+        block_method = self.quantization if self.quantization in LAYER_METHODS else None
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method,
+                            per_layer)
+        model.load_weights(load_weights(source, self.dtype, blocks=STORED_BLOCK_TYPES if block_method else ()))
         if self.quantization != "none" and block_method is None:
             model.quantize(self.quantization)
+        elif block_method is not None and per_layer is not None:
+            model.quantize_float_layers("fp16")
         self.prompt_copies = False
         self.block_activations = "float32"
-        if self.quantization in BLOCK_METHODS:
+        if self.quantization in LAYER_METHODS:
             self.batched_path = batched_path(model_config.batched_weights)
             use_batched_path(model, self.batched_path)
             if self.batched_path.prompt_copies:
@@ -147,13 +159,13 @@ class ModelRunner:
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
         self.model = model.eval()
-        if self.quantization in BLOCK_METHODS:
+        if self.quantization in LAYER_METHODS:
             # Not a daemon: killed at exit while inside torch, a daemon thread aborts the process ("terminate called
             # without an active exception"); exit waits for the copies instead (~2 s at most).
             threading.Thread(target=prepare_batched_copies, args=(model.layers,), name="batched-copies").start()
         self.vocab_size = self.hf_config.vocab_size
         batches = ""
-        if self.quantization in BLOCK_METHODS:
+        if self.quantization in LAYER_METHODS:
             path = self.batched_path
             batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
             if path.prompt_copies:

@@ -46,11 +46,20 @@ from torch import nn
 from lmserve.models import dequantize_gguf_blocks
 from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load, disabled_features
 from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
+from lmserve.worker.stored_formats import (
+    BLOCK_FORMATS,
+    EXACT_INTO,
+    STORED_BLOCK_BYTES,
+    block_width,
+    convert_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
+KQUANT_METHODS = ("q4_k", "q6_k")  # chosen per layer under auto, for a file that stores them (worker/kquant_formats.py)
+LAYER_METHODS = BLOCK_METHODS + KQUANT_METHODS
 BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
 BLOCK_SIZE = 32
@@ -155,6 +164,8 @@ def check_quantization(
         if not supported:
             return "none"
         if stored_as in BLOCK_METHODS and block_kernels_load(stored_as, explicit=False):
+            return stored_as
+        if stored_as in KQUANT_METHODS:  # the caller found the kernel that runs it (kquant_formats.kernel_formats)
             return stored_as
         return "fp16"
     if method != "none" and not supported:
@@ -265,15 +276,20 @@ class StoredBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.data.shape[1] * BLOCK_SIZE
+        return self.data.shape[0], self.data.shape[1] * block_width(self.method)
 
     def with_data(self, data: torch.Tensor) -> StoredBlocks:
         """The same format over other rows or blocks of it (a shard, a permutation)."""
         return StoredBlocks(self.method, data)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weights, [rows, in_features]: lmserve.models' reader's values."""
-        return torch.from_numpy(dequantize_gguf_blocks(self.method, self.data.numpy()))
+        """The float32 weights, [rows, in_features]: lmserve.models' reader's values (a stored type without a fast
+        reader goes through the kernel format that holds it exactly, stored_formats)."""
+        method, data = self.method, self.data.numpy()
+        if method not in BLOCK_FORMATS and EXACT_INTO.get(method, ("",))[-1] in BLOCK_FORMATS:
+            kernel_format = EXACT_INTO[method][-1]
+            method, data = kernel_format, convert_blocks(self.method, data, kernel_format)
+        return torch.from_numpy(dequantize_gguf_blocks(method, data))
 
 
 def check_block_width(in_features: int) -> None:
@@ -319,10 +335,13 @@ def quantize_blocks(method: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def as_blocks(method: str, weight: torch.Tensor | StoredBlocks) -> torch.Tensor:
-    """`weight` as rows of `method`'s blocks: a file's blocks of that format as they are, anything else rounded."""
+    """`weight` as rows of `method`'s blocks: a file's blocks of that format as they are, or converted into it where
+    that keeps every value (stored_formats: q5_0 and q4_0 into q8_0, q4_0 into q4_1); anything else rounded."""
     if isinstance(weight, StoredBlocks):
         if weight.method == method:
             return weight.data
+        if method in EXACT_INTO.get(weight.method, ()):
+            return torch.from_numpy(convert_blocks(weight.method, weight.data.numpy(), method))
         weight = weight.dequantize()
     return quantize_blocks(method, weight)
 
@@ -403,21 +422,27 @@ class BlockQuantizedLinear(nn.Module):
         """weight: float [out_features, in_features], rounded to the format; or a file's blocks (StoredBlocks), taken
         as they are when they are in this format. batched: how batches above the kernel's rows run (batched_path)."""
         super().__init__()
-        blocks = as_blocks(self.method, weight)
-        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
+        self.blocks, self.out_features, self.in_features = self._pack(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.blocks = pack_blocks(self.method, blocks)
         self.batched_path = batched or batched_path()
-        ops = cpu_kernels()
-        self.linear_op = getattr(ops, f"{self.method}_linear")
-        self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
+        self.activations = "float32"
+        self._use_ops()
         # The copy for large batches (fbgemm's packed float16 one takes ~2 s for the default model's layers) is built
         # off the start-up path (prepare_batched_copies on a background thread), or by the first batch that needs it.
         self.batched: nn.Module | None = None
         # The decoder layers' copy for prompt rows (use_prompt_copies), built the same way.
         self.prompt_copies = False
         self.prompt_copy: nn.Module | None = None
-        self.activations = "float32"
+
+    def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
+        """The weights in the kernel's layout, out_features, in_features."""
+        blocks = as_blocks(self.method, weight)
+        return pack_blocks(self.method, blocks), blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
+
+    def _use_ops(self) -> None:
+        ops = cpu_kernels()
+        self.linear_op = getattr(ops, f"{self.method}_linear")
+        self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
 
     def use_int16_activations(self) -> bool:
         """Moves the layer to the int16-activation kernel (block_activations), its blocks repacked for it; False
@@ -491,6 +516,19 @@ class Q8_0Linear(BlockQuantizedLinear):
 
 
 LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "q8_0": Q8_0Linear, "q4_1": Q4_1Linear}
+
+
+def layer_fits(method: str, out_features: int, in_features: int) -> bool:
+    """Whether a `method` layer can hold an [out_features, in_features] weight: whole blocks a row, and for the
+    K-quants' kernel whole groups of 16 rows."""
+    if method in KQUANT_METHODS:
+        return in_features % block_width(method) == 0 and out_features % 16 == 0
+    return in_features % BLOCK_SIZE == 0
+
+
+def register_layer_type(method: str, layer_type: type[nn.Module]) -> None:
+    """A layer for another kernel format (worker/kquant_formats.py registers the K-quants' when it is imported)."""
+    LAYER_TYPES[method] = layer_type
 # The output layer is the most sensitive to rounding; llama.cpp's q4 files keep it (or the tied embedding) in q8_0.
 OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
 
@@ -560,9 +598,12 @@ class PendingBlockLinear(nn.Module):
 
     def __init__(self, method: str, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        check_block_width(in_features)
+        width = block_width(method)
+        if in_features % width:
+            raise ValueError(f"{method} layers need in_features that are a multiple of {width}; a layer has "
+                             f"{in_features}")
         self.method, self.in_features, self.out_features = method, in_features, out_features
-        staged = torch.empty(out_features, in_features // BLOCK_SIZE, BLOCK_BYTES[method], dtype=torch.uint8)
+        staged = torch.empty(out_features, in_features // width, STORED_BLOCK_BYTES[method], dtype=torch.uint8)
         self.register_buffer("staged", staged, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
@@ -583,17 +624,21 @@ class PendingBlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights, loading"
 
 
-def pend_block_linears(module: nn.Module, method: str) -> int:
+def pend_block_linears(module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "") -> int:
     """Replaces every nn.Linear under module (on the meta device: shapes only) with a PendingBlockLinear of
-    `method`, in place; returns how many were replaced."""
+    `method`, in place; returns how many were replaced. `method` may be a function of the layer's name under module
+    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
+            layer_method = method(prefix + name) if callable(method) else method
+            if layer_method is None or not layer_fits(layer_method, child.out_features, child.in_features):
+                continue
             bias = child.bias is not None
-            setattr(module, name, PendingBlockLinear(method, child.in_features, child.out_features, bias))
+            setattr(module, name, PendingBlockLinear(layer_method, child.in_features, child.out_features, bias))
             count += 1
         else:
-            count += pend_block_linears(child, method)
+            count += pend_block_linears(child, method, f"{prefix}{name}.")
     return count
 
 

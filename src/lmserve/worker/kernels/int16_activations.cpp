@@ -27,6 +27,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "int16_activations.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 
@@ -40,8 +42,12 @@
 
 namespace {
 
+using lmserve_int16::Activations;
+using lmserve_int16::broadcast4;
+using lmserve_int16::kBlock;
+using lmserve_int16::split_rows;
+
 constexpr int64_t kGroup = 16;  // output rows per group: one vector of 16 int32 / float32 lanes
-constexpr int64_t kBlock = 32;  // inputs per block
 constexpr int kTileRows = 6;    // input rows that share one decoding of the weights (1.03-1.12x over 4)
 // As quantized_linear.cpp: the block 4 KB ahead is asked for, so that few-row products do not wait on memory.
 constexpr int64_t kPrefetchAhead = 4096;
@@ -86,65 +92,6 @@ struct Q8_0 {
     return static_cast<uint8_t>(q(n, 4 * j + e));
   }
 };
-
-struct Activations {
-  std::vector<int8_t> high, low;               // [M][K]
-  std::vector<float> scale, sum;               // [M][blocks]: s / 256, and the block's float32 sum of x
-  std::vector<int32_t> high_sum, low_sum;      // [M][blocks]: 128 (sum of x_hi), 128 (sum of x_lo), for q8_0
-};
-
-// Rows of x as two int8 halves per block (see the top). A block that holds an inf or NaN gets a NaN scale, so its
-// outputs are NaN as a float product's would be.
-void split_rows(const float* x, int64_t M, int64_t K, Activations& a) {
-  const int64_t blocks = K / kBlock;
-  a.high.resize(M * K);
-  a.low.resize(M * K);
-  a.scale.resize(M * blocks);
-  a.sum.resize(M * blocks);
-  a.high_sum.resize(M * blocks);
-  a.low_sum.resize(M * blocks);
-  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + i * kBlock;
-      const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      a.sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-      // An inf or NaN is found from its bits: -ffast-math lets the compiler assume float compares never see one (and
-      // MAXPS drops a NaN). Its block gets a NaN scale, built from bits too.
-      const __m512i exponent = _mm512_set1_epi32(0x7F800000);
-      const bool finite =
-          !(_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v0), exponent), exponent) |
-            _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v1), exponent), exponent));
-      const float s = amax / 127.0f;
-      const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
-      const uint32_t scale_bits = finite ? std::bit_cast<uint32_t>(s / 256.0f) : 0x7FC00000u;
-      a.scale[i] = std::bit_cast<float>(scale_bits);
-      const __m512 vs = _mm512_set1_ps(s), vinv = _mm512_set1_ps(inverse), vinv256 = _mm512_set1_ps(inverse * 256.0f);
-      __m512i high_sum = _mm512_setzero_si512(), low_sum = _mm512_setzero_si512();
-      for (int h = 0; h < 2; ++h) {
-        const __m512 v = h ? v1 : v0;
-        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512i high = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, vinv), kRound));
-        const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(high), vs, v);
-        const __m512i low = _mm512_cvtps_epi32(_mm512_min_ps(
-            _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(rest, vinv256), kRound), _mm512_set1_ps(-128.0f)),
-            _mm512_set1_ps(127.0f)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.high.data() + i * kBlock + 16 * h), _mm512_cvtsepi32_epi8(high));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.low.data() + i * kBlock + 16 * h), _mm512_cvtsepi32_epi8(low));
-        high_sum = _mm512_add_epi32(high_sum, high);
-        low_sum = _mm512_add_epi32(low_sum, low);
-      }
-      a.high_sum[i] = 128 * _mm512_reduce_add_epi32(high_sum);
-      a.low_sum[i] = 128 * _mm512_reduce_add_epi32(low_sum);
-    }
-  });
-}
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 // T input rows (from row `row`) against one group, all blocks.
 template <class Format, int T>

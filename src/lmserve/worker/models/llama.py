@@ -14,7 +14,7 @@ rank every split is the whole and every collective a no-op.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -22,16 +22,18 @@ from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
+from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.quantization import (
-    BLOCK_SIZE,
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
     PendingBlockLinear,
     StoredBlocks,
     finish_block_linears,
+    layer_fits,
     pend_block_linears,
     quantize_linears,
 )
+from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, exact_kernel_format
 
 if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
@@ -352,16 +354,56 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = LAYER_TYPES[OUTPUT_LAYER_METHOD.get(method, method)](head, None)
 
-    def pend_block_layers(self, method: str) -> None:
+    def pend_block_layers(self, method: str, stored_types: Mapping[str, str] | None = None) -> None:
         """What quantize(method) makes of a loaded model, decided before loading (on the meta device): every linear
         layer, and on the last stage the output layer (in OUTPUT_LAYER_METHOD's format; a tied embedding's rows feed
         it too), becomes a PendingBlockLinear, which load_weights fills from the checkpoint and turns into the block
-        layer. A file's blocks in the layer's format go straight into it: no float32 copy of those weights is made."""
-        pend_block_linears(self.layers, method)
+        layer. A file's blocks in the layer's format go straight into it: no float32 copy of those weights is made.
+
+        stored_types (a GGUF's matrices' types by Hugging Face name, loader.stored_matrix_types): each layer instead
+        takes the kernel format that holds all of its stored rows exactly (stored_formats.exact_kernel_format), and
+        a layer with none stays a float layer (quantize_float_layers)."""
+        def stored_format(sources: list[str]) -> str | None:
+            assert stored_types is not None
+            return exact_kernel_format(stored_types.get(name, "float") for name in sources)
+
+        def layer_format(name: str) -> str | None:  # name under self.layers: "3.self_attn.qkv_proj"
+            if stored_types is None:
+                return method
+            index, *path = name.split(".")
+            parts = self._SOURCES.get(path[-1], (path[-1],))
+            return stored_format([f"model.layers.{index}.{'.'.join([*path[:-1], p])}.weight" for p in parts])
+
+        pend_block_linears(self.layers, layer_format)
         if self.parallel.layout.is_last_stage:
             rows = -(-self.vocab_size // self.parallel.tp_size)
-            method = OUTPUT_LAYER_METHOD.get(method, method)
-            self.lm_head = PendingBlockLinear(method, self.config.hidden_size, rows, bias=False)
+            if stored_types is None:
+                output_format = OUTPUT_LAYER_METHOD.get(method, method)
+            else:
+                output_format = stored_format(
+                    ["model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"])
+            if output_format is not None and layer_fits(output_format, rows, self.config.hidden_size):
+                self.lm_head = PendingBlockLinear(output_format, self.config.hidden_size, rows, bias=False)
+        # The embedding's lookups read the file's blocks (worker/block_embedding.py) unless the output layer needs
+        # its float table (tied, and no block layer of its own).
+        embedding_type = stored_types and stored_types.get("model.embed_tokens.weight")
+        tied_to_floats = self.tie_word_embeddings and not isinstance(self.lm_head, PendingBlockLinear)
+        if embedding_type in STORED_BLOCK_TYPES and self.embed_tokens is not None and not tied_to_floats:
+            self.embed_tokens = BlockEmbedding(self.vocab_size, self.config.hidden_size, self.parallel, embedding_type)
+
+    def quantize_float_layers(self, method: str) -> int:
+        """The layers pend_block_layers left in float (their stored type has no exact kernel format) to `method`
+        (fp16), the output layer too; returns how many were replaced."""
+        count = quantize_linears(self.layers, method)
+        if not self.parallel.layout.is_last_stage:
+            return count
+        if self.lm_head is None:
+            self.lm_head = LAYER_TYPES[method](self.embed_tokens.weight, None)
+        elif isinstance(self.lm_head, nn.Linear):
+            self.lm_head = LAYER_TYPES[method](self.lm_head.weight, None)
+        else:
+            return count
+        return count + 1
 
     # Hugging Face names → our fused parameters: (our name, shard index in the fused tensor)
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
@@ -370,6 +412,12 @@ class LlamaForCausalLM(nn.Module):
         "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
+    }
+
+    # Our fused layers' Hugging Face sources, in row order.
+    _SOURCES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
     # Split by input columns across tensor ranks (their outputs are summed by an all-reduce).
@@ -394,7 +442,7 @@ class LlamaForCausalLM(nn.Module):
         they are, a float parameter gets them dequantized. Finishes the pending block layers."""
         params = dict(self.named_parameters())
         pending = {f"{name}.weight": module for name, module in self.named_modules()
-                   if isinstance(module, PendingBlockLinear)}
+                   if isinstance(module, PendingBlockLinear | BlockEmbedding)}
         loaded: set[str] = set()
         tp, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         for hf_name, tensor in weights:
@@ -456,7 +504,7 @@ def _column_shard(tensor: torch.Tensor | StoredBlocks, tp: int, tp_rank: int) ->
     share is whole blocks (always, for a layer that can be a block layer at all); otherwise in float."""
     if isinstance(tensor, StoredBlocks):
         columns = tensor.shape[1]
-        if columns % (tp * BLOCK_SIZE) == 0:
+        if columns % (tp * (columns // tensor.data.shape[1])) == 0:  # whole blocks (32 or 256 weights) a rank
             return tensor.with_data(tensor.data.chunk(tp, dim=1)[tp_rank])
         tensor = tensor.dequantize()
     return tensor.chunk(tp, dim=1)[tp_rank]

@@ -1,0 +1,274 @@
+// Linear layers over llama.cpp's K-quant weights (q4_k, q6_k), with the activations as 16-bit integers per block of
+// 32 inputs, on AVX-512 VNNI: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size.
+//
+// K-quants group a row's weights in super-blocks of 256 with a float16 scale d (q4_k: and minimum scale dmin), and
+// sub-blocks with small integer scales:
+//   q4_k: 8 sub-blocks of 32, 6-bit scale sc and minimum mn, 4-bit q:  w = (d sc) q - (dmin mn)   (4.5 bits a weight)
+//   q6_k: 16 sub-blocks of 16, int8 scale sc, 6-bit q:                  w = (d sc) (q - 32)        (6.5625 bits)
+// d sc and dmin mn are exact in float32 (11-bit by 8-bit products), so each sub-block is a q4_1 / q8_0 block with
+// float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k: per half
+// block, each half with its scale). Every row is computed alone, in the same order whatever shares its call.
+//
+// Layout (worker/kquant_formats.py packs it from the file's blocks, byte for byte of what they hold), per group of 16
+// output rows and super-block of 256 inputs: a header of the 16 rows' d (float16; q4_k: then their dmin), then per
+// block of 32 inputs, as int16_activations.cpp's: the 16 rows' sub-block scales (q4_k: 16 sc, 16 mn as bytes; q6_k:
+// 16 int8 sc of the first 16 inputs, 16 of the second), the low 4 bits of q as 4 chunks of 64 bytes (chunk c: row 2c
+// in the low nibbles, 2c + 1 in the high ones; row j holds q[n][4j..4j+3] for n = 0..15), and (q6_k) the top 2 bits
+// as 2 chunks of 64 (chunk h: row 4h + r in bits 2r, 2r + 1).
+//   q4_k: 64 + 8 x (32 + 256) = 2,368 bytes per 16 x 256 weights (the file's 144 per 256: 4.5 bits + 0.125)
+//   q6_k: 32 + 8 x (32 + 384) = 3,360 bytes (the file's 210 per 256: 6.5625 bits)
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "int16_activations.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using lmserve_int16::Activations;
+using lmserve_int16::broadcast4;
+using lmserve_int16::kBlock;
+using lmserve_int16::split_rows;
+
+constexpr int64_t kGroup = 16;
+constexpr int64_t kSuper = 256;
+constexpr int64_t kBlocksPerSuper = kSuper / kBlock;
+constexpr int64_t kPrefetchAhead = 4096;
+
+inline __m512 widen16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 bytes_unsigned(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 bytes_signed(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline void low_nibbles(const uint8_t* quants, __m512i rows[8]) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(quants + 64 * c);
+    rows[2 * c] = _mm512_and_si512(v, mask);
+    rows[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+}
+
+struct Q4_K {
+  static constexpr const char* kName = "q4_k";
+  static constexpr int64_t kHeader = 64;           // 16 d, 16 dmin
+  static constexpr int64_t kBlockBytes = 32 + 256;  // 16 sc, 16 mn, nibbles
+  static constexpr int kTileRows = 6;
+  static inline void quants(const uint8_t* block, __m512i rows[8]) { low_nibbles(block + 32, rows); }
+  // q of output n at input k of a block (for dequantize).
+  static inline int quant(const uint8_t* block, int n, int k) {
+    const int j = k / 4, e = k % 4;
+    const uint8_t byte = block[32 + 64 * (j / 2) + 4 * n + e];
+    return j % 2 ? byte >> 4 : byte & 0x0F;
+  }
+};
+
+struct Q6_K {
+  static constexpr const char* kName = "q6_k";
+  static constexpr int64_t kHeader = 32;                  // 16 d
+  static constexpr int64_t kBlockBytes = 32 + 256 + 128;  // 16 + 16 sc, nibbles, top bits
+  static constexpr int kTileRows = 4;                     // four accumulators a row
+  static inline void quants(const uint8_t* block, __m512i rows[8]) {
+    low_nibbles(block + 32, rows);
+    const __m512i mask = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(block + 32 + 256 + 64 * h);
+      // Row 4h + r's two bits sit at 2r: moved to bits 4-5 of each byte (16-bit shifts; what crosses bytes is masked).
+      rows[4 * h] = _mm512_or_si512(rows[4 * h], _mm512_and_si512(_mm512_slli_epi16(v, 4), mask));
+      rows[4 * h + 1] = _mm512_or_si512(rows[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), mask));
+      rows[4 * h + 2] = _mm512_or_si512(rows[4 * h + 2], _mm512_and_si512(v, mask));
+      rows[4 * h + 3] = _mm512_or_si512(rows[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), mask));
+    }
+  }
+  static inline int quant(const uint8_t* block, int n, int k) {
+    const int j = k / 4, e = k % 4;
+    const uint8_t low = block[32 + 64 * (j / 2) + 4 * n + e];
+    const uint8_t top = block[32 + 256 + 64 * (j / 4) + 4 * n + e];
+    return ((j % 2 ? low >> 4 : low & 0x0F) | (((top >> (2 * (j % 4))) & 3) << 4));
+  }
+};
+
+template <class Format>
+constexpr int64_t super_bytes() { return Format::kHeader + kBlocksPerSuper * Format::kBlockBytes; }
+
+// T input rows (from row `row`) against one group of 16 outputs, all blocks.
+template <class Format, int T>
+void group_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
+                   const float* bias, float* y, int64_t N, int64_t n0) {
+  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  const int8_t* high = a.high.data() + row * K;
+  const int8_t* low = a.low.data() + row * K;
+  const int64_t first = row * blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* super = group + b / kBlocksPerSuper * super_bytes<Format>();
+    const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
+    for (int64_t line = 0; line < Format::kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + line), _MM_HINT_T0);
+    __m512i rows[8];
+    Format::quants(block, rows);
+    // Per row: dot products with the high and low activation halves (q6_k: of each 16-input half apart).
+    constexpr int kHalves = kSixBit ? 2 : 1;
+    __m512i dot_high[T][kHalves], dot_low[T][kHalves];
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < kHalves; ++h) dot_high[t][h] = dot_low[t][h] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < T; ++t) {
+        const int h = kSixBit ? j / 4 : 0;
+        const int64_t at = t * K + b * kBlock + 4 * j;
+        dot_high[t][h] = _mm512_dpbusd_epi32(dot_high[t][h], rows[j], broadcast4(high + at));
+        dot_low[t][h] = _mm512_dpbusd_epi32(dot_low[t][h], rows[j], broadcast4(low + at));
+      }
+    const __m512 d = widen16(super);
+    if constexpr (kSixBit) {
+      const __m512 scale0 = _mm512_mul_ps(d, bytes_signed(block)), scale1 = _mm512_mul_ps(d, bytes_signed(block + 16));
+      for (int t = 0; t < T; ++t) {
+        const int64_t i = first + t * blocks + b;
+        const __m512 s = _mm512_set1_ps(a.scale[i]);
+        for (int h = 0; h < 2; ++h) {
+          // q - 32: 32 (sum of the half's activations) off each exact dot product.
+          const __m512 dh = _mm512_cvtepi32_ps(
+              _mm512_sub_epi32(dot_high[t][h], _mm512_set1_epi32(32 * a.high_half[2 * i + h])));
+          const __m512 dl = _mm512_cvtepi32_ps(
+              _mm512_sub_epi32(dot_low[t][h], _mm512_set1_epi32(32 * a.low_half[2 * i + h])));
+          const __m512 value = _mm512_fmadd_ps(dh, _mm512_set1_ps(256.0f), dl);
+          acc[t] = _mm512_fmadd_ps(value, _mm512_mul_ps(h ? scale1 : scale0, s), acc[t]);
+        }
+      }
+    } else {
+      const __m512 scale = _mm512_mul_ps(d, bytes_unsigned(block));
+      const __m512 minimum = _mm512_mul_ps(widen16(super + 32), bytes_unsigned(block + 16));
+      for (int t = 0; t < T; ++t) {
+        const int64_t i = first + t * blocks + b;
+        // 256 (q . x_hi) + (q . x_lo) < 2^24 (q <= 15): exact in float32.
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(dot_high[t][0], 8), dot_low[t][0]));
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[i])), acc[t]);
+        acc[t] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(a.sum[i]), acc[t]);
+      }
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (row + t) * N + n0, _mm512_add_ps(acc[t], bv));
+}
+
+template <class Format>
+void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+              "packed weight must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(K > 0 && K % kSuper == 0, Format::kName, " needs in_features that are a positive multiple of 256, got ",
+              K);
+  TORCH_CHECK(N > 0 && N % kGroup == 0, "out_features must be a positive multiple of 16, got ", N);
+  const int64_t expected = N / kGroup * (K / kSuper) * super_bytes<Format>();
+  TORCH_CHECK(weight.numel() == expected, "packed weight has ", weight.numel(), " bytes, expected ", expected, " for ",
+              N, " x ", K);
+}
+
+template <class Format, int T = Format::kTileRows>
+void tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
+          const float* bias, float* y, int64_t N, int64_t n0) {
+  if constexpr (T > 1) {
+    if (rows < T) return tile<Format, T - 1>(rows, group, blocks, a, row, K, bias, y, N, n0);
+  }
+  group_product<Format, T>(group, blocks, a, row, K, bias, y, N, n0);
+}
+
+template <class Format>
+torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == torch::kFloat32, "input must be float32 on CPU");
+  const int64_t K = input.size(-1), N = out_features;
+  check_weight<Format>(weight, N, K);
+  const float* bias_data = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be a contiguous float32 tensor of out_features");
+    bias_data = bias->data_ptr<float>();
+  }
+  const torch::Tensor x = input.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), blocks = K / kBlock;
+  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  out_shape.back() = N;
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0) return y.view(out_shape);
+  Activations a;
+  split_rows(x.data_ptr<float>(), M, K, a);
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t group_bytes = K / kSuper * super_bytes<Format>();
+  at::parallel_for(0, N / kGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t row = 0; row < M; row += Format::kTileRows)
+        tile<Format>(static_cast<int>(std::min<int64_t>(Format::kTileRows, M - row)), wp + g * group_bytes, blocks,
+                     a, row, K, bias_data, yp, N, g * kGroup);
+  });
+  return y.view(out_shape);
+}
+
+// The float32 weights [N, K]: gguf's values bit for bit (q4_k: (d sc) q - dmin mn, one rounding as an FMA of exact
+// terms; q6_k: (d sc) (q - 32), exact).
+template <class Format>
+void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2,
+              "out must be [N, K] float32");
+  const int64_t N = out.size(0), K = out.size(1), blocks = K / kBlock;
+  check_weight<Format>(weight, N, K);
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t group_bytes = K / kSuper * super_bytes<Format>();
+  at::parallel_for(0, N / kGroup, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* super = wp + g * group_bytes + b / kBlocksPerSuper * super_bytes<Format>();
+        const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
+        alignas(64) float d[16], second[16], first_scale[16];
+        _mm512_store_ps(d, widen16(super));
+        if constexpr (std::is_same_v<Format, Q4_K>) {
+          _mm512_store_ps(first_scale, _mm512_mul_ps(widen16(super), bytes_unsigned(block)));
+          _mm512_store_ps(second, _mm512_mul_ps(widen16(super + 32), bytes_unsigned(block + 16)));  // dmin mn
+        } else {
+          _mm512_store_ps(first_scale, _mm512_mul_ps(widen16(super), bytes_signed(block)));
+          _mm512_store_ps(second, _mm512_mul_ps(widen16(super), bytes_signed(block + 16)));  // the second half's
+        }
+        for (int n = 0; n < kGroup; ++n)
+          for (int k = 0; k < kBlock; ++k) {
+            const float q = static_cast<float>(Format::quant(block, n, k));
+            float* dst = op + (g * kGroup + n) * K + b * kBlock + k;
+            if constexpr (std::is_same_v<Format, Q4_K>) *dst = std::fma(q, first_scale[n], -second[n]);
+            else *dst = (q - 32.0f) * (k < 16 ? first_scale[n] : second[n]);
+          }
+      }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmserve, m) {
+  m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
+  m.impl("q4_k_int16_linear", &linear<Q4_K>);
+  m.impl("q4_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_K>(w, out); });
+  m.impl("q6_k_int16_linear", &linear<Q6_K>);
+  m.impl("q6_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q6_K>(w, out); });
+}
+
+#endif  // AVX-512 F, BW, VNNI and F16C

@@ -1,0 +1,147 @@
+"""llama.cpp's K-quants (q4_k, q6_k) read at their stored size: the file's super-blocks rearranged into the layout of
+kernels/kquant_int16.cpp (AVX-512 VNNI, int16 activations), and the layer that runs them.
+
+The rearrangement is exact: every code and every scale the file holds goes into the kernel's layout as it is
+(tests/worker/test_kquant_formats.py checks the kernel's dequantization against gguf's, value for value). Done in
+NumPy, on one thread, for the reason quantization.pack_blocks gives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.quantization import (
+    BatchedPath,
+    BlockQuantizedLinear,
+    StoredBlocks,
+    block_activations,
+    block_kernels_load,
+    int16_kernel_loads,
+    register_layer_type,
+)
+from lmserve.worker.stored_formats import BLOCK_FORMATS, KERNEL_FORMATS
+
+SUPER_BLOCK = 256
+GROUP_ROWS = 16  # output rows per group of the kernel's layout
+KQUANT_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # llama.cpp's block_q4_K, block_q6_K
+
+
+def kquant_kernels_load() -> bool:
+    """Whether kernels/kquant_int16.cpp was built here (AVX-512 VNNI) and is not turned off."""
+    return int16_kernel_loads() and hasattr(cpu_kernels(), "q4_k_int16_linear")
+
+
+def kernel_formats(activations_setting: str | None = "auto") -> tuple[str, ...]:
+    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants where
+    kernels/kquant_int16.cpp runs and the block kernels take int16 activations (--block-activations)."""
+    if not block_kernels_load("q8_0", explicit=False):
+        return ()
+    if block_activations(activations_setting) == "int16" and kquant_kernels_load():
+        return KERNEL_FORMATS
+    return BLOCK_FORMATS
+
+
+def _float16_bytes(blocks: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., at : at + 2])
+
+
+def q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[N, S, 144] block_q4_K -> d and dmin (float16 bytes [N, S, 2]), sc and mn (uint8 [N, S, 8], 6-bit), codes
+    (uint8 [N, S * 256], 0..15): gguf's Q4_K.dequantize_blocks reading, without the arithmetic."""
+    rows, supers, _ = blocks.shape
+    scales = blocks[..., 4:16].reshape(rows, supers, 3, 4)
+    d_bits, m_bits, both = scales[..., 0, :], scales[..., 1, :], scales[..., 2, :]
+    sc = np.concatenate([d_bits & 0x3F, (both & 0x0F) | ((d_bits >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m_bits & 0x3F, (both >> 4) | ((m_bits >> 2) & 0x30)], axis=-1)
+    qs = blocks[..., 16:144].reshape(rows, supers, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(rows, supers * SUPER_BLOCK)
+    return _float16_bytes(blocks, 0), _float16_bytes(blocks, 2), sc, mn, codes
+
+
+def q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[N, S, 210] block_q6_K -> d (float16 bytes [N, S, 2]), sc (uint8 bytes of int8 [N, S, 16]), codes (uint8
+    [N, S * 256], 0..63): gguf's Q6_K.dequantize_blocks reading."""
+    rows, supers, _ = blocks.shape
+    ql = blocks[..., 0:128].reshape(rows, supers, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+        1, 1, 1, 4, 1)
+    low = (ql & 0x0F).reshape(rows, supers, 8, 32)
+    high = (qh & 0x03).reshape(rows, supers, 8, 32)
+    codes = (low | (high << 4)).reshape(rows, supers * SUPER_BLOCK)
+    return _float16_bytes(blocks, 208), np.ascontiguousarray(blocks[..., 192:208]), codes
+
+
+def _rows_of_four(codes: np.ndarray) -> np.ndarray:
+    """uint8 [N, K] codes -> [G, K / 32, 8, 64]: per group of 16 outputs and block of 32 inputs, row j holds
+    q[n][4j..4j+3] for n = 0..15 (the VNNI order)."""
+    rows, cols = codes.shape
+    grouped = codes.reshape(rows // GROUP_ROWS, GROUP_ROWS, cols // 32, 8, 4)  # g, n, b, j, e
+    return grouped.transpose(0, 2, 3, 1, 4).reshape(rows // GROUP_ROWS, cols // 32, 8, 64)
+
+
+def _per_group(values: np.ndarray) -> np.ndarray:
+    """[N, X, W] -> [G, X, 16 * W]: the group's 16 rows' fields one after another (W bytes each)."""
+    rows, x, width = values.shape
+    return values.reshape(rows // GROUP_ROWS, GROUP_ROWS, x, width).transpose(0, 2, 1, 3).reshape(
+        rows // GROUP_ROWS, x, GROUP_ROWS * width)
+
+
+def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
+    """[N, K / 256, bytes] of the file's blocks in kernels/kquant_int16.cpp's layout: uint8 [N / 16, bytes per group]."""
+    rows, supers, block_bytes = blocks.shape
+    if block_bytes != KQUANT_BLOCK_BYTES[method]:
+        raise ValueError(f"{method} blocks have {KQUANT_BLOCK_BYTES[method]} bytes, got {block_bytes}")
+    if rows % GROUP_ROWS:
+        raise ValueError(f"{method} layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
+    groups, blocks_per_super = rows // GROUP_ROWS, SUPER_BLOCK // 32
+    if method == "q4_k":
+        d, dmin, sc, mn, codes = q4_k_fields(blocks)
+        header = np.concatenate([_per_group(d), _per_group(dmin)], axis=-1)
+        scales = np.concatenate([_per_group(sc.reshape(rows, -1, 1)), _per_group(mn.reshape(rows, -1, 1))], axis=-1)
+        quant_rows = _rows_of_four(codes)
+        quants = quant_rows[:, :, 0::2] | (quant_rows[:, :, 1::2] << 4)  # chunk c: rows 2c (low), 2c + 1 (high)
+        parts = [scales, quants.reshape(groups, -1, 256)]
+    else:
+        d, sc, codes = q6_k_fields(blocks)
+        header = _per_group(d)
+        pairs = sc.reshape(rows, -1, 2)  # per block of 32 inputs: the scales of its two halves of 16
+        quant_rows = _rows_of_four(codes)
+        low = quant_rows & 0x0F
+        nibbles = low[:, :, 0::2] | (low[:, :, 1::2] << 4)
+        top = (quant_rows >> 4).reshape(groups, -1, 2, 4, 64)
+        top_bits = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+        parts = [_per_group(pairs[..., 0:1]), _per_group(pairs[..., 1:2]), nibbles.reshape(groups, -1, 256), top_bits.reshape(groups, -1, 128)]
+    per_block = np.concatenate(parts, axis=-1).reshape(groups, supers, blocks_per_super, -1)
+    packed = np.concatenate([header, per_block.reshape(groups, supers, -1)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(packed.reshape(groups, -1)))
+
+
+class KQuantLinear(BlockQuantizedLinear):
+    """A layer whose weights stay in the file's K-quant blocks (q4_k, q6_k), run by kernels/kquant_int16.cpp with
+    int16 activations at every batch size of generated rows; prompt rows and large batches take the same copies as
+    the other block layers (BlockQuantizedLinear), built from these blocks."""
+
+    def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None) -> None:
+        self.method = weight.method
+        super().__init__(weight, bias, batched)
+
+    def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
+        if not isinstance(weight, StoredBlocks) or weight.method != self.method:
+            raise ValueError(f"a {self.method} layer takes a file's {self.method} blocks")
+        rows, columns = weight.shape
+        return pack_kquant(self.method, weight.data.numpy()), rows, columns
+
+    def _use_ops(self) -> None:
+        ops = cpu_kernels()
+        self.linear_op = getattr(ops, f"{self.method}_int16_linear")
+        self.dequantize_op = getattr(ops, f"{self.method}_int16_dequantize")
+        self.activations = "int16"
+
+    def use_int16_activations(self) -> bool:
+        return True
+
+
+for _method in KQUANT_BLOCK_BYTES:
+    register_layer_type(_method, KQuantLinear)

@@ -1,0 +1,106 @@
+"""Which of the kernels' block formats holds a GGUF file's stored blocks exactly, and the conversion into it.
+
+A llama.cpp file mixes block types: a Q4_K_M file of a model whose rows are 896 wide (not a multiple of the K-quants'
+256) stores most matrices as Q5_0 and some as Q8_0, Q4_K and Q6_K. The kernels (kernels/quantized_linear.cpp,
+kernels/int16_activations.cpp) read q4_1 and q8_0 blocks. Some stored types convert into one of them without changing
+any weight's value, block for block, with the same float16 scale:
+  q5_0: float16 d, 32 five-bit codes q (w = d (q - 16)) -> q8_0 with the int8 codes q - 16;
+  q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),
+        or q8_0 with q - 8;
+  q4_1 and q8_0 are kernel formats already, and so are q4_k and q6_k where kernels/kquant_int16.cpp runs
+  (worker/kquant_formats.py).
+A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
+(tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
+include a type that converts into none of the formats that run here (q5_1, q5_k, q2_k, q3_k; q4_k and q6_k without
+AVX-512 VNNI; q4_k rows fused with q6_k ones) gets no block format: it keeps float weights (float16 under
+--quantization auto).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+# Fewest bytes a weight first. The K-quants run where kernels/kquant_int16.cpp does (AVX-512 VNNI).
+KERNEL_FORMATS = ("q4_k", "q4_1", "q6_k", "q8_0")
+BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
+# Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
+EXACT_INTO: dict[str, tuple[str, ...]] = {
+    "q4_1": ("q4_1",),
+    "q8_0": ("q8_0",),
+    "q4_0": ("q4_1", "q8_0"),
+    "q5_0": ("q8_0",),
+    "q4_k": ("q4_k",),
+    "q6_k": ("q6_k",),
+}
+STORED_BLOCK_TYPES = tuple(EXACT_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
+STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q8_0": 34, "q4_k": 144, "q6_k": 210}
+BLOCK_WIDTH = {"q4_k": 256, "q6_k": 256}  # weights a block; 32 for the others
+
+
+def block_width(stored_type: str) -> int:
+    return BLOCK_WIDTH.get(stored_type, 32)
+
+
+def exact_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KERNEL_FORMATS) -> str | None:
+    """The kernel format of `formats` (those that run here; fewest bytes first) that holds blocks of every one of
+    `stored_types` exactly, or None."""
+    types = set(stored_types)
+    if not types:
+        return None
+    for kernel_format in (f for f in KERNEL_FORMATS if f in set(formats)):
+        if all(kernel_format in EXACT_INTO.get(t, ()) for t in types):
+            return kernel_format
+    return None
+
+
+def preferred_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KERNEL_FORMATS) -> str | None:
+    """The kernel format of `formats` most of a file's matrices convert into exactly (each one's first choice), or
+    None when no matrix converts: what `--quantization auto` takes a GGUF's layers to."""
+    counts: dict[str, int] = {}
+    runs = set(formats)
+    for stored_type in stored_types:
+        choices = [f for f in EXACT_INTO.get(stored_type, ()) if f in runs]
+        if choices:
+            counts[choices[0]] = counts.get(choices[0], 0) + 1
+    return max(counts, key=lambda f: (counts[f], -KERNEL_FORMATS.index(f))) if counts else None
+
+
+def runnable_types(stored_types: Mapping[str, str], formats: Iterable[str]) -> dict[str, str]:
+    """stored_types with every type that no format of `formats` holds exactly named "float" (a layer of it stays a
+    float layer)."""
+    runs = set(formats)
+    return {name: t if runs & set(EXACT_INTO.get(t, ())) else "float" for name, t in stored_types.items()}
+
+
+def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> np.ndarray:
+    """uint8 [rows, blocks, bytes] of `stored_type` as the same weights in `kernel_format`'s blocks (llama.cpp's
+    layout of that format); raises where the conversion is not exact."""
+    if stored_type == kernel_format:
+        return blocks
+    if kernel_format not in EXACT_INTO.get(stored_type, ()):
+        raise ValueError(f"{stored_type} blocks do not convert exactly into {kernel_format}")
+    if blocks.shape[-1] != STORED_BLOCK_BYTES[stored_type]:
+        raise ValueError(f"{stored_type} blocks have {STORED_BLOCK_BYTES[stored_type]} bytes, got {blocks.shape[-1]}")
+    scale = blocks[..., 0:2]
+    if kernel_format == "q8_0":
+        codes = _codes(stored_type, blocks)
+        offset = 16 if stored_type == "q5_0" else 8
+        return np.concatenate([scale, (codes.astype(np.int16) - offset).astype(np.int8).view(np.uint8)], axis=-1)
+    # q4_0 -> q4_1: the same nibbles, m = -8 d.
+    minimum = (scale.copy().view(np.float16) * np.float16(-8)).astype(np.float16)
+    if not np.isfinite(minimum).all():
+        raise ValueError("q4_0 block scale too large to give its minimum in float16")
+    return np.concatenate([scale, minimum.view(np.uint8), blocks[..., 2:18]], axis=-1)
+
+
+def _codes(stored_type: str, blocks: np.ndarray) -> np.ndarray:
+    """The 32 unsigned codes q of each block, uint8 [..., 32], weights in order."""
+    if stored_type == "q4_0":
+        nibbles = blocks[..., 2:18]
+        return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    # q5_0: d, then 4 bytes of fifth bits (bit j for weight j, little-endian), then 16 bytes of nibbles as q4_0's.
+    nibbles = blocks[..., 6:22]
+    high = np.unpackbits(np.ascontiguousarray(blocks[..., 2:6]), axis=-1, bitorder="little")
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (high << 4)

@@ -1,0 +1,109 @@
+"""K-quant layers at their stored size (worker/kquant_formats.py, kernels/kquant_int16.cpp): the file's values bit for
+bit, products against float64 ones of the same weights, and each row's result independent of its batch."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lmserve.worker.kquant_formats import (
+    KQuantLinear,
+    kquant_kernels_load,
+    pack_kquant,
+    q4_k_fields,
+    q6_k_fields,
+)
+from lmserve.worker.quantization import StoredBlocks
+
+Q = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(not kquant_kernels_load(), reason="needs a CPU with AVX-512 VNNI")
+METHODS = ["q4_k", "q6_k"]
+
+
+@pytest.fixture(scope="module")
+def stored(make_k_quant):
+    """stored(method, rows, cols, seed): random valid blocks [rows, cols / 256, bytes] and gguf's float32 values of
+    them [rows, cols]."""
+    return lambda method, rows, cols, seed: _stored(make_k_quant, method, rows, cols, seed)
+
+
+def _stored(make_k_quant, method: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    raw = make_k_quant(rows, cols, Q[method.upper()], np.random.default_rng(seed))
+    return raw.reshape(rows, cols // 256, -1), gguf.quants.dequantize(raw, Q[method.upper()])
+
+
+def test_the_fields_read_are_ggufs(stored) -> None:
+    """Codes and scales as read for packing give gguf's values back (the packing only moves them)."""
+    blocks, values = stored("q4_k", 16, 512, seed=1)
+    d, dmin, sc, mn, codes = q4_k_fields(blocks)
+    scale = d.view(np.float16).astype(np.float32) * sc  # [16, 2, 8]
+    minimum = dmin.view(np.float16).astype(np.float32) * mn
+    got = scale.reshape(16, 16, 1) * codes.reshape(16, 16, 32) - minimum.reshape(16, 16, 1)
+    assert np.array_equal(got.reshape(16, 512), values)
+    blocks, values = stored("q6_k", 16, 256, seed=2)
+    d, sc, codes = q6_k_fields(blocks)
+    scale = d.view(np.float16).astype(np.float32) * sc.view(np.int8)
+    got = scale.reshape(16, 16, 1) * (codes.reshape(16, 16, 16).astype(np.float32) - 32)
+    assert np.array_equal(got.reshape(16, 256), values)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", METHODS)
+def test_packed_blocks_hold_the_files_values_at_the_stored_size(stored, method: str) -> None:
+    blocks, values = stored(method, 48, 768, seed=3)
+    layer = KQuantLinear(StoredBlocks(method, torch.from_numpy(blocks)), None)
+    assert (layer.out_features, layer.in_features) == (48, 768)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(values))
+    per_weight = layer.blocks.numel() / (48 * 768)
+    assert per_weight == {"q4_k": 2368 / 4096, "q6_k": 3360 / 4096}[method]  # 4.625 and 6.5625 bits a weight
+    assert "q4_k" in repr(layer) or "q6_k" in repr(layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, 3, 7, 20])
+def test_the_product_is_the_float64_product_of_the_files_weights(stored, method: str, rows: int) -> None:
+    blocks, values = stored(method, 32, 512, seed=rows)
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(rows))
+    layer = KQuantLinear(StoredBlocks(method, torch.from_numpy(blocks)), bias)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(100 + rows))
+    x[0, :40] *= 30  # an outlier block
+    expected = x.double() @ torch.from_numpy(values).double().T + bias.double()
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 32)
+    # The int16 activations' rounding (1/512 of each block's range) is all that separates them.
+    assert (got.double() - expected).abs().max().item() < 2e-3 * expected.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", METHODS)
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(stored, method: str) -> None:
+    blocks, _ = stored(method, 64, 1024, seed=7)
+    layer = KQuantLinear(StoredBlocks(method, torch.from_numpy(blocks)), None)
+    x = torch.randn(23, 1024, generator=torch.Generator().manual_seed(8))
+    together = layer(x)
+    for i in range(23):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
+    assert torch.equal(layer(x[5:12]), together[5:12])
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", METHODS)
+def test_a_non_finite_input_gives_nan_in_its_row_only(stored, method: str) -> None:
+    blocks, _ = stored(method, 16, 256, seed=9)
+    layer = KQuantLinear(StoredBlocks(method, torch.from_numpy(blocks)), None)
+    x = torch.randn(3, 256)
+    x[1, 7] = float("inf")
+    y = layer(x)
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+    assert torch.equal(layer(torch.zeros(2, 256)), torch.zeros(2, 16))
+
+
+def test_packing_refuses_what_the_kernel_cannot_tile(stored) -> None:
+    blocks, _ = stored("q4_k", 24, 256, seed=0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_kquant("q4_k", blocks)
+    with pytest.raises(ValueError, match="q6_k blocks have 210 bytes"):
+        pack_kquant("q6_k", blocks[:16])
