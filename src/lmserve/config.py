@@ -115,9 +115,10 @@ class ModelConfig:
         "kernel at any batch size: a request's tokens do not depend on its batch); prompt-bf16 (AMX only: prompt "
         "tokens through lmserve's AMX kernel on bfloat16 weights instead, 2-10x faster prefill); fp16 (fbgemm above "
         "64 rows for every token: a token's result moves with its batch's size by the float16 rounding of the weights); bf16 (oneDNN, activations "
-        "rounded to bfloat16 above a few rows: tokens may depend on the batch); auto: prompt-bf16 where the CPU has "
-        "AMX, else prompt-fp16",
-        choices=("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16"))
+        "rounded to bfloat16 above a few rows: tokens may depend on the batch); none (every token through the block "
+        "kernels: no copy, the weights take the file's size in memory, slower prefill); auto: prompt-bf16 where the "
+        "CPU has AMX, else prompt-fp16",
+        choices=("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "none"))
     block_activations: str = setting(
         "auto", "with q4_1/q8_0 blocks, how the block kernels take their activations: float32, or int16 (16-bit integers per "
         "block of 32 inputs, exact integer products on AVX-512 VNNI: faster decoding, next-token KL < 1e-5 from the "

@@ -445,6 +445,17 @@ def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
     raise ValueError(f"unknown GGUF metadata value type {value_type}")
 
 
+def gguf_stored_bits(path: Path) -> float:
+    """Bits a parameter the file's tensors take as stored (their blocks' bytes over their elements), all tensors."""
+    stored = elements = 0
+    for info in read_gguf_header(path).tensors:
+        count = int(np.prod(info.shape))
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        stored += count // block_size * block_bytes
+        elements += count
+    return 8 * stored / elements
+
+
 def stored_linear_format(source: ModelSource) -> str | None:
     """The format every linear layer's weight is stored in, in llama.cpp's lower-case name (q4_1, q8_0, f16...), when
     the file is a GGUF whose layers all share one; else None. `--quantization auto` uses it to keep a file's blocks."""

@@ -44,13 +44,18 @@ FORCED_PATHS = [
 def test_engine_invariance_under_forced_kernel_path(env: dict[str, str], unavailable: str | None) -> None:
     if unavailable:
         pytest.skip(unavailable)
+    # The stored formats' tests too: which format a layer takes depends on what runs (no q5_0 kernel without VNNI),
+    # and the K-quant kernel's AVX2 build is another source path (kernels/kquant_int16.cpp).
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-               str(ROOT / "tests/engine/test_engine_e2e.py"), "-k", INVARIANCE_TESTS]
+               str(ROOT / "tests/engine/test_engine_e2e.py"), str(ROOT / "tests/worker/test_kquant_formats.py"),
+               str(ROOT / "tests/worker/test_stored_formats.py"), "-k", f"{INVARIANCE_TESTS} or kquant or stored_formats"]
     result = subprocess.run(command, check=False, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                             timeout=900)
     tail = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, f"under {env}:\n{tail}"
     assert " passed" in result.stdout and " failed" not in result.stdout, tail
+    if kernels.KERNEL_MARCH_VARIABLE in env:  # the AVX2 build of the K-quant kernel ran (a VNNI build is off here)
+        assert "kquant_int16" not in result.stdout, f"the K-quant kernel did not run under {env}:\n{tail}"
 
 
 def test_forced_features_reach_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:

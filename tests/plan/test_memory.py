@@ -144,3 +144,31 @@ def test_bad_input_is_a_clear_error(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmserve: error:") and message in err
+
+
+def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_gguf, mixed_gguf):
+    """Issue 34: a quantized file's weights are what it stores (here ~4.6-6.6 bits a parameter in the matrices, float32
+    norms), not bfloat16; serve's own check adds the 2-byte prompt copy of the layers unless --batched-weights none."""
+    import gguf
+    import numpy as np
+
+    from lmserve.config import EngineConfig, ModelConfig
+    from lmserve.models import read_gguf_header
+    from lmserve.plan.fit import layout_memory
+
+    for path in (tiny_kquant_gguf, mixed_gguf):
+        spec = load_spec(str(path))
+        tensors = read_gguf_header(path).tensors
+        stored = sum(int(np.prod(t.shape)) // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)][0]
+                     * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)][1] for t in tensors)
+        assert spec.stored_bits is not None and 4 < spec.stored_bits < 9
+        plan = make_plan(spec, PlanSettings(device_memory=8 * GiB))
+        # The planner's parameters are the file's (the tied output layer once): its weights are the file's bytes.
+        assert plan.weight_bytes == pytest.approx(stored, rel=0.01)
+        assert plan.weight_bytes < spec.num_params * 2 / 1.7  # not bfloat16's
+        assert any("stored size" in note for note in plan.notes)
+        layers = stage_params(spec, Layout(), 0)["layers"]
+        with_copy = layout_memory(spec, EngineConfig(model=ModelConfig(model=str(path)))).ranks[0].weights
+        without = layout_memory(spec, EngineConfig(model=ModelConfig(model=str(path), batched_weights="none")))
+        assert with_copy - without.ranks[0].weights == 2 * layers
+        assert without.ranks[0].weights == plan.devices[0].weights

@@ -8,17 +8,24 @@ import numpy as np
 import pytest
 import torch
 
+from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker.kquant_formats import (
     KQuantLinear,
+    kernel_formats,
     kquant_kernels_load,
     pack_kquant,
     q4_k_fields,
     q6_k_fields,
 )
-from lmserve.worker.quantization import StoredBlocks
+from lmserve.worker.loader import load_weights, stored_matrix_types
+from lmserve.worker.model_builder import build_model
+from lmserve.worker.quantization import Float16WeightLinear, StoredBlocks
+from lmserve.worker.row_segments import RowSegmentsLinear
+from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
 
 Q = gguf.GGMLQuantizationType
-needs_kernel = pytest.mark.skipif(not kquant_kernels_load(), reason="needs a CPU with AVX-512 VNNI")
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(not kquant_kernels_load(), reason="kernels/kquant_int16.cpp did not build (no AVX2)")
 METHODS = ["q4_k", "q6_k"]
 
 
@@ -107,3 +114,29 @@ def test_packing_refuses_what_the_kernel_cannot_tile(stored) -> None:
         pack_kquant("q4_k", blocks)
     with pytest.raises(ValueError, match="q6_k blocks have 210 bytes"):
         pack_kquant("q6_k", blocks[:16])
+
+
+@needs_kernel
+def test_a_fused_layer_of_two_k_quants_runs_each_part_in_its_own_format(tiny_kquant_gguf) -> None:
+    """Q4_K_M's layer: q and k in Q4_K, v in Q6_K (conftest.K_QUANT_LAYER_TYPES, layer 0): q/k/v as segments of rows,
+    each at its stored size with the file's values; layer 1 (Q2_K, Q3_K, Q5_K: no kernel) stays float16."""
+    source = resolve_model(str(tiny_kquant_gguf))
+    config = load_hf_config(source)
+    formats = kernel_formats()
+    stored = runnable_types(stored_matrix_types(source), formats)
+    reference = build_model(config, 64, CPU, torch.float32)
+    reference.load_weights(load_weights(source, torch.float32))
+    model = build_model(config, 64, CPU, torch.float32, block_method="q4_k", stored_types=stored, formats=formats)
+    model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
+    model.quantize_float_layers("fp16")
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, RowSegmentsLinear)
+    assert [(s.method, s.out_features) for s in qkv.segments] == [("q4_k", 256), ("q4_k", 128), ("q6_k", 128)]
+    assert torch.equal(qkv.dequantized(), reference.layers[0].self_attn.qkv_proj.weight)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, KQuantLinear)  # Q4_K gate and up: one layer
+    assert isinstance(model.layers[1].self_attn.qkv_proj, Float16WeightLinear)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference.layers[0].self_attn.qkv_proj(x)
+    torch.testing.assert_close(qkv(x), expected, atol=2e-3, rtol=2e-3)
+    assert torch.equal(qkv(x[2:3]), qkv(x)[2:3])  # each segment's rows batch-invariant

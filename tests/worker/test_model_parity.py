@@ -127,7 +127,7 @@ class Parity:
             # float32 K/V: these checks hold the model code to float32 rounding (auto would round K/V to float16).
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype="float32"),
         )
-        assert self.runner.quantization == quantization
+        assert quantization == "auto" or self.runner.quantization == quantization
         assert (self.runner.attention_backend, self.runner.fused_ops) == KERNELS[kernels]
         self.reference = hf_reference(reference or path, fp16_weights=quantization == "fp16")
         self.vocab_size = self.runner.vocab_size
@@ -347,6 +347,38 @@ def test_default_model_q4_1_with_int16_activations_stays_within_their_rounding_o
                                     reduction="batchmean").item()
     assert kl < 1e-4, kl
     print(f"\n{DEFAULT_MODEL} q4_1, int16 activations: max abs logit error {error:.3g}, KL {kl:.2g}")
+
+
+def test_tiny_k_quant_file_at_its_stored_size_stays_within_int16_rounding_of_its_model(
+    tiny_kquant_gguf, tiny_kquant_dir
+) -> None:
+    """A Q4_K_M-like file under auto, every row on the block kernels (--batched-weights none): Q4_K and Q6_K layers
+    and a q/k/v of both (row segments) at their stored size where the K-quant kernel runs, the other K-quants in
+    float16. Its logits stay within the int16 activations' (and float16 weights') rounding of transformers on the
+    file's values, prefill chunks and decodes alike."""
+    from lmserve.worker.kquant_formats import KQuantLinear, kquant_kernels_load
+    from lmserve.worker.row_segments import RowSegmentsLinear
+
+    parity = Parity(tiny_kquant_gguf, max_model_len=256, num_blocks=32, atol=DEFAULT_ATOL, quantization="auto",
+                    reference=tiny_kquant_dir, batched_weights="none", block_activations="auto")
+    layer0 = parity.runner.model.layers[0]
+    if kquant_kernels_load():
+        assert parity.runner.quantization == "q4_k"
+        assert isinstance(layer0.self_attn.qkv_proj, RowSegmentsLinear)
+        assert isinstance(layer0.mlp.down_proj, KQuantLinear) and layer0.mlp.down_proj.method == "q6_k"
+    seq = parity.sequence(40, 0)
+    expected = parity.reference_logits(seq)
+    got = [parity.run([scheduled("a", seq, 0, 19, [3, 7])])["a"], parity.run([scheduled("a", seq, 19, 32, [3, 7])])["a"]]
+    got += [parity.run([scheduled("a", seq, i, i + 1, [3, 7, 11])])["a"] for i in range(32, 40)]
+    logits = torch.cat([g[1] for g in got])
+    reference = expected[torch.cat([torch.as_tensor(g[0]) for g in got])]
+    error = (logits - reference).abs().max().item()
+    assert error < 0.005 * reference.abs().max().item(), error
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    assert kl < 1e-4, kl
+    print(f"\ntiny K-quant file, stored size: max abs logit error {error:.3g} (scale {reference.abs().max():.3g}), "
+          f"KL {kl:.2g}")
 
 
 def within_bfloat16_rounding(logits: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, float]:

@@ -28,6 +28,7 @@ from lmserve.worker.quantization import (
     check_quantization,
     pack_q4_1,
     pack_q8_0,
+    prepare_batched_copies,
     quantize_linears,
     use_batched_path,
     use_prompt_copies,
@@ -436,6 +437,27 @@ def test_prompt_fp16_sends_prompt_rows_to_the_float16_copy_and_generated_rows_to
         with prompt_rows(PromptRows.from_mask(np.ones(n, dtype=bool))):
             torch.testing.assert_close(layer(x[rows]), fp16[rows], atol=0, rtol=0)
     assert isinstance(layer.prompt_copy, Float16WeightLinear) and layer.batched is None
+
+
+@pytest.mark.parametrize("method", ["q4_1", "q8_0"])
+def test_batched_weights_none_keeps_every_row_on_the_kernel_and_builds_no_copy(method: str) -> None:
+    """--batched-weights none: the weights take the file's size in memory; every row, prompt or generated, of any
+    batch runs the block kernel (so a row's bits do not depend on its batch either)."""
+    path = batched_path("none")
+    assert path == BatchedPath("none", path.block_kernel_max_rows) and not path.prompt_copies
+    layer = BLOCK_LAYERS[method](random_blocks(method, 32, 64, seed=3), None, path)
+    model = nn.Sequential(layer)
+    prepare_batched_copies(model)
+    assert layer.batched is None and layer.prompt_copy is None
+    # With int16 activations (AVX-512 VNNI) a row's bits are its own; float32 ones sum in an order set by the
+    # batch's size (1-2, 3-8, 9+ rows; issue 32's note).
+    invariant = quantization.int16_kernel_loads() and layer.use_int16_activations()
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
+    kernel = layer.linear_op(x, layer.blocks, 32, None)
+    with prompt_rows(PromptRows.from_mask(np.arange(300) < 200)):
+        assert torch.equal(layer(x), kernel)
+    assert torch.equal(layer(x[7:8]), kernel[7:8]) or not invariant
+    assert layer.batched is None and layer.prompt_copy is None
 
 
 @pytest.mark.parametrize("setting", ["bf16", "fp16", "prompt-fp16"])

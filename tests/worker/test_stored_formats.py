@@ -13,7 +13,7 @@ import torch
 
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker.block_embedding import BlockEmbedding
-from lmserve.worker.kquant_formats import KQuantLinear, kernel_formats
+from lmserve.worker.kquant_formats import KQuantLinear, Q5_0Linear, kernel_formats
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.quantization import (
@@ -23,6 +23,7 @@ from lmserve.worker.quantization import (
     Q8_0Linear,
     StoredBlocks,
     as_blocks,
+    int16_kernel_loads,
 )
 from lmserve.worker.stored_formats import (
     BLOCK_FORMATS,
@@ -84,6 +85,7 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     assert exact_kernel_format(["q4_0"]) == "q4_1"
     assert exact_kernel_format(["q4_0", "q4_1"]) == "q4_1"
     assert exact_kernel_format(["q5_0", "q5_0", "q8_0"]) == "q8_0"  # a Q4_K_M file's q, k and v of a 896-wide model
+    assert exact_kernel_format(["q5_0"]) == "q5_0" and exact_kernel_format(["q5_0"], BLOCK_FORMATS) == "q8_0"
     assert exact_kernel_format(["q4_0", "q5_0"]) == "q8_0"
     assert exact_kernel_format(["q4_1", "q8_0"]) is None  # q4_1 (w = d q + m) is not a q8_0 block
     assert exact_kernel_format(["q5_0", "q6_k"]) is None
@@ -94,6 +96,7 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     mixed = ["q5_0"] * 5 + ["q4_k"] * 9 + ["q4_1"] * 2
     assert preferred_kernel_format(mixed) == "q4_k"
     assert preferred_kernel_format(mixed, BLOCK_FORMATS) == "q8_0"
+    assert preferred_kernel_format(["q5_0"] * 3 + ["q6_k"]) == "q5_0"
     assert preferred_kernel_format(["q5_1", "q2_k", "f16"]) is None
     assert runnable_types({"a": "q6_k", "b": "q5_0", "c": "f32"}, BLOCK_FORMATS) == {"a": "float", "b": "q5_0",
                                                                                     "c": "float"}
@@ -108,12 +111,12 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
     stored = stored_matrix_types(source)
     assert stored["model.layers.0.self_attn.v_proj.weight"] == "q8_0"
     assert stored["model.layers.1.mlp.down_proj.weight"] == "q6_k"
-    assert preferred_kernel_format(stored.values()) == "q8_0"
     formats = kernel_formats()
+    assert preferred_kernel_format(stored.values(), formats) == ("q5_0" if "q5_0" in formats else "q8_0")
     reference = build_model(config, 64, CPU, torch.float32)
     reference.load_weights(load_weights(source, torch.float32))
     model = build_model(config, 64, CPU, torch.float32, block_method="q8_0",
-                        stored_types=runnable_types(stored, formats))
+                        stored_types=runnable_types(stored, formats), formats=formats)
     model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
     # The down projections: at their stored size where the K-quant kernel runs (AVX-512 VNNI), else float16.
     down_type = KQuantLinear if "q6_k" in formats else Float16WeightLinear
@@ -126,7 +129,8 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
             assert type(layer) is layer_type, (i, name)
             if layer_type is not Float16WeightLinear:  # the file's values, bit for bit
                 assert torch.equal(layer.dequantized(), reference.layers[i].get_submodule(name).weight), (i, name)
-    assert isinstance(model.lm_head, Q8_0Linear)  # the tied Q5_0 embedding's own values
+    # The tied Q5_0 embedding's own values, as q5_0 where its kernel runs, else as q8_0 blocks.
+    assert isinstance(model.lm_head, Q5_0Linear if "q5_0" in formats else Q8_0Linear)
     assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
     # The embedding looks its rows up in the file's Q5_0 blocks: the float table's values, at 22 of its 128 bytes.
     assert isinstance(model.embed_tokens, BlockEmbedding) and model.embed_tokens.stored_type == "q5_0"
@@ -143,3 +147,20 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
                 # float16 weights: their rounding; int16 activations (the K-quant kernel): theirs, 1/512 of a block
                 tolerance = 1e-4 if layer_type in (Q8_0Linear, Q4_1Linear) else 2e-3
                 torch.testing.assert_close(layer(x), ref(x), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not int16_kernel_loads(), reason="the q5_0 kernel needs AVX-512 VNNI (elsewhere q5_0 is q8_0)")
+def test_q5_0_runs_at_its_stored_size_with_the_files_values() -> None:
+    blocks = random_stored_blocks("q5_0", 48, 12, seed=11)
+    values = torch.from_numpy(gguf_values("q5_0", blocks))
+    layer = Q5_0Linear(StoredBlocks("q5_0", torch.from_numpy(blocks)), None)
+    assert layer.blocks.numel() == blocks.size  # 22 bytes a block of 32: the file's size
+    assert torch.equal(layer.dequantized(), values)
+    x = torch.randn(9, 384, generator=torch.Generator().manual_seed(12))
+    x[2, :32] *= 50
+    expected = x.double() @ values.double().T
+    got = layer(x)
+    assert (got.double() - expected).abs().max().item() < 2e-3 * expected.abs().max().item()
+    for i in range(9):  # each row's bits its own
+        assert torch.equal(layer(x[i : i + 1]), got[i : i + 1]), i
+    assert "q5_0" in kernel_formats() and exact_kernel_format(["q5_0"], kernel_formats()) == "q5_0"

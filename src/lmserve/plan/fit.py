@@ -106,13 +106,28 @@ def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
         last = stage == layout.pp - 1
         ranks.append(RankMemory(
             stage=stage,
-            weights=sum(stage_params(spec, layout, stage).values()) * nbytes,
+            weights=stage_weight_bytes(spec, layout, stage, nbytes, config.model.batched_weights),
             kv_cache=kv,
             activations=activation_bytes(spec, layout.tp, scheduler.max_num_batched_tokens, nbytes)
             + (logits_bytes(spec, settings) if last else 0),
             overhead=CPU_RANK_OVERHEAD,
         ))
     return LayoutMemory(layout, dtype, ranks)
+
+
+# The copy of the decoder layers' weights that prompt rows run on (worker/quantization.py: bfloat16 for the AMX
+# kernel, float16 for fbgemm), built beside a GGUF's stored blocks unless --batched-weights none.
+PROMPT_COPY_BYTES = 2
+
+
+def stage_weight_bytes(spec: ModelSpec, layout: Layout, stage: int, nbytes: int, batched_weights: str | None) -> int:
+    """One rank's weights: a GGUF's at their stored size plus the prompt copy of its layers (unless `none`), a float
+    checkpoint's in the compute dtype."""
+    parts = stage_params(spec, layout, stage)
+    weights = spec.weight_bytes(sum(parts.values()), nbytes)
+    if spec.stored_bits and (batched_weights or "auto") != "none":
+        weights += parts["layers"] * PROMPT_COPY_BYTES
+    return weights
 
 
 def available_memory() -> int:

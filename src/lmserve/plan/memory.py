@@ -67,6 +67,14 @@ class ModelSpec:
     qkv_bias: bool
     max_position_embeddings: int
     qk_norm: bool = False  # Qwen3 normalizes each head's q and k (one RMSNorm weight of head_dim each per layer)
+    # Bits a parameter as a GGUF stores its weights (a Q4_K_M file: ~5), which the engine keeps (worker/
+    # stored_formats.py); None for float checkpoints, whose weights take the plan's dtype.
+    stored_bits: float | None = None
+
+    def weight_bytes(self, params: int, dtype_bytes: int) -> int:
+        """What `params` of this model's parameters take in memory with weights of `dtype_bytes` (a file's stored
+        size where it has one)."""
+        return int(params * self.stored_bits / 8) if self.stored_bits else params * dtype_bytes
 
     @classmethod
     def from_hf_dict(cls, name: str, cfg: dict) -> ModelSpec:
@@ -129,7 +137,11 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
     from lmserve.models import REGISTERED_MODELS, read_config_dict, resolve_model
 
     if path.exists() or model in REGISTERED_MODELS:
-        return ModelSpec.from_hf_dict(model, read_config_dict(resolve_model(model)))
+        from lmserve.models import gguf_stored_bits
+
+        source = resolve_model(model)
+        spec = ModelSpec.from_hf_dict(model, read_config_dict(source))
+        return replace(spec, stored_bits=gguf_stored_bits(source.path)) if source.kind == "gguf" else spec
     names = sorted({*SHIPPED_CONFIGS, *REGISTERED_MODELS})
     raise ValueError(
         f"unknown model {model!r}: not a shipped config ({', '.join(names)}), and no such path "
@@ -336,12 +348,16 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     notes = []
     if max_model_len > spec.max_position_embeddings:
         notes.append(f"max_model_len {max_model_len} exceeds the model's {spec.max_position_embeddings} positions")
+    if spec.stored_bits:
+        notes.append(f"weights at the file's stored size ({spec.stored_bits:.2f} bits a parameter); on CPU the "
+                     "engine also keeps a 2-byte copy of the decoder layers for prompt rows unless "
+                     "--batched-weights none")
 
     devices = []
     for stage in range(layout.pp):
         layers = layers_in_stage(spec.num_layers, layout.pp, stage)
         heads = kv_heads_per_rank(spec, layout.tp)
-        weights = sum(stage_params(spec, layout, stage).values()) * nbytes
+        weights = spec.weight_bytes(sum(stage_params(spec, layout, stage).values()), nbytes)
         activations = activation_bytes(spec, layout.tp, settings.max_num_batched_tokens, nbytes)
         logits = logits_bytes(spec, settings) if stage == layout.pp - 1 else 0
         kv_bytes = memory - weights - activations - logits - settings.overhead
@@ -369,7 +385,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         block_size=bs,
         token_budget=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
-        weight_bytes=spec.num_params * nbytes,
+        weight_bytes=spec.weight_bytes(spec.num_params, nbytes),
         kv_bytes_per_token=kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_nbytes),
         devices=devices,
         max_concurrency=max_concurrency,

@@ -1,5 +1,6 @@
-"""llama.cpp's K-quants (q4_k, q6_k) read at their stored size: the file's super-blocks rearranged into the layout of
-kernels/kquant_int16.cpp (AVX-512 VNNI, int16 activations), and the layer that runs them.
+"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q4_k, q6_k; their
+super-blocks rearranged into the layout of kernels/kquant_int16.cpp, AVX-512 VNNI or AVX2) and q5_0
+(kernels/int16_activations.cpp, AVX-512 VNNI).
 
 The rearrangement is exact: every code and every scale the file holds goes into the kernel's layout as it is
 (tests/worker/test_kquant_formats.py checks the kernel's dequantization against gguf's, value for value). Done in
@@ -11,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.kernels import cpu_kernels, disabled_features
 from lmserve.worker.quantization import (
     BatchedPath,
     BlockQuantizedLinear,
     StoredBlocks,
-    block_activations,
     block_kernels_load,
     int16_kernel_loads,
     register_layer_type,
@@ -29,18 +29,30 @@ KQUANT_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # llama.cpp's block_q4_K, block
 
 
 def kquant_kernels_load() -> bool:
-    """Whether kernels/kquant_int16.cpp was built here (AVX-512 VNNI) and is not turned off."""
-    return int16_kernel_loads() and hasattr(cpu_kernels(), "q4_k_int16_linear")
+    """Whether kernels/kquant_int16.cpp was built here (AVX-512 VNNI or AVX2) and can run: its AVX-512 build not
+    with VNNI turned off (LMSERVE_DISABLE_CPU_FEATURES=vnni)."""
+    try:
+        ops = cpu_kernels()
+    except RuntimeError:
+        return False
+    if not hasattr(ops, "q4_k_int16_linear"):
+        return False
+    return not (ops.kquant_uses_vnni() and "vnni" in disabled_features())
 
 
 def kernel_formats(activations_setting: str | None = "auto") -> tuple[str, ...]:
     """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants where
-    kernels/kquant_int16.cpp runs and the block kernels take int16 activations (--block-activations)."""
+    kernels/kquant_int16.cpp runs, unless the block kernels are told to keep float32 activations (the K-quant kernel
+    takes int16 ones only)."""
     if not block_kernels_load("q8_0", explicit=False):
         return ()
-    if block_activations(activations_setting) == "int16" and kquant_kernels_load():
-        return KERNEL_FORMATS
-    return BLOCK_FORMATS
+    formats = set(BLOCK_FORMATS)
+    if (activations_setting or "auto") != "float32":
+        if kquant_kernels_load():
+            formats |= set(KQUANT_BLOCK_BYTES)
+        if int16_kernel_loads():
+            formats.add("q5_0")
+    return tuple(f for f in KERNEL_FORMATS if f in formats)
 
 
 def _float16_bytes(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -123,9 +135,10 @@ class KQuantLinear(BlockQuantizedLinear):
     int16 activations at every batch size of generated rows; prompt rows and large batches take the same copies as
     the other block layers (BlockQuantizedLinear), built from these blocks."""
 
-    def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None) -> None:
+    def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
+                 activations: str = "int16") -> None:
         self.method = weight.method
-        super().__init__(weight, bias, batched)
+        super().__init__(weight, bias, batched, "int16")  # the only activations these kernels take
 
     def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
         if not isinstance(weight, StoredBlocks) or weight.method != self.method:
@@ -143,5 +156,20 @@ class KQuantLinear(BlockQuantizedLinear):
         return True
 
 
+class Q5_0Linear(KQuantLinear):
+    """Q5_0 blocks at their stored size (0.6875 bytes a weight) through kernels/int16_activations.cpp (AVX-512 VNNI):
+    what a Q4_K_M file of a model whose rows are not a multiple of 256 wide holds in most layers. Elsewhere they are
+    q8_0 blocks (stored_formats.convert_blocks), with the same values."""
+
+    def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
+        if not isinstance(weight, StoredBlocks) or weight.method != "q5_0":
+            raise ValueError("a q5_0 layer takes a file's q5_0 blocks")
+        rows, columns = weight.shape
+        if rows % GROUP_ROWS:
+            raise ValueError(f"q5_0 layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
+        return cpu_kernels().q5_0_int16_pack(weight.data.contiguous()), rows, columns
+
+
 for _method in KQUANT_BLOCK_BYTES:
     register_layer_type(_method, KQuantLinear)
+register_layer_type("q5_0", Q5_0Linear)

@@ -13,7 +13,7 @@ packs, so the float32 weights of those layers never exist.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.models.llama import LlamaForCausalLM
+from lmserve.worker.stored_formats import KERNEL_FORMATS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -29,16 +30,18 @@ if TYPE_CHECKING:
 def build_model(
     config: PretrainedConfig, max_position: int, device: torch.device, dtype: torch.dtype,
     parallel: ParallelGroups | None = None, block_method: str | None = None,
-    stored_types: Mapping[str, str] | None = None,
+    stored_types: Mapping[str, str] | None = None, formats: Sequence[str] = KERNEL_FORMATS,
+    activations: str = "float32",
 ) -> LlamaForCausalLM:
     """The model's modules on `device` in `dtype`, parameters uninitialised (load its weights next). The RoPE
     tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded.
     block_method: the linear layers' block format (LlamaForCausalLM.pend_block_layers), or None for float ones;
-    stored_types: a GGUF's matrix types, for a format per layer (the same method)."""
+    stored_types: a GGUF's matrix types, for a format per layer among `formats` (those that run here); activations:
+    the block layers' kernel (block_activations), their blocks packed for it at once."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
         if block_method is not None:
-            model.pend_block_layers(block_method, stored_types)
+            model.pend_block_layers(block_method, stored_types, formats, activations)
     return _to_empty(model.to(dtype), device)
 
 

@@ -138,8 +138,9 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         # A block format's layers take the file's own blocks as they load; fp16 converts the loaded float weights.
         block_method = self.quantization if self.quantization in LAYER_METHODS else None
+        activations = block_activations(model_config.block_activations) if block_method else "float32"
         model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method,
-                            per_layer)
+                            per_layer, formats, activations)
         model.load_weights(load_weights(source, self.dtype, blocks=STORED_BLOCK_TYPES if block_method else ()))
         if self.quantization != "none" and block_method is None:
             model.quantize(self.quantization)

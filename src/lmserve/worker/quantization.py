@@ -34,6 +34,7 @@ but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× the
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,9 +59,10 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
-KQUANT_METHODS = ("q4_k", "q6_k")  # chosen per layer under auto, for a file that stores them (worker/kquant_formats.py)
+# Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): int16 activations only.
+KQUANT_METHODS = ("q4_k", "q6_k", "q5_0")
 LAYER_METHODS = BLOCK_METHODS + KQUANT_METHODS
-BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16")
+BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "none")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
 BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
@@ -105,6 +107,8 @@ def batched_path(setting: str | None = "auto") -> BatchedPath:
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
     if setting == "prompt-fp16":
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
+    if setting == "none":  # every row on the block kernels: no copy of any weight, the file's size in memory
+        return BatchedPath("none", sys.maxsize)
     if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported() and (
         "amx" not in disabled_features()
     ):
@@ -417,15 +421,18 @@ class BlockQuantizedLinear(nn.Module):
     method: ClassVar[str]
 
     def __init__(
-        self, weight: torch.Tensor | StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None
+        self, weight: torch.Tensor | StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
+        activations: str = "float32",
     ) -> None:
         """weight: float [out_features, in_features], rounded to the format; or a file's blocks (StoredBlocks), taken
-        as they are when they are in this format. batched: how batches above the kernel's rows run (batched_path)."""
+        as they are when they are in this format. batched: how batches above the kernel's rows run (batched_path).
+        activations: int16 packs the blocks for the int16-activation kernel at once (use_int16_activations' layout,
+        without packing them for the float kernel first) where it can tile the layer."""
         super().__init__()
+        self.activations = activations
         self.blocks, self.out_features, self.in_features = self._pack(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.batched_path = batched or batched_path()
-        self.activations = "float32"
         self._use_ops()
         # The copy for large batches (fbgemm's packed float16 one takes ~2 s for the default model's layers) is built
         # off the start-up path (prepare_batched_copies on a background thread), or by the first batch that needs it.
@@ -437,12 +444,17 @@ class BlockQuantizedLinear(nn.Module):
     def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
         """The weights in the kernel's layout, out_features, in_features."""
         blocks = as_blocks(self.method, weight)
-        return pack_blocks(self.method, blocks), blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
+        rows, columns = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
+        if self.activations == "int16" and rows % 16 == 0:
+            return getattr(cpu_kernels(), f"{self.method}_int16_pack")(blocks.contiguous()), rows, columns
+        self.activations = "float32"
+        return pack_blocks(self.method, blocks), rows, columns
 
     def _use_ops(self) -> None:
         ops = cpu_kernels()
-        self.linear_op = getattr(ops, f"{self.method}_linear")
-        self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
+        kernel = f"{self.method}_int16" if self.activations == "int16" else self.method
+        self.linear_op = getattr(ops, f"{kernel}_linear")
+        self.dequantize_op = getattr(ops, f"{kernel}_dequantize")
 
     def use_int16_activations(self) -> bool:
         """Moves the layer to the int16-activation kernel (block_activations), its blocks repacked for it; False
@@ -541,7 +553,7 @@ def prepare_batched_copies(module: nn.Module) -> None:
         if isinstance(child, BlockQuantizedLinear):
             if child.prompt_copies:
                 child.prepare_prompt_copy()
-            else:
+            elif child.batched_path.weights != "none":
                 child.prepare_batched()
 
 
@@ -596,8 +608,10 @@ class PendingBlockLinear(nn.Module):
     is rounded to the format (as_blocks). finish() then packs them into the layer. Built on the meta device with the
     rest of the model (worker/model_builder.py), it never holds the weights in float."""
 
-    def __init__(self, method: str, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, method: str, in_features: int, out_features: int, bias: bool, activations: str = "float32"
+                 ) -> None:
         super().__init__()
+        self.activations = activations  # the finished layer's (BlockQuantizedLinear)
         width = block_width(method)
         if in_features % width:
             raise ValueError(f"{method} layers need in_features that are a multiple of {width}; a layer has "
@@ -618,16 +632,19 @@ class PendingBlockLinear(nn.Module):
         self.staged.numpy()[start : start + blocks.shape[0]] = blocks.numpy()  # one thread (see pack_blocks)
 
     def finish(self) -> BlockQuantizedLinear:
-        return LAYER_TYPES[self.method](StoredBlocks(self.method, self.staged), self.bias)
+        return LAYER_TYPES[self.method](StoredBlocks(self.method, self.staged), self.bias,
+                                        activations=self.activations)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights, loading"
 
 
-def pend_block_linears(module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "") -> int:
+def pend_block_linears(
+    module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "", activations: str = "float32"
+) -> int:
     """Replaces every nn.Linear under module (on the meta device: shapes only) with a PendingBlockLinear of
     `method`, in place; returns how many were replaced. `method` may be a function of the layer's name under module
-    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one."""
+    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one. activations: the finished layers' kernel."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
@@ -635,10 +652,11 @@ def pend_block_linears(module: nn.Module, method: str | Callable[[str], str | No
             if layer_method is None or not layer_fits(layer_method, child.out_features, child.in_features):
                 continue
             bias = child.bias is not None
-            setattr(module, name, PendingBlockLinear(layer_method, child.in_features, child.out_features, bias))
+            setattr(module, name, PendingBlockLinear(layer_method, child.in_features, child.out_features, bias,
+                                                     activations))
             count += 1
         else:
-            count += pend_block_linears(child, method, f"{prefix}{name}.")
+            count += pend_block_linears(child, method, f"{prefix}{name}.", activations)
     return count
 
 

@@ -4,7 +4,8 @@ A llama.cpp file mixes block types: a Q4_K_M file of a model whose rows are 896 
 256) stores most matrices as Q5_0 and some as Q8_0, Q4_K and Q6_K. The kernels (kernels/quantized_linear.cpp,
 kernels/int16_activations.cpp) read q4_1 and q8_0 blocks. Some stored types convert into one of them without changing
 any weight's value, block for block, with the same float16 scale:
-  q5_0: float16 d, 32 five-bit codes q (w = d (q - 16)) -> q8_0 with the int8 codes q - 16;
+  q5_0: float16 d, 32 five-bit codes q (w = d (q - 16)) -> q8_0 with the int8 codes q - 16 (where no q5_0 kernel
+        runs: kernels/int16_activations.cpp reads q5_0 at its stored size on AVX-512 VNNI);
   q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),
         or q8_0 with q - 8;
   q4_1 and q8_0 are kernel formats already, and so are q4_k and q6_k where kernels/kquant_int16.cpp runs
@@ -22,15 +23,16 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-# Fewest bytes a weight first. The K-quants run where kernels/kquant_int16.cpp does (AVX-512 VNNI).
-KERNEL_FORMATS = ("q4_k", "q4_1", "q6_k", "q8_0")
+# Fewest bytes a weight first. The K-quants run where kernels/kquant_int16.cpp does (AVX-512 VNNI or AVX2), q5_0
+# where kernels/int16_activations.cpp does (AVX-512 VNNI).
+KERNEL_FORMATS = ("q4_k", "q4_1", "q5_0", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
 # Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
 EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q4_1": ("q4_1",),
     "q8_0": ("q8_0",),
     "q4_0": ("q4_1", "q8_0"),
-    "q5_0": ("q8_0",),
+    "q5_0": ("q5_0", "q8_0"),
     "q4_k": ("q4_k",),
     "q6_k": ("q6_k",),
 }

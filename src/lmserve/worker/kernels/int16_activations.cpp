@@ -93,6 +93,51 @@ struct Q8_0 {
   }
 };
 
+// q5_0: w = d (q - 16) with q in 0..31 (5 bits). The low 4 bits as q4_1's nibble chunks, the fifth bits as one more
+// chunk of 64 bytes whose byte 4n + e holds in bit j the fifth bit of q[n][4j + e]: 352 bytes, the file's 0.6875 bytes
+// a weight. 16 (sum of x_hi), 16 (sum of x_lo) come off the exact dot products, as q8_0's 128 does.
+struct Q5_0 {
+  static constexpr const char* kName = "q5_0";
+  static constexpr int64_t kSourceBytes = 22;  // d, 4 bytes of fifth bits, 16 bytes of nibbles
+  static constexpr int64_t kScaleBytes = 32;   // 16 d's
+  static constexpr int64_t kBytes = kScaleBytes + 256 + 64;
+  static inline void quants(const uint8_t* block, __m512i rows[8]) {
+    const __m512i mask = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(block + kScaleBytes + 64 * c);
+      rows[2 * c] = _mm512_and_si512(v, mask);
+      rows[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    // Bit j of each byte to bit 4 (16-bit shifts; what crosses into the other byte is masked off).
+    const __m512i bits = _mm512_loadu_si512(block + kScaleBytes + 256);
+    rows[0] = _mm512_or_si512(rows[0], _mm512_and_si512(_mm512_slli_epi16(bits, 4), fifth));
+    rows[1] = _mm512_or_si512(rows[1], _mm512_and_si512(_mm512_slli_epi16(bits, 3), fifth));
+    rows[2] = _mm512_or_si512(rows[2], _mm512_and_si512(_mm512_slli_epi16(bits, 2), fifth));
+    rows[3] = _mm512_or_si512(rows[3], _mm512_and_si512(_mm512_slli_epi16(bits, 1), fifth));
+    rows[4] = _mm512_or_si512(rows[4], _mm512_and_si512(bits, fifth));
+    rows[5] = _mm512_or_si512(rows[5], _mm512_and_si512(_mm512_srli_epi16(bits, 1), fifth));
+    rows[6] = _mm512_or_si512(rows[6], _mm512_and_si512(_mm512_srli_epi16(bits, 2), fifth));
+    rows[7] = _mm512_or_si512(rows[7], _mm512_and_si512(_mm512_srli_epi16(bits, 3), fifth));
+  }
+  static inline int source_quant(const uint8_t* block, int k) {
+    uint32_t high;
+    std::memcpy(&high, block + 2, 4);
+    const int low = k < 16 ? block[6 + k] & 0x0F : block[6 + k - 16] >> 4;
+    return low | (((high >> k) & 1) << 4);
+  }
+  template <class Q>
+  static inline uint8_t packed_byte(int64_t i, Q q) {
+    if (i < 256) {
+      const int64_t c = i / 64, n = i % 64 / 4, e = i % 4;
+      return static_cast<uint8_t>((q(n, 8 * c + e) & 0x0F) | ((q(n, 8 * c + 4 + e) & 0x0F) << 4));
+    }
+    const int64_t n = (i - 256) / 4, e = (i - 256) % 4;
+    uint8_t byte = 0;
+    for (int j = 0; j < 8; ++j) byte |= static_cast<uint8_t>(((q(n, 4 * j + e) >> 4) & 1) << j);
+    return byte;
+  }
+};
+
 // T input rows (from row `row`) against one group, all blocks.
 template <class Format, int T>
 void group_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
@@ -127,8 +172,12 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         acc[t] = _mm512_fmadd_ps(dot, scaled_d, acc[t]);
         acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sum[i]), acc[t]);
       } else {
-        const __m512 dot_h = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_high[t], _mm512_set1_epi32(a.high_sum[i])));
-        const __m512 dot_l = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot_low[t], _mm512_set1_epi32(a.low_sum[i])));
+        // q8_0 stores q + 128, q5_0 q + 16: high_sum and low_sum are 128 (sum), so / 8 is 16 (sum), exactly.
+        constexpr int kOffsetShift = std::is_same_v<Format, Q5_0> ? 3 : 0;
+        const __m512 dot_h = _mm512_cvtepi32_ps(
+            _mm512_sub_epi32(dot_high[t], _mm512_set1_epi32(a.high_sum[i] >> kOffsetShift)));
+        const __m512 dot_l = _mm512_cvtepi32_ps(
+            _mm512_sub_epi32(dot_low[t], _mm512_set1_epi32(a.low_sum[i] >> kOffsetShift)));
         acc[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot_h, _mm512_set1_ps(256.0f), dot_l), scaled_d, acc[t]);
       }
     }
@@ -241,7 +290,7 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
             const int stored = q[k / 4][4 * n + k % 4];
             float* dst = op + (g * kGroup + n) * K + b * kBlock + k;
             if constexpr (std::is_same_v<Format, Q4_1>) *dst = std::fma(static_cast<float>(stored), d[n], m[n]);
-            else *dst = static_cast<float>(stored - 128) * d[n];
+            else *dst = static_cast<float>(stored - (std::is_same_v<Format, Q5_0> ? 16 : 128)) * d[n];
           }
       }
   });
@@ -256,6 +305,9 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q8_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q8_0_int16_pack(Tensor blocks) -> Tensor");
   m.def("q8_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("q5_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q5_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
@@ -265,6 +317,9 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q8_0_int16_linear", &linear<Q8_0>);
   m.impl("q8_0_int16_pack", &pack<Q8_0>);
   m.impl("q8_0_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q8_0>(w, out); });
+  m.impl("q5_0_int16_linear", &linear<Q5_0>);
+  m.impl("q5_0_int16_pack", &pack<Q5_0>);
+  m.impl("q5_0_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_0>(w, out); });
 }
 
 #endif  // AVX-512 F, BW, VNNI and F16C

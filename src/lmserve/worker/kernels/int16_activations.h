@@ -2,14 +2,18 @@
 // activations split into two int8 halves per block of 32 inputs (int16_activations.cpp's top says how and why).
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace lmserve_int16 {
 
@@ -22,9 +26,7 @@ struct Activations {
   std::vector<int32_t> high_half, low_half;    // [M][2 blocks]: sums of x_hi and x_lo over each 16 inputs (q6_k)
 };
 
-// Rows of x as two int8 halves per block (see the top). A block that holds an inf or NaN gets a NaN scale, so its
-// outputs are NaN as a float product's would be.
-inline void split_rows(const float* x, int64_t M, int64_t K, Activations& a) {
+inline void size_for(int64_t M, int64_t K, Activations& a) {
   const int64_t blocks = K / kBlock;
   a.high.resize(M * K);
   a.low.resize(M * K);
@@ -34,6 +36,57 @@ inline void split_rows(const float* x, int64_t M, int64_t K, Activations& a) {
   a.low_sum.resize(M * blocks);
   a.high_half.resize(2 * M * blocks);
   a.low_half.resize(2 * M * blocks);
+}
+
+// split_rows without vector instructions, for builds without AVX-512 (kquant_int16.cpp's AVX2 build): the same
+// arithmetic, element by element (the block's float sum in another order: bits may differ from an AVX-512 build's,
+// never between two rows or two batches of one build).
+inline void split_rows_portable(const float* x, int64_t M, int64_t K, Activations& a) {
+  size_for(M, K, a);
+  const int64_t blocks = K / kBlock;
+  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;
+      float amax = 0.0f, sum = 0.0f;
+      bool finite = true;
+      for (int k = 0; k < kBlock; ++k) {
+        // From the bits: -ffast-math lets the compiler assume no float compare ever sees an inf or NaN.
+        finite = finite && (std::bit_cast<uint32_t>(src[k]) & 0x7F800000u) != 0x7F800000u;
+        amax = std::max(amax, std::fabs(src[k]));
+        sum += src[k];
+      }
+      a.sum[i] = sum;
+      const float s = amax / 127.0f;
+      const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
+      a.scale[i] = std::bit_cast<float>(finite ? std::bit_cast<uint32_t>(s / 256.0f) : 0x7FC00000u);
+      int32_t sums[2][2] = {{0, 0}, {0, 0}};  // [high, low][half]
+      for (int k = 0; k < kBlock; ++k) {
+        const float high = std::nearbyint(src[k] * inverse);
+        const float rest = std::fma(-high, s, src[k]);
+        const float low = std::min(std::max(std::nearbyint(rest * (inverse * 256.0f)), -128.0f), 127.0f);
+        a.high[i * kBlock + k] = static_cast<int8_t>(high);
+        a.low[i * kBlock + k] = static_cast<int8_t>(low);
+        sums[0][k / 16] += static_cast<int32_t>(high);
+        sums[1][k / 16] += static_cast<int32_t>(low);
+      }
+      for (int h = 0; h < 2; ++h) {
+        a.high_half[2 * i + h] = sums[0][h];
+        a.low_half[2 * i + h] = sums[1][h];
+      }
+      a.high_sum[i] = 128 * (sums[0][0] + sums[0][1]);
+      a.low_sum[i] = 128 * (sums[1][0] + sums[1][1]);
+    }
+  });
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+// Rows of x as two int8 halves per block (see the top). A block that holds an inf or NaN gets a NaN scale, so its
+// outputs are NaN as a float product's would be. kHalves: also the sums over each 16 inputs (q6_k; four more
+// reductions a block, ~2% of a 16-row decode step of the default model when always made).
+template <bool kHalves = false>
+inline void split_rows(const float* x, int64_t M, int64_t K, Activations& a) {
+  const int64_t blocks = K / kBlock;
+  size_for(M, K, a);
   at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kBlock;
@@ -64,8 +117,10 @@ inline void split_rows(const float* x, int64_t M, int64_t K, Activations& a) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(a.low.data() + i * kBlock + 16 * h), _mm512_cvtsepi32_epi8(low));
         high_sum = _mm512_add_epi32(high_sum, high);
         low_sum = _mm512_add_epi32(low_sum, low);
-        a.high_half[2 * i + h] = _mm512_reduce_add_epi32(high);
-        a.low_half[2 * i + h] = _mm512_reduce_add_epi32(low);
+        if constexpr (kHalves) {
+          a.high_half[2 * i + h] = _mm512_reduce_add_epi32(high);
+          a.low_half[2 * i + h] = _mm512_reduce_add_epi32(low);
+        }
       }
       a.high_sum[i] = 128 * _mm512_reduce_add_epi32(high_sum);
       a.low_sum[i] = 128 * _mm512_reduce_add_epi32(low_sum);
@@ -79,6 +134,6 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-}  // namespace lmserve_int16
-
 #endif  // AVX-512 F, BW, VNNI and F16C
+
+}  // namespace lmserve_int16

@@ -1,5 +1,6 @@
 // Linear layers over llama.cpp's K-quant weights (q4_k, q6_k), with the activations as 16-bit integers per block of
-// 32 inputs, on AVX-512 VNNI: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size.
+// 32 inputs: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size. Built for AVX-512
+// VNNI (VPDPBUSD) or for AVX2 (the same products as VPMADDUBSW + VPMADDWD), from one source over a few primitives.
 //
 // K-quants group a row's weights in super-blocks of 256 with a float16 scale d (q4_k: and minimum scale dmin), and
 // sub-blocks with small integer scales:
@@ -22,43 +23,138 @@
 
 #include "int16_activations.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 using lmserve_int16::Activations;
-using lmserve_int16::broadcast4;
 using lmserve_int16::kBlock;
-using lmserve_int16::split_rows;
 
 constexpr int64_t kGroup = 16;
 constexpr int64_t kSuper = 256;
 constexpr int64_t kBlocksPerSuper = kSuper / kBlock;
 constexpr int64_t kPrefetchAhead = 4096;
 
-inline __m512 widen16(const uint8_t* p) {
+// 16 lanes of int32 or float32 (one per output row of a group) and 64 bytes: one AVX-512 register each, or two AVX2
+// ones (lanes 0-7, 8-15; bytes 0-31, 32-63). The kernel below is written once over these.
+#if defined(__AVX512VNNI__)
+constexpr bool kAvx512 = true;
+using I32 = __m512i;
+using F32 = __m512;
+using U8 = __m512i;
+inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
+  lmserve_int16::split_rows<true>(x, M, K, a);
+}
+inline U8 load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline U8 and8(U8 a, int mask) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(mask))); }
+inline U8 or8(U8 a, U8 b) { return _mm512_or_si512(a, b); }
+template <int N> inline U8 shift_left16(U8 a) { return _mm512_slli_epi16(a, N); }
+template <int N> inline U8 shift_right16(U8 a) { return _mm512_srli_epi16(a, N); }
+inline I32 zero_i() { return _mm512_setzero_si512(); }
+inline F32 zero_f() { return _mm512_setzero_ps(); }
+// acc + per lane n: the 4 unsigned bytes 4n..4n+3 of q times the 4 signed bytes at x.
+inline I32 dot4(I32 acc, U8 q, const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_dpbusd_epi32(acc, q, _mm512_set1_epi32(v));
+}
+inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
+inline I32 sub_i(I32 a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline I32 shift_left32_8(I32 a) { return _mm512_slli_epi32(a, 8); }
+inline F32 to_float(I32 a) { return _mm512_cvtepi32_ps(a); }
+inline F32 set1(float v) { return _mm512_set1_ps(v); }
+inline F32 mul(F32 a, F32 b) { return _mm512_mul_ps(a, b); }
+inline F32 add(F32 a, F32 b) { return _mm512_add_ps(a, b); }
+inline F32 fmadd(F32 a, F32 b, F32 c) { return _mm512_fmadd_ps(a, b, c); }
+inline F32 fnmadd(F32 a, F32 b, F32 c) { return _mm512_fnmadd_ps(a, b, c); }
+inline F32 loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void storeu(float* p, F32 a) { _mm512_storeu_ps(p, a); }
+inline F32 widen16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 bytes_unsigned(const uint8_t* p) {
+inline F32 bytes_unsigned(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m512 bytes_signed(const uint8_t* p) {
+inline F32 bytes_signed(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+#else
+// AVX2: VPMADDUBSW (unsigned by signed bytes, pairs summed into int16) then VPMADDWD by ones (pairs into int32) for
+// each VPDPBUSD. The int16 pairs cannot saturate: codes are at most 63 and activations -128..127 (2 x 63 x 128).
+constexpr bool kAvx512 = false;
+struct I32 { __m256i lo, hi; };
+struct F32 { __m256 lo, hi; };
+using U8 = I32;
+inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
+  lmserve_int16::split_rows_portable(x, M, K, a);
+}
+inline U8 load64(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline U8 and8(U8 a, int mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
+}
+inline U8 or8(U8 a, U8 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+template <int N> inline U8 shift_left16(U8 a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
+template <int N> inline U8 shift_right16(U8 a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
+inline I32 zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline F32 zero_f() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline I32 dot4(I32 acc, U8 q, const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  const __m256i b = _mm256_set1_epi32(v), ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, b), ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, b), ones))};
+}
+inline I32 add_i(I32 a, I32 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline I32 sub_i(I32 a, int32_t b) {
+  const __m256i v = _mm256_set1_epi32(b);
+  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
+}
+inline I32 shift_left32_8(I32 a) { return {_mm256_slli_epi32(a.lo, 8), _mm256_slli_epi32(a.hi, 8)}; }
+inline F32 to_float(I32 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline F32 set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F32 mul(F32 a, F32 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F32 add(F32 a, F32 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F32 fmadd(F32 a, F32 b, F32 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F32 fnmadd(F32 a, F32 b, F32 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F32 loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void storeu(float* p, F32 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline F32 widen16(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline F32 bytes_unsigned(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+inline F32 bytes_signed(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+#endif
 
-inline void low_nibbles(const uint8_t* quants, __m512i rows[8]) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+inline void low_nibbles(const uint8_t* quants, U8 rows[8]) {
   for (int c = 0; c < 4; ++c) {
-    const __m512i v = _mm512_loadu_si512(quants + 64 * c);
-    rows[2 * c] = _mm512_and_si512(v, mask);
-    rows[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    const U8 v = load64(quants + 64 * c);
+    rows[2 * c] = and8(v, 0x0F);
+    rows[2 * c + 1] = and8(shift_right16<4>(v), 0x0F);
   }
 }
 
@@ -66,8 +162,8 @@ struct Q4_K {
   static constexpr const char* kName = "q4_k";
   static constexpr int64_t kHeader = 64;           // 16 d, 16 dmin
   static constexpr int64_t kBlockBytes = 32 + 256;  // 16 sc, 16 mn, nibbles
-  static constexpr int kTileRows = 6;
-  static inline void quants(const uint8_t* block, __m512i rows[8]) { low_nibbles(block + 32, rows); }
+  static constexpr int kTileRows = kAvx512 ? 6 : 2;
+  static inline void quants(const uint8_t* block, U8 rows[8]) { low_nibbles(block + 32, rows); }
   // q of output n at input k of a block (for dequantize).
   static inline int quant(const uint8_t* block, int n, int k) {
     const int j = k / 4, e = k % 4;
@@ -80,17 +176,16 @@ struct Q6_K {
   static constexpr const char* kName = "q6_k";
   static constexpr int64_t kHeader = 32;                  // 16 d
   static constexpr int64_t kBlockBytes = 32 + 256 + 128;  // 16 + 16 sc, nibbles, top bits
-  static constexpr int kTileRows = 4;                     // four accumulators a row
-  static inline void quants(const uint8_t* block, __m512i rows[8]) {
+  static constexpr int kTileRows = kAvx512 ? 4 : 1;      // four accumulators a row
+  static inline void quants(const uint8_t* block, U8 rows[8]) {
     low_nibbles(block + 32, rows);
-    const __m512i mask = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
-      const __m512i v = _mm512_loadu_si512(block + 32 + 256 + 64 * h);
+      const U8 v = load64(block + 32 + 256 + 64 * h);
       // Row 4h + r's two bits sit at 2r: moved to bits 4-5 of each byte (16-bit shifts; what crosses bytes is masked).
-      rows[4 * h] = _mm512_or_si512(rows[4 * h], _mm512_and_si512(_mm512_slli_epi16(v, 4), mask));
-      rows[4 * h + 1] = _mm512_or_si512(rows[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), mask));
-      rows[4 * h + 2] = _mm512_or_si512(rows[4 * h + 2], _mm512_and_si512(v, mask));
-      rows[4 * h + 3] = _mm512_or_si512(rows[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), mask));
+      rows[4 * h] = or8(rows[4 * h], and8(shift_left16<4>(v), 0x30));
+      rows[4 * h + 1] = or8(rows[4 * h + 1], and8(shift_left16<2>(v), 0x30));
+      rows[4 * h + 2] = or8(rows[4 * h + 2], and8(v, 0x30));
+      rows[4 * h + 3] = or8(rows[4 * h + 3], and8(shift_right16<2>(v), 0x30));
     }
   }
   static inline int quant(const uint8_t* block, int n, int k) {
@@ -109,8 +204,8 @@ template <class Format, int T>
 void group_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
                    const float* bias, float* y, int64_t N, int64_t n0) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  F32 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = zero_f();
   const int8_t* high = a.high.data() + row * K;
   const int8_t* low = a.low.data() + row * K;
   const int64_t first = row * blocks;
@@ -119,51 +214,48 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
     const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
     for (int64_t line = 0; line < Format::kBlockBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + line), _MM_HINT_T0);
-    __m512i rows[8];
+    U8 rows[8];
     Format::quants(block, rows);
     // Per row: dot products with the high and low activation halves (q6_k: of each 16-input half apart).
     constexpr int kHalves = kSixBit ? 2 : 1;
-    __m512i dot_high[T][kHalves], dot_low[T][kHalves];
+    I32 dot_high[T][kHalves], dot_low[T][kHalves];
     for (int t = 0; t < T; ++t)
-      for (int h = 0; h < kHalves; ++h) dot_high[t][h] = dot_low[t][h] = _mm512_setzero_si512();
+      for (int h = 0; h < kHalves; ++h) dot_high[t][h] = dot_low[t][h] = zero_i();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
       for (int t = 0; t < T; ++t) {
         const int h = kSixBit ? j / 4 : 0;
         const int64_t at = t * K + b * kBlock + 4 * j;
-        dot_high[t][h] = _mm512_dpbusd_epi32(dot_high[t][h], rows[j], broadcast4(high + at));
-        dot_low[t][h] = _mm512_dpbusd_epi32(dot_low[t][h], rows[j], broadcast4(low + at));
+        dot_high[t][h] = dot4(dot_high[t][h], rows[j], high + at);
+        dot_low[t][h] = dot4(dot_low[t][h], rows[j], low + at);
       }
-    const __m512 d = widen16(super);
+    const F32 d = widen16(super);
     if constexpr (kSixBit) {
-      const __m512 scale0 = _mm512_mul_ps(d, bytes_signed(block)), scale1 = _mm512_mul_ps(d, bytes_signed(block + 16));
+      const F32 scale0 = mul(d, bytes_signed(block)), scale1 = mul(d, bytes_signed(block + 16));
       for (int t = 0; t < T; ++t) {
         const int64_t i = first + t * blocks + b;
-        const __m512 s = _mm512_set1_ps(a.scale[i]);
+        const F32 s = set1(a.scale[i]);
         for (int h = 0; h < 2; ++h) {
           // q - 32: 32 (sum of the half's activations) off each exact dot product.
-          const __m512 dh = _mm512_cvtepi32_ps(
-              _mm512_sub_epi32(dot_high[t][h], _mm512_set1_epi32(32 * a.high_half[2 * i + h])));
-          const __m512 dl = _mm512_cvtepi32_ps(
-              _mm512_sub_epi32(dot_low[t][h], _mm512_set1_epi32(32 * a.low_half[2 * i + h])));
-          const __m512 value = _mm512_fmadd_ps(dh, _mm512_set1_ps(256.0f), dl);
-          acc[t] = _mm512_fmadd_ps(value, _mm512_mul_ps(h ? scale1 : scale0, s), acc[t]);
+          const F32 dh = to_float(sub_i(dot_high[t][h], 32 * a.high_half[2 * i + h]));
+          const F32 dl = to_float(sub_i(dot_low[t][h], 32 * a.low_half[2 * i + h]));
+          acc[t] = fmadd(fmadd(dh, set1(256.0f), dl), mul(h ? scale1 : scale0, s), acc[t]);
         }
       }
     } else {
-      const __m512 scale = _mm512_mul_ps(d, bytes_unsigned(block));
-      const __m512 minimum = _mm512_mul_ps(widen16(super + 32), bytes_unsigned(block + 16));
+      const F32 scale = mul(d, bytes_unsigned(block));
+      const F32 minimum = mul(widen16(super + 32), bytes_unsigned(block + 16));
       for (int t = 0; t < T; ++t) {
         const int64_t i = first + t * blocks + b;
         // 256 (q . x_hi) + (q . x_lo) < 2^24 (q <= 15): exact in float32.
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(dot_high[t][0], 8), dot_low[t][0]));
-        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[i])), acc[t]);
-        acc[t] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(a.sum[i]), acc[t]);
+        const F32 dot = to_float(add_i(shift_left32_8(dot_high[t][0]), dot_low[t][0]));
+        acc[t] = fmadd(dot, mul(scale, set1(a.scale[i])), acc[t]);
+        acc[t] = fnmadd(minimum, set1(a.sum[i]), acc[t]);
       }
     }
   }
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (row + t) * N + n0, _mm512_add_ps(acc[t], bv));
+  const F32 bv = bias ? loadu(bias + n0) : zero_f();
+  for (int t = 0; t < T; ++t) storeu(y + (row + t) * N + n0, add(acc[t], bv));
 }
 
 template <class Format>
@@ -206,7 +298,7 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
   torch::Tensor y = torch::empty({M, N}, x.options());
   if (M == 0) return y.view(out_shape);
   Activations a;
-  split_rows(x.data_ptr<float>(), M, K, a);
+  split(x.data_ptr<float>(), M, K, a);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t group_bytes = K / kSuper * super_bytes<Format>();
@@ -235,14 +327,13 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* super = wp + g * group_bytes + b / kBlocksPerSuper * super_bytes<Format>();
         const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
-        alignas(64) float d[16], second[16], first_scale[16];
-        _mm512_store_ps(d, widen16(super));
+        alignas(64) float second[16], first_scale[16];
         if constexpr (std::is_same_v<Format, Q4_K>) {
-          _mm512_store_ps(first_scale, _mm512_mul_ps(widen16(super), bytes_unsigned(block)));
-          _mm512_store_ps(second, _mm512_mul_ps(widen16(super + 32), bytes_unsigned(block + 16)));  // dmin mn
+          storeu(first_scale, mul(widen16(super), bytes_unsigned(block)));
+          storeu(second, mul(widen16(super + 32), bytes_unsigned(block + 16)));  // dmin mn
         } else {
-          _mm512_store_ps(first_scale, _mm512_mul_ps(widen16(super), bytes_signed(block)));
-          _mm512_store_ps(second, _mm512_mul_ps(widen16(super), bytes_signed(block + 16)));  // the second half's
+          storeu(first_scale, mul(widen16(super), bytes_signed(block)));
+          storeu(second, mul(widen16(super), bytes_signed(block + 16)));  // the second half's scale
         }
         for (int n = 0; n < kGroup; ++n)
           for (int k = 0; k < kBlock; ++k) {
@@ -258,6 +349,7 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
+  m.def("kquant_uses_vnni() -> bool", [] { return kAvx512; });
   m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
@@ -271,4 +363,4 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q6_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q6_K>(w, out); });
 }
 
-#endif  // AVX-512 F, BW, VNNI and F16C
+#endif  // AVX-512 VNNI, or AVX2 with FMA and F16C

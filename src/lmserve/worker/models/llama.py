@@ -14,7 +14,7 @@ rank every split is the whole and every collective a no-op.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -33,7 +33,8 @@ from lmserve.worker.quantization import (
     pend_block_linears,
     quantize_linears,
 )
-from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, exact_kernel_format
+from lmserve.worker.row_segments import PendingSegmentsLinear, finish_segment_linears
+from lmserve.worker.stored_formats import KERNEL_FORMATS, STORED_BLOCK_TYPES, exact_kernel_format
 
 if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
@@ -354,7 +355,10 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = LAYER_TYPES[OUTPUT_LAYER_METHOD.get(method, method)](head, None)
 
-    def pend_block_layers(self, method: str, stored_types: Mapping[str, str] | None = None) -> None:
+    def pend_block_layers(
+        self, method: str, stored_types: Mapping[str, str] | None = None, formats: Sequence[str] = KERNEL_FORMATS,
+        activations: str = "float32",
+    ) -> None:
         """What quantize(method) makes of a loaded model, decided before loading (on the meta device): every linear
         layer, and on the last stage the output layer (in OUTPUT_LAYER_METHOD's format; a tied embedding's rows feed
         it too), becomes a PendingBlockLinear, which load_weights fills from the checkpoint and turns into the block
@@ -362,10 +366,15 @@ class LlamaForCausalLM(nn.Module):
 
         stored_types (a GGUF's matrices' types by Hugging Face name, loader.stored_matrix_types): each layer instead
         takes the kernel format that holds all of its stored rows exactly (stored_formats.exact_kernel_format), and
-        a layer with none stays a float layer (quantize_float_layers)."""
+        a layer with none stays a float layer (quantize_float_layers); `formats` are those that run here. A fused
+        layer whose parts are stored in types that share no format, but each has one (Q4_K q and k, Q6_K v), is run
+        as segments of rows in their own formats (worker/row_segments.py)."""
         def stored_format(sources: list[str]) -> str | None:
             assert stored_types is not None
-            return exact_kernel_format(stored_types.get(name, "float") for name in sources)
+            return exact_kernel_format((stored_types.get(name, "float") for name in sources), formats)
+
+        if stored_types is not None:
+            self._pend_mixed_fused_layers(stored_format, activations)
 
         def layer_format(name: str) -> str | None:  # name under self.layers: "3.self_attn.qkv_proj"
             if stored_types is None:
@@ -374,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
             parts = self._SOURCES.get(path[-1], (path[-1],))
             return stored_format([f"model.layers.{index}.{'.'.join([*path[:-1], p])}.weight" for p in parts])
 
-        pend_block_linears(self.layers, layer_format)
+        pend_block_linears(self.layers, layer_format, activations=activations)
         if self.parallel.layout.is_last_stage:
             rows = -(-self.vocab_size // self.parallel.tp_size)
             if stored_types is None:
@@ -383,13 +392,32 @@ class LlamaForCausalLM(nn.Module):
                 output_format = stored_format(
                     ["model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"])
             if output_format is not None and layer_fits(output_format, rows, self.config.hidden_size):
-                self.lm_head = PendingBlockLinear(output_format, self.config.hidden_size, rows, bias=False)
+                self.lm_head = PendingBlockLinear(output_format, self.config.hidden_size, rows, False, activations)
         # The embedding's lookups read the file's blocks (worker/block_embedding.py) unless the output layer needs
         # its float table (tied, and no block layer of its own).
         embedding_type = stored_types and stored_types.get("model.embed_tokens.weight")
         tied_to_floats = self.tie_word_embeddings and not isinstance(self.lm_head, PendingBlockLinear)
         if embedding_type in STORED_BLOCK_TYPES and self.embed_tokens is not None and not tied_to_floats:
             self.embed_tokens = BlockEmbedding(self.vocab_size, self.config.hidden_size, self.parallel, embedding_type)
+
+    def _pend_mixed_fused_layers(self, stored_format: Callable[[list[str]], str | None], activations: str) -> None:
+        """Fused q/k/v and gate/up layers whose parts each have a kernel format, but not one for all of them:
+        PendingSegmentsLinear, a format a part."""
+        for index in self.stage_layers:
+            layer = self.layers[index]
+            for owner, name in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
+                fused = getattr(owner, name)
+                prefix = f"model.layers.{index}.{'self_attn' if owner is layer.self_attn else 'mlp'}"
+                sources = [f"{prefix}.{part}.weight" for part in self._SOURCES[name]]
+                if not isinstance(fused, nn.Linear) or stored_format(sources) is not None:
+                    continue
+                parts = [stored_format([source]) for source in sources]
+                sizes = [self._shard_rows(name, shard, layer)[1] for shard in range(len(sources))]
+                if all(f is not None and layer_fits(f, rows, fused.in_features) for f, rows in zip(parts, sizes,
+                                                                                                  strict=True)):
+                    segments = list(zip(sizes, parts, strict=True))
+                    setattr(owner, name, PendingSegmentsLinear(fused.in_features, segments, fused.bias is not None,
+                                                               activations))
 
     def quantize_float_layers(self, method: str) -> int:
         """The layers pend_block_layers left in float (their stored type has no exact kernel format) to `method`
@@ -442,7 +470,8 @@ class LlamaForCausalLM(nn.Module):
         they are, a float parameter gets them dequantized. Finishes the pending block layers."""
         params = dict(self.named_parameters())
         pending = {f"{name}.weight": module for name, module in self.named_modules()
-                   if isinstance(module, PendingBlockLinear | BlockEmbedding)}
+                   if isinstance(module, PendingBlockLinear | PendingSegmentsLinear | BlockEmbedding)
+                   and ".segments." not in name}  # a segment's rows come through its PendingSegmentsLinear
         loaded: set[str] = set()
         tp, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         for hf_name, tensor in weights:
@@ -481,11 +510,12 @@ class LlamaForCausalLM(nn.Module):
         missing = (set(params) | set(pending)) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        finish_segment_linears(self)
         finish_block_linears(self)
 
-    def _shard_rows(self, fused_name: str, shard: int) -> tuple[int, int]:
+    def _shard_rows(self, fused_name: str, shard: int, layer: nn.Module | None = None) -> tuple[int, int]:
         """Where this tensor rank's rows of q, k, v, gate or up go in the fused matrix: (first row, rows)."""
-        layer = self.layers[self.stage_layers.start]
+        layer = layer or self.layers[self.stage_layers.start]
         if fused_name == "qkv_proj":
             attn = layer.self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
