@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmserve.models import load_hf_config, resolve_model
+from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.kquant_formats import (
     KQuantLinear,
     kernel_formats,
@@ -106,6 +107,16 @@ def test_a_non_finite_input_gives_nan_in_its_row_only(stored, method: str) -> No
     y = layer(x)
     assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
     assert torch.equal(layer(torch.zeros(2, 256)), torch.zeros(2, 16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", METHODS)
+def test_the_kernels_packer_writes_the_numpy_packers_bytes(stored, method: str) -> None:
+    blocks, _ = stored(method, 48, 1024, seed=21)
+    ops = cpu_kernels()
+    assert torch.equal(getattr(ops, f"{method}_int16_pack")(torch.from_numpy(blocks)), pack_kquant(method, blocks))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        getattr(ops, f"{method}_int16_pack")(torch.from_numpy(blocks[:24]))
 
 
 def test_packing_refuses_what_the_kernel_cannot_tile(stored) -> None:

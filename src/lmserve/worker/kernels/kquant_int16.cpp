@@ -311,6 +311,91 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
   return y.view(out_shape);
 }
 
+// The file's blocks, uint8 [N, K / 256, bytes], in the layout at the top: uint8 [N / 16, K / 256 * super_bytes].
+// What worker/kquant_formats.py's NumPy packer does (tests hold them equal), on every thread and without a
+// temporary the size of the weights.
+struct SourceQ4_K {  // llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
+  static constexpr int64_t kBytes = 144;
+  static void scales(const uint8_t* src, uint8_t sc[8], uint8_t mn[8]) {
+    const uint8_t* s = src + 4;
+    for (int j = 0; j < 4; ++j) {
+      sc[j] = s[j] & 63;
+      mn[j] = s[j + 4] & 63;
+      sc[j + 4] = static_cast<uint8_t>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+      mn[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+  }
+  static int code(const uint8_t* src, int w) { return (src[16 + 32 * (w / 64) + w % 32] >> (4 * (w / 32 % 2))) & 0x0F; }
+};
+struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, d
+  static constexpr int64_t kBytes = 210;
+  static int code(const uint8_t* src, int w) {
+    const int h = w / 128, low = (src[64 * h + w % 64] >> (4 * (w % 128 / 64))) & 0x0F;
+    const int top = (src[128 + 32 * h + w % 32] >> (2 * (w % 128 / 32))) & 3;
+    return low | (top << 4);
+  }
+};
+
+template <class Format>
+torch::Tensor pack(const torch::Tensor& blocks) {
+  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
+  using Source = std::conditional_t<kSixBit, SourceQ6_K, SourceQ4_K>;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.size(2) == Source::kBytes,
+              Format::kName, " blocks must be uint8 [N, K / 256, ", Source::kBytes, "]");
+  const int64_t N = blocks.size(0), supers = blocks.size(1);
+  TORCH_CHECK(N % kGroup == 0, Format::kName, " layers need out_features that are a multiple of 16, got ", N);
+  const torch::Tensor source = blocks.contiguous();
+  const uint8_t* src_all = source.data_ptr<uint8_t>();
+  torch::Tensor out = torch::empty({N / kGroup, supers * super_bytes<Format>()}, torch::kUInt8);
+  uint8_t* out_all = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kGroup, 4, [&](int64_t begin, int64_t end) {
+    uint8_t codes[kGroup][kSuper];
+    uint8_t first[kGroup][kBlocksPerSuper], second[kGroup][kBlocksPerSuper];  // q4_k: sc, mn; q6_k: the halves'
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t s = 0; s < supers; ++s) {
+        uint8_t* dst = out_all + (g * supers + s) * super_bytes<Format>();
+        for (int n = 0; n < kGroup; ++n) {
+          const uint8_t* src = src_all + ((g * kGroup + n) * supers + s) * Source::kBytes;
+          if constexpr (kSixBit) {
+            std::memcpy(dst + 2 * n, src + 208, 2);
+            for (int b = 0; b < kBlocksPerSuper; ++b) {
+              first[n][b] = src[192 + 2 * b];
+              second[n][b] = src[192 + 2 * b + 1];
+            }
+          } else {
+            std::memcpy(dst + 2 * n, src, 2);
+            std::memcpy(dst + 32 + 2 * n, src + 2, 2);
+            Source::scales(src, first[n], second[n]);
+          }
+          for (int w = 0; w < kSuper; ++w) codes[n][w] = static_cast<uint8_t>(Source::code(src, w));
+        }
+        for (int b = 0; b < kBlocksPerSuper; ++b) {
+          uint8_t* block = dst + Format::kHeader + b * Format::kBlockBytes;
+          const uint8_t* q[kGroup];
+          for (int n = 0; n < kGroup; ++n) {
+            block[n] = first[n][b];
+            block[16 + n] = second[n][b];
+            q[n] = codes[n] + kBlock * b;
+          }
+          for (int c = 0; c < 4; ++c)
+            for (int n = 0; n < kGroup; ++n)
+              for (int e = 0; e < 4; ++e)
+                block[32 + 64 * c + 4 * n + e] =
+                    static_cast<uint8_t>((q[n][8 * c + e] & 0x0F) | ((q[n][8 * c + 4 + e] & 0x0F) << 4));
+          if constexpr (kSixBit)
+            for (int h = 0; h < 2; ++h)
+              for (int n = 0; n < kGroup; ++n)
+                for (int e = 0; e < 4; ++e) {
+                  uint8_t byte = 0;
+                  for (int r = 0; r < 4; ++r) byte |= static_cast<uint8_t>(((q[n][4 * (4 * h + r) + e] >> 4) & 3) << (2 * r));
+                  block[32 + 256 + 64 * h + 4 * n + e] = byte;
+                }
+        }
+      }
+  });
+  return out;
+}
+
 // The float32 weights [N, K]: gguf's values bit for bit (q4_k: (d sc) q - dmin mn, one rounding as an FMA of exact
 // terms; q6_k: (d sc) (q - 32), exact).
 template <class Format>
@@ -352,12 +437,16 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("kquant_uses_vnni() -> bool", [] { return kAvx512; });
   m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("q4_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q6_k_int16_pack(Tensor blocks) -> Tensor");
   m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q4_k_int16_linear", &linear<Q4_K>);
+  m.impl("q4_k_int16_pack", &pack<Q4_K>);
+  m.impl("q6_k_int16_pack", &pack<Q6_K>);
   m.impl("q4_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_K>(w, out); });
   m.impl("q6_k_int16_linear", &linear<Q6_K>);
   m.impl("q6_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q6_K>(w, out); });
