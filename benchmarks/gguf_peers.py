@@ -1,0 +1,146 @@
+"""lmserve against llama.cpp's server on the same GGUF file, one server at a time, `lmserve bench` as the client.
+
+    benchmarks/setup_peers.sh llama                              # once: builds llama-server (outside the repo)
+    .venv/bin/python benchmarks/gguf_peers.py MODEL.gguf [--servers lmserve,llama] [--rounds 2]
+
+For each server, in turns (lmserve, llama.cpp, lmserve, ... for --rounds): start it on 127.0.0.1, time the command
+to /health answering 200 ("ready"), read the resident memory of its processes then, run the two workloads, stop it.
+  one stream: random 128-token prompts, 64 output tokens (ignore EOS), 4 requests one after another: TPOT p50;
+  8 concurrent: random 256-token prompts, 64 output tokens, 32 requests at concurrency 8: output tok/s.
+Prompts are the same token ids for both (the file's own tokenizer, seed 0). llama-server runs as the issue ran it:
+`-t 2` (this machine's cores), continuous batching, 8 slots of 1,024 positions, `--no-repack` unless LLAMA_REPACK=1. lmserve runs with its defaults and
+--max-model-len 4096 (plus --lmserve-args). Medians over rounds; the ratio is lmserve over llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+VENV_BIN = Path(sys.executable).parent
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "lmserve-peers"))
+LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
+WORKLOADS = {
+    "one stream": ["--random-input-len", "128", "--random-output-len", "64", "--num-prompts", "4",
+                   "--max-concurrency", "1"],
+    "8 concurrent": ["--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "32",
+                     "--max-concurrency", "8"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its children (lmserve's engine is a child of its API process)."""
+    total, pids = 0, [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(status.split("VmRSS:")[1].split()[0])
+            pids += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (OSError, IndexError):
+            continue
+    return total / 1024
+
+
+def start(server: str, model: str, port: int, lmserve_args: list[str]) -> subprocess.Popen:
+    if server == "lmserve":
+        command = [str(VENV_BIN / "lmserve"), "serve", model, "--port", str(port), "--max-model-len", "4096",
+                   *lmserve_args]
+    else:
+        # --no-repack: on the AMX VM its repacking of weights for AVX-512 segfaults right after `llama threadpool
+        # init` (docs/benchmarks.md, issue 22); elsewhere drop it with LLAMA_REPACK=1.
+        repack = [] if os.environ.get("LLAMA_REPACK") == "1" else ["--no-repack"]
+        command = [str(LLAMA_SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+                   "-c", "8192", "--parallel", "8", "--cont-batching", *repack]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_ready(port: int, proc: subprocess.Popen, started: float) -> float:
+    while time.perf_counter() - started < 300:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server not ready in 300 s")
+
+
+def bench(model: str, port: int, workload: list[str]) -> dict:
+    served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as out:
+        command = [str(VENV_BIN / "lmserve"), "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", served,
+                   "--tokenizer", model, "--dataset-name", "random", "--ignore-eos", "--temperature", "0",
+                   "--seed", "0", "--save-result", "--result-dir", out, "--result-filename", "r.json",
+                   "--disable-tqdm", "--endpoint", "/v1/completions", *workload]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        result = json.loads(Path(out, "r.json").read_text())
+        if result.get("completed", 0) == 0 or result.get("failed"):
+            raise RuntimeError(f"requests failed: {json.dumps(result)[:2000]}")
+        return result
+
+
+def run_once(server: str, model: str, lmserve_args: list[str]) -> dict:
+    port = free_port()
+    started = time.perf_counter()
+    proc = start(server, model, port, lmserve_args)
+    try:
+        ready = wait_ready(port, proc, started)
+        result = {"ready_s": ready, "rss_mib": tree_rss_mib(proc.pid)}
+        one = bench(model, port, WORKLOADS["one stream"])
+        many = bench(model, port, WORKLOADS["8 concurrent"])
+        result["tpot_ms"] = one["median_tpot_ms"]
+        result["tok_s_8"] = many["output_throughput"]
+        result["rss_after_mib"] = tree_rss_mib(proc.pid)
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--servers", default="lmserve,llama")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--lmserve-args", default="")
+    args = parser.parse_args()
+    servers = args.servers.split(",")
+    results: dict[str, list[dict]] = {s: [] for s in servers}
+    for _ in range(args.rounds):
+        for server in servers:
+            results[server].append(run_once(server, args.model, args.lmserve_args.split()))
+            print(server, json.dumps(results[server][-1]), flush=True)
+    keys = ("ready_s", "rss_mib", "rss_after_mib", "tpot_ms", "tok_s_8")
+    medians = {s: {k: statistics.median(r[k] for r in results[s]) for k in keys} for s in servers}
+    print(f"\n{'':<14}" + "".join(f"{k:>15}" for k in keys))
+    for server in servers:
+        print(f"{server:<14}" + "".join(f"{medians[server][k]:>15.2f}" for k in keys))
+    if "lmserve" in medians and "llama" in medians:
+        print(f"{'lmserve/llama':<14}" + "".join(f"{medians['lmserve'][k] / medians['llama'][k]:>15.2f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
