@@ -200,25 +200,16 @@ void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
 template <class Format>
 torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == torch::kFloat32, "input must be float32 on CPU");
-  const int64_t K = input.size(-1), N = out_features;
+  lmserve_int16::LinearCall call = lmserve_int16::linear_call(input, out_features, bias);
+  const int64_t K = call.K, N = call.N, M = call.M, blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
-  const float* bias_data = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "bias must be a contiguous float32 tensor of out_features");
-    bias_data = bias->data_ptr<float>();
-  }
-  const torch::Tensor x = input.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), blocks = K / kBlock;
-  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
-  out_shape.back() = N;
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  if (M == 0) return y.view(out_shape);
+  if (M == 0) return call.y.view(call.out_shape);
+  const torch::Tensor& x = call.x;
+  const float* bias_data = call.bias;
   Activations a;
   split_rows(x.data_ptr<float>(), M, K, a);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = call.y.data_ptr<float>();
   at::parallel_for(0, N / kGroup, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = wp + g * blocks * Format::kBytes;
@@ -234,7 +225,7 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
       }
     }
   });
-  return y.view(out_shape);
+  return call.y.view(call.out_shape);
 }
 
 // llama.cpp's blocks, uint8 [N, K / 32, bytes], in the layout above: uint8 [N / 16, K / 32 * Format::kBytes].

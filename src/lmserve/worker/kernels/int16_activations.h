@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <bit>
@@ -25,6 +26,34 @@ struct Activations {
   std::vector<int32_t> high_sum, low_sum;      // [M][blocks]: 128 (sum of x_hi), 128 (sum of x_lo), for q8_0
   std::vector<int32_t> high_half, low_half;    // [M][2 blocks]: sums of x_hi and x_lo over each 16 inputs (q6_k)
 };
+
+// One call of an int16 kernel's linear op: the input as contiguous [M, K] float32 rows, the bias (checked), the
+// output [M, N] and the shape it is returned in (the input's, last dimension N).
+struct LinearCall {
+  torch::Tensor x, y;
+  std::vector<int64_t> out_shape;
+  const float* bias = nullptr;
+  int64_t M = 0, K = 0, N = 0;
+};
+
+inline LinearCall linear_call(const torch::Tensor& input, int64_t out_features,
+                              const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == torch::kFloat32, "input must be float32 on CPU");
+  LinearCall call;
+  call.K = input.size(-1);
+  call.N = out_features;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == call.N,
+                "bias must be a contiguous float32 tensor of out_features");
+    call.bias = bias->data_ptr<float>();
+  }
+  call.x = input.reshape({-1, call.K}).contiguous();
+  call.M = call.x.size(0);
+  call.out_shape.assign(input.sizes().begin(), input.sizes().end());
+  call.out_shape.back() = call.N;
+  call.y = torch::empty({call.M, call.N}, call.x.options());
+  return call;
+}
 
 inline void size_for(int64_t M, int64_t K, Activations& a) {
   const int64_t blocks = K / kBlock;
