@@ -8,8 +8,8 @@ Two backends (`--attention-backend`):
   padding, and a row's attention the same bits however its prompt was chunked and whatever shared its step. SDPA's
   flash kernel sums in an order that depends on the chunk's length: a 4-token prompt computed as one chunk and as 3 + 1
   beside other requests differed by 1e-7 after the first layer, and on an AVX-512 CPU without AMX that changed a seeded
-  request's first token (issue 32). The kernel is as fast as SDPA on long chunks on AVX-512 builds, 0.85x on a
-  2,000-token prompt on the AVX2 build (docs/benchmarks.md).
+  request's first token (issue 32). A 1,810-token prompt's prefill takes 0.97x SDPA's time on the AVX-512 build
+  and 1.07x on the AVX2 build (benchmarks/prefill_paged_vs_sdpa.py, docs/benchmarks.md).
 `auto` picks paged-cpu on CPU with float32 when the kernel builds, sdpa otherwise.
 """
 
