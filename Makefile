@@ -36,7 +36,7 @@ test: $(STAMP) browser
 	$(VENV)/bin/python -m pytest -q -ra
 
 # The inner loop before a commit: everything but the tests marked slow (make test runs them all).
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/python -m pytest -q -m "not slow" -x
 
