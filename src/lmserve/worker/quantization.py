@@ -602,7 +602,18 @@ def quantize_linears(module: nn.Module, method: str) -> int:
     return count
 
 
-class PendingBlockLinear(nn.Module):
+class PendingLayer(nn.Module):
+    """A layer whose weights are still being loaded: load_rows(start, weight) takes the checkpoint's rows, finish()
+    gives the layer they make (finish_block_linears)."""
+
+    def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> nn.Module:
+        raise NotImplementedError
+
+
+class PendingBlockLinear(PendingLayer):
     """A block layer whose weights are still being loaded: the checkpoint's rows arrive one tensor (or shard) at a time
     into `staged`, rows of llama.cpp blocks; a file's blocks of the same format are copied as they are, anything else
     is rounded to the format (as_blocks). finish() then packs them into the layer. Built on the meta device with the
@@ -661,9 +672,10 @@ def pend_block_linears(
 
 
 def finish_block_linears(module: nn.Module) -> None:
-    """Replaces every PendingBlockLinear under module with the block layer its loaded rows make."""
+    """Replaces every PendingLayer under module (PendingBlockLinear, worker/row_segments.PendingSegmentsLinear) with
+    the layer its loaded rows make."""
     for name, child in list(module.named_children()):
-        if isinstance(child, PendingBlockLinear):
+        if isinstance(child, PendingLayer):
             setattr(module, name, child.finish())
         else:
             finish_block_linears(child)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.quantization import PendingBlockLinear, StoredBlocks
+from lmserve.worker.quantization import PendingBlockLinear, PendingLayer, StoredBlocks
 
 
-class PendingSegmentsLinear(nn.Module):
+class PendingSegmentsLinear(PendingLayer):
     """The loading form: one PendingBlockLinear a segment (rows in order), the fused layer's bias whole (the checkpoint
     loads it as one parameter), rows routed to the segment that starts where they start."""
 
@@ -66,11 +66,3 @@ class RowSegmentsLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         return torch.cat([segment.dequantized() for segment in self.segments])
 
-
-def finish_segment_linears(module: nn.Module) -> None:
-    """Replaces every PendingSegmentsLinear under module with the RowSegmentsLinear its loaded rows make."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, PendingSegmentsLinear):
-            setattr(module, name, child.finish())
-        else:
-            finish_segment_linears(child)

@@ -27,13 +27,14 @@ from lmserve.worker.quantization import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
     PendingBlockLinear,
+    PendingLayer,
     StoredBlocks,
     finish_block_linears,
     layer_fits,
     pend_block_linears,
     quantize_linears,
 )
-from lmserve.worker.row_segments import PendingSegmentsLinear, finish_segment_linears
+from lmserve.worker.row_segments import PendingSegmentsLinear
 from lmserve.worker.stored_formats import KERNEL_FORMATS, STORED_BLOCK_TYPES, exact_kernel_format
 
 if TYPE_CHECKING:
@@ -470,7 +471,7 @@ class LlamaForCausalLM(nn.Module):
         they are, a float parameter gets them dequantized. Finishes the pending block layers."""
         params = dict(self.named_parameters())
         pending = {f"{name}.weight": module for name, module in self.named_modules()
-                   if isinstance(module, PendingBlockLinear | PendingSegmentsLinear | BlockEmbedding)
+                   if isinstance(module, PendingLayer | BlockEmbedding)
                    and ".segments." not in name}  # a segment's rows come through its PendingSegmentsLinear
         loaded: set[str] = set()
         tp, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
@@ -510,7 +511,6 @@ class LlamaForCausalLM(nn.Module):
         missing = (set(params) | set(pending)) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-        finish_segment_linears(self)
         finish_block_linears(self)
 
     def _shard_rows(self, fused_name: str, shard: int, layer: nn.Module | None = None) -> tuple[int, int]:
