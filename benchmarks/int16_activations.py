@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     ops = cpu_kernels()
     if not hasattr(ops, "q4_1_int16_linear"):
-        raise SystemExit("the int16 kernel is not built on this CPU (needs AVX-512 VNNI)")
+        raise SystemExit("the int16 kernels are not built on this CPU (they need AVX2, FMA and F16C)")
     gen = torch.Generator().manual_seed(0)
     layers = [[("q4_1", shape, build("q4_1", shape, gen)) for shape in LAYER_SHAPES] for _ in range(30)]
     output = ("q8_0", OUTPUT_LAYER, build("q8_0", OUTPUT_LAYER, gen))

@@ -20,9 +20,10 @@ setup_llama() {
     fi
     cmake -S "$src/vendor/llama.cpp" -B "$PEERS_DIR/llama.cpp-build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$PEERS_DIR/llama.cpp-build" --target llama-server llama-quantize -j "$(nproc)"
+    cmake --build "$PEERS_DIR/llama.cpp-build" --target llama-server llama-quantize llama-perplexity -j "$(nproc)"
     mkdir -p "$PEERS_DIR/llama.cpp/bin"
     cp "$PEERS_DIR/llama.cpp-build/bin/llama-server" "$PEERS_DIR/llama.cpp-build/bin/llama-quantize" \
+        "$PEERS_DIR/llama.cpp-build/bin/llama-perplexity" \
         "$PEERS_DIR/llama.cpp/bin/"
 }
 

@@ -4,7 +4,7 @@ Settings, each in a fresh process (so that ready time and resident memory are th
 - `fp16`: `--quantization fp16`, every matrix dequantized and kept in float16: what a Q4_K_M file ran as before
   lmserve read its stored types (worker/stored_formats.py, worker/kquant_formats.py);
 - `stored`: `--quantization auto`: each layer in the kernel format that holds the file's values exactly (Q5_0 and
-  Q4_0 as q8_0 / q4_1 blocks, Q4_K and Q6_K at their stored size where AVX-512 VNNI runs them), the embedding looked
+  Q4_0 as q8_0 / q4_1 blocks, Q5_0, Q5_1 and the K-quants at their stored size where the int16 kernels run), the embedding looked
   up in the file's blocks, prompt rows on the copies of `--batched-weights auto`;
 - `stored, no copies`: the same with `--batched-weights none`: every row on the block kernels, no copy of any weight;
 - `float32`: `--quantization none`, the reference for perplexity (the file's values in float32).

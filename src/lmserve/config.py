@@ -121,9 +121,9 @@ class ModelConfig:
         choices=("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "none"))
     block_activations: str = setting(
         "auto", "with q4_1/q8_0 blocks, how the block kernels take their activations: float32, or int16 (16-bit integers per "
-        "block of 32 inputs, exact integer products on AVX-512 VNNI: faster decoding, next-token KL < 1e-5 from the "
-        "float32 model; a request's tokens still do not depend on its batch); auto: int16 where the CPU has AVX-512 "
-        "VNNI, else float32",
+        "block of 32 inputs, exact integer products on AVX-512 VNNI or AVX2: faster decoding, next-token KL < 1e-5 "
+        "from the float32 model; a row's result never depends on its batch); auto: int16 where the kernels build, else "
+        "float32",
         choices=("auto", "float32", "int16"))
     attention_backend: str = setting(
         "auto", "paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs",

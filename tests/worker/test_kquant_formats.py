@@ -13,21 +13,21 @@ from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.kquant_formats import (
     KQuantLinear,
     kernel_formats,
-    kquant_kernels_load,
     pack_kquant,
     q4_k_fields,
+    q5_k_fields,
     q6_k_fields,
 )
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.quantization import Float16WeightLinear, StoredBlocks
+from lmserve.worker.quantization import Float16WeightLinear, StoredBlocks, int16_kernel_loads
 from lmserve.worker.row_segments import RowSegmentsLinear
 from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
-needs_kernel = pytest.mark.skipif(not kquant_kernels_load(), reason="kernels/kquant_int16.cpp did not build (no AVX2)")
-METHODS = ["q4_k", "q6_k"]
+needs_kernel = pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (no AVX2)")
+METHODS = ["q4_k", "q5_k", "q6_k"]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,13 @@ def test_the_fields_read_are_ggufs(stored) -> None:
     minimum = dmin.view(np.float16).astype(np.float32) * mn
     got = scale.reshape(16, 16, 1) * codes.reshape(16, 16, 32) - minimum.reshape(16, 16, 1)
     assert np.array_equal(got.reshape(16, 512), values)
+    blocks, values = stored("q5_k", 16, 512, seed=4)
+    d, dmin, sc, mn, codes = q5_k_fields(blocks)
+    assert codes.max() == 31
+    scale = d.view(np.float16).astype(np.float32) * sc
+    minimum = dmin.view(np.float16).astype(np.float32) * mn
+    got = scale.reshape(16, 16, 1) * codes.reshape(16, 16, 32) - minimum.reshape(16, 16, 1)
+    assert np.array_equal(got.reshape(16, 512), values)
     blocks, values = stored("q6_k", 16, 256, seed=2)
     d, sc, codes = q6_k_fields(blocks)
     scale = d.view(np.float16).astype(np.float32) * sc.view(np.int8)
@@ -65,8 +72,9 @@ def test_packed_blocks_hold_the_files_values_at_the_stored_size(stored, method: 
     assert (layer.out_features, layer.in_features) == (48, 768)
     assert torch.equal(layer.dequantized(), torch.from_numpy(values))
     per_weight = layer.blocks.numel() / (48 * 768)
-    assert per_weight == {"q4_k": 2368 / 4096, "q6_k": 3360 / 4096}[method]  # 4.625 and 6.5625 bits a weight
-    assert "q4_k" in repr(layer) or "q6_k" in repr(layer)
+    # 4.625, 5.625 and 6.5625 bits a weight (the file's 4.5, 5.5 and 6.5625)
+    assert per_weight == {"q4_k": 2368 / 4096, "q5_k": 2880 / 4096, "q6_k": 3360 / 4096}[method]
+    assert method in repr(layer)
 
 
 @needs_kernel

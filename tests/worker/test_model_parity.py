@@ -324,7 +324,7 @@ def test_default_model_q4_1_blocks_compute_the_files_own_model(monkeypatch) -> N
     print(f"\n{DEFAULT_MODEL} q4_1: max abs logit error {max(error, error_mixed):.3g}")
 
 
-@pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="the int16 kernels did not build")
 def test_default_model_q4_1_with_int16_activations_stays_within_their_rounding_of_the_files_model() -> None:
     """The block kernel with 16-bit integer activations (`--block-activations int16`) for every row, prefill chunks
     and decodes in shared batches: each input is rounded to 1/65,000 of its block's range, which moves the logits
@@ -356,13 +356,13 @@ def test_tiny_k_quant_file_at_its_stored_size_stays_within_int16_rounding_of_its
     and a q/k/v of both (row segments) at their stored size where the K-quant kernel runs, the other K-quants in
     float16. Its logits stay within the int16 activations' (and float16 weights') rounding of transformers on the
     file's values, prefill chunks and decodes alike."""
-    from lmserve.worker.kquant_formats import KQuantLinear, kquant_kernels_load
+    from lmserve.worker.kquant_formats import KQuantLinear
     from lmserve.worker.row_segments import RowSegmentsLinear
 
     parity = Parity(tiny_kquant_gguf, max_model_len=256, num_blocks=32, atol=DEFAULT_ATOL, quantization="auto",
                     reference=tiny_kquant_dir, batched_weights="none", block_activations="auto")
     layer0 = parity.runner.model.layers[0]
-    if kquant_kernels_load():
+    if quantization.int16_kernel_loads():
         assert parity.runner.quantization == "q4_k"
         assert isinstance(layer0.self_attn.qkv_proj, RowSegmentsLinear)
         assert isinstance(layer0.mlp.down_proj, KQuantLinear) and layer0.mlp.down_proj.method == "q6_k"

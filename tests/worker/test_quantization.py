@@ -48,17 +48,17 @@ def test_auto_picks_fp16_only_where_it_runs() -> None:
 
 def test_auto_gives_k_quant_files_their_kernel_where_it_runs_else_fp16(tiny_kquant_gguf) -> None:
     """A Q4_K_M-like file (Q4_K and Q6_K layers, and Q2_K, Q3_K, Q5_K ones): its Q4_K and Q6_K layers run at their
-    stored size where the K-quant kernel does (AVX-512 VNNI); elsewhere, and for the other K-quants, float16."""
-    from lmserve.worker.kquant_formats import kernel_formats, kquant_kernels_load
+    stored size where the int16 kernels run (AVX-512 VNNI or AVX2); elsewhere, and for the other K-quants, float16."""
+    from lmserve.worker.kquant_formats import kernel_formats
     from lmserve.worker.loader import stored_matrix_types
     from lmserve.worker.stored_formats import BLOCK_FORMATS, preferred_kernel_format
 
     assert stored_linear_format(resolve_model(str(tiny_kquant_gguf))) is None  # mixed types
     types = stored_matrix_types(resolve_model(str(tiny_kquant_gguf))).values()
     formats = kernel_formats()
-    assert ("q4_k" in formats) == kquant_kernels_load()
+    assert ("q4_k" in formats) == quantization.int16_kernel_loads()
     stored_as = preferred_kernel_format(types, formats)
-    assert stored_as == ("q4_k" if kquant_kernels_load() else None)
+    assert stored_as == ("q4_k" if quantization.int16_kernel_loads() else None)
     assert check_quantization("auto", CPU, torch.float32, stored_as) == (stored_as or "fp16")
     assert preferred_kernel_format(types, BLOCK_FORMATS) is None
     assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
@@ -112,7 +112,8 @@ BLOCK_LAYERS = {"q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
 def test_auto_keeps_the_files_block_format() -> None:
     assert check_quantization("auto", CPU, torch.float32, "q4_1") == "q4_1"
     assert check_quantization("auto", CPU, torch.float32, "q8_0") == "q8_0"
-    assert check_quantization("auto", CPU, torch.float32, "q5_k") == "fp16"  # a format without a kernel here
+    assert check_quantization("auto", CPU, torch.float32, "q3_k") == "fp16"  # a format without a kernel here
+    assert check_quantization("auto", CPU, torch.float32, "q5_k") == "q5_k"  # chosen where its kernel runs
     assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
     assert check_quantization("auto", CUDA, torch.float32, "q4_1") == "none"
     assert check_quantization("q8_0", CPU, torch.float32, "q4_1") == "q8_0"
@@ -449,7 +450,7 @@ def test_batched_weights_none_keeps_every_row_on_the_kernel_and_builds_no_copy(m
     model = nn.Sequential(layer)
     prepare_batched_copies(model)
     assert layer.batched is None and layer.prompt_copy is None
-    # With int16 activations (AVX-512 VNNI) a row's bits are its own; float32 ones sum in an order set by the
+    # With int16 activations a row's bits are its own; float32 ones sum in an order set by the
     # batch's size (1-2, 3-8, 9+ rows; issue 32's note).
     invariant = quantization.int16_kernel_loads() and layer.use_int16_activations()
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
@@ -469,3 +470,19 @@ def test_the_runner_gives_every_block_layer_the_batched_path_it_was_asked_for(se
     blocks = [m for m in runner.model.modules() if isinstance(m, (Q4_1Linear, Q8_0Linear))]
     assert len(blocks) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the q8_0 output layer
     assert {m.batched_path for m in blocks} == {batched_path(setting)}
+
+
+def test_a_float16_weight_rows_result_does_not_depend_on_its_batch(monkeypatch) -> None:
+    """fbgemm's AVX2 kernels sum a remainder of 1 or 2 rows in another order than their 6-row tiles (a prompt row's
+    bits moved with the chunk's length on an AVX2-only CPU); padded to whole tiles, every row gets its own bits."""
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
+    x = torch.randn(40, 96, generator=gen)
+    for tile in (quantization.fbgemm_row_tile(), quantization.FBGEMM_AVX2_ROWS):  # this CPU's, and the AVX2 one
+        monkeypatch.setattr(quantization, "fbgemm_row_tile", lambda tile=tile: tile)
+        layer = Float16WeightLinear(weight, bias)
+        together = layer(x)
+        torch.testing.assert_close(together, x @ weight.half().float().T + bias, rtol=1e-5, atol=1e-5)
+        for rows in range(1, 40):
+            assert torch.equal(layer(x[:rows]), together[:rows]), (tile, rows)
+        assert torch.equal(layer(x[:12].reshape(3, 4, 96)), together[:12].reshape(3, 4, 80))

@@ -45,7 +45,7 @@ def random_stored_blocks(stored_type: str, rows: int, blocks: int, seed: int) ->
     raw = rng.integers(0, 256, (rows, blocks, STORED_BLOCK_BYTES[stored_type]), dtype=np.uint8)
     scales = (rng.uniform(1e-4, 3e-2, (rows, blocks)) * rng.choice([-1, 1], (rows, blocks))).astype(np.float16)
     raw[..., 0:2] = scales[..., None].view(np.uint8)
-    if stored_type == "q4_1":
+    if stored_type in ("q4_1", "q5_1"):  # the minimum m
         raw[..., 2:4] = (-8 * np.abs(scales))[..., None].astype(np.float16).view(np.uint8)
     return raw
 
@@ -97,7 +97,8 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     assert preferred_kernel_format(mixed) == "q4_k"
     assert preferred_kernel_format(mixed, BLOCK_FORMATS) == "q8_0"
     assert preferred_kernel_format(["q5_0"] * 3 + ["q6_k"]) == "q5_0"
-    assert preferred_kernel_format(["q5_1", "q2_k", "f16"]) is None
+    assert preferred_kernel_format(["q3_k", "q2_k", "f16"]) is None
+    assert preferred_kernel_format(["q5_1", "q5_k"]) == "q5_k" and exact_kernel_format(["q5_1"]) == "q5_1"
     assert runnable_types({"a": "q6_k", "b": "q5_0", "c": "f32"}, BLOCK_FORMATS) == {"a": "float", "b": "q5_0",
                                                                                     "c": "float"}
 
@@ -118,7 +119,7 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
     model = build_model(config, 64, CPU, torch.float32, block_method="q8_0",
                         stored_types=runnable_types(stored, formats), formats=formats)
     model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
-    # The down projections: at their stored size where the K-quant kernel runs (AVX-512 VNNI), else float16.
+    # The down projections: at their stored size where the K-quant kernel runs (AVX-512 VNNI or AVX2), else float16.
     down_type = KQuantLinear if "q6_k" in formats else Float16WeightLinear
     assert model.quantize_float_layers("fp16") == (0 if down_type is KQuantLinear else 2)
     expected_types = {"self_attn.qkv_proj": Q8_0Linear, "self_attn.o_proj": Q4_1Linear,
@@ -149,12 +150,14 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
                 torch.testing.assert_close(layer(x), ref(x), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.skipif(not int16_kernel_loads(), reason="the q5_0 kernel needs AVX-512 VNNI (elsewhere q5_0 is q8_0)")
-def test_q5_0_runs_at_its_stored_size_with_the_files_values() -> None:
-    blocks = random_stored_blocks("q5_0", 48, 12, seed=11)
-    values = torch.from_numpy(gguf_values("q5_0", blocks))
-    layer = Q5_0Linear(StoredBlocks("q5_0", torch.from_numpy(blocks)), None)
-    assert layer.blocks.numel() == blocks.size  # 22 bytes a block of 32: the file's size
+@pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (q5_0 is q8_0 there)")
+@pytest.mark.parametrize("stored_type", ["q5_0", "q5_1"])
+def test_five_bit_blocks_run_at_their_stored_size_with_the_files_values(stored_type: str) -> None:
+    blocks = random_stored_blocks(stored_type, 48, 12, seed=11)
+    values = torch.from_numpy(gguf_values(stored_type, blocks))
+    layer = LAYER_TYPES[stored_type](StoredBlocks(stored_type, torch.from_numpy(blocks)), None)
+    assert isinstance(layer, Q5_0Linear)
+    assert layer.blocks.numel() == blocks.size  # 22 (q5_1: 24) bytes a block of 32: the file's size
     assert torch.equal(layer.dequantized(), values)
     x = torch.randn(9, 384, generator=torch.Generator().manual_seed(12))
     x[2, :32] *= 50
@@ -163,4 +166,4 @@ def test_q5_0_runs_at_its_stored_size_with_the_files_values() -> None:
     assert (got.double() - expected).abs().max().item() < 2e-3 * expected.abs().max().item()
     for i in range(9):  # each row's bits its own
         assert torch.equal(layer(x[i : i + 1]), got[i : i + 1]), i
-    assert "q5_0" in kernel_formats() and exact_kernel_format(["q5_0"], kernel_formats()) == "q5_0"
+    assert stored_type in kernel_formats() and exact_kernel_format([stored_type], kernel_formats()) == stored_type

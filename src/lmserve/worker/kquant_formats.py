@@ -1,6 +1,6 @@
-"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q4_k, q6_k; their
-super-blocks rearranged into the layout of kernels/kquant_int16.cpp, AVX-512 VNNI or AVX2) and q5_0
-(kernels/int16_activations.cpp, AVX-512 VNNI).
+"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q4_k, q5_k, q6_k;
+their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q5_0 and q5_1
+(kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2.
 
 The rearrangement is exact: every code and every scale the file holds goes into the kernel's layout as it is
 (tests/worker/test_kquant_formats.py checks the kernel's dequantization against gguf's, value for value). Done in
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmserve.worker.kernels import cpu_kernels, disabled_features
+from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.quantization import (
     BatchedPath,
     BlockQuantizedLinear,
@@ -25,33 +25,19 @@ from lmserve.worker.stored_formats import BLOCK_FORMATS, KERNEL_FORMATS
 
 SUPER_BLOCK = 256
 GROUP_ROWS = 16  # output rows per group of the kernel's layout
-KQUANT_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}  # llama.cpp's block_q4_K, block_q6_K
-
-
-def kquant_kernels_load() -> bool:
-    """Whether kernels/kquant_int16.cpp was built here (AVX-512 VNNI or AVX2) and can run: its AVX-512 build not
-    with VNNI turned off (LMSERVE_DISABLE_CPU_FEATURES=vnni)."""
-    try:
-        ops = cpu_kernels()
-    except RuntimeError:
-        return False
-    if not hasattr(ops, "q4_k_int16_linear"):
-        return False
-    return not (ops.kquant_uses_vnni() and "vnni" in disabled_features())
+KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # llama.cpp's block_q4_K, block_q5_K, block_q6_K
+FIVE_BIT_METHODS = ("q5_0", "q5_1")  # kernels/int16_activations.cpp's, blocks of 32
 
 
 def kernel_formats(activations_setting: str | None = "auto") -> tuple[str, ...]:
-    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants where
-    kernels/kquant_int16.cpp runs, unless the block kernels are told to keep float32 activations (the K-quant kernel
-    takes int16 ones only)."""
+    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants and
+    q5_0 where the int16-activation kernels run, unless the block kernels are told to keep float32 activations (those
+    kernels take int16 ones only)."""
     if not block_kernels_load("q8_0", explicit=False):
         return ()
     formats = set(BLOCK_FORMATS)
-    if (activations_setting or "auto") != "float32":
-        if kquant_kernels_load():
-            formats |= set(KQUANT_BLOCK_BYTES)
-        if int16_kernel_loads():
-            formats.add("q5_0")
+    if (activations_setting or "auto") != "float32" and int16_kernel_loads():
+        formats |= {*KQUANT_BLOCK_BYTES, *FIVE_BIT_METHODS}
     return tuple(f for f in KERNEL_FORMATS if f in formats)
 
 
@@ -70,6 +56,16 @@ def q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     qs = blocks[..., 16:144].reshape(rows, supers, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(rows, supers * SUPER_BLOCK)
     return _float16_bytes(blocks, 0), _float16_bytes(blocks, 2), sc, mn, codes
+
+
+def q5_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[N, S, 176] block_q5_K -> q4_k_fields' d, dmin, sc, mn and codes (0..31): gguf's Q5_K.dequantize_blocks
+    reading (scales as q4_k's, then 32 bytes whose bit j holds the fifth bit of sub-block j's code, then nibbles)."""
+    rows, supers, _ = blocks.shape
+    as_q4_k = np.concatenate([blocks[..., 0:16], blocks[..., 48:176]], axis=-1)
+    d, dmin, sc, mn, low = q4_k_fields(as_q4_k)
+    fifth = (blocks[..., 16:48].reshape(rows, supers, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    return d, dmin, sc, mn, low | (fifth.reshape(rows, supers * SUPER_BLOCK) << 4)
 
 
 def q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,13 +104,17 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
     if rows % GROUP_ROWS:
         raise ValueError(f"{method} layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
     groups, blocks_per_super = rows // GROUP_ROWS, SUPER_BLOCK // 32
-    if method == "q4_k":
-        d, dmin, sc, mn, codes = q4_k_fields(blocks)
+    if method in ("q4_k", "q5_k"):
+        d, dmin, sc, mn, codes = (q4_k_fields if method == "q4_k" else q5_k_fields)(blocks)
         header = np.concatenate([_per_group(d), _per_group(dmin)], axis=-1)
         scales = np.concatenate([_per_group(sc.reshape(rows, -1, 1)), _per_group(mn.reshape(rows, -1, 1))], axis=-1)
         quant_rows = _rows_of_four(codes)
-        quants = quant_rows[:, :, 0::2] | (quant_rows[:, :, 1::2] << 4)  # chunk c: rows 2c (low), 2c + 1 (high)
+        low = quant_rows & 0x0F
+        quants = low[:, :, 0::2] | (low[:, :, 1::2] << 4)  # chunk c: rows 2c (low), 2c + 1 (high)
         parts = [scales, quants.reshape(groups, -1, 256)]
+        if method == "q5_k":  # byte 4n + e: in bit j the fifth bit of row j's
+            fifth = ((quant_rows >> 4) & 1) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            parts.append(np.bitwise_or.reduce(fifth, axis=2))
     else:
         d, sc, codes = q6_k_fields(blocks)
         header = _per_group(d)
@@ -160,19 +160,10 @@ class KQuantLinear(BlockQuantizedLinear):
 
 
 class Q5_0Linear(KQuantLinear):
-    """Q5_0 blocks at their stored size (0.6875 bytes a weight) through kernels/int16_activations.cpp (AVX-512 VNNI):
-    what a Q4_K_M file of a model whose rows are not a multiple of 256 wide holds in most layers. Elsewhere they are
-    q8_0 blocks (stored_formats.convert_blocks), with the same values."""
-
-    def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
-        if not isinstance(weight, StoredBlocks) or weight.method != "q5_0":
-            raise ValueError("a q5_0 layer takes a file's q5_0 blocks")
-        rows, columns = weight.shape
-        if rows % GROUP_ROWS:
-            raise ValueError(f"q5_0 layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
-        return cpu_kernels().q5_0_int16_pack(weight.data.contiguous()), rows, columns
+    """Q5_0 or Q5_1 blocks at their stored size (0.6875, 0.75 bytes a weight) through kernels/int16_activations.cpp:
+    Q5_0 is what a Q4_K_M file of a model whose rows are not a multiple of 256 wide holds in most layers. Where no
+    int16 kernel runs, Q5_0 blocks are q8_0 ones (stored_formats.convert_blocks), with the same values."""
 
 
-for _method in KQUANT_BLOCK_BYTES:
-    register_layer_type(_method, KQuantLinear)
-register_layer_type("q5_0", Q5_0Linear)
+for _method in (*KQUANT_BLOCK_BYTES, *FIVE_BIT_METHODS):
+    register_layer_type(_method, Q5_0Linear if _method in FIVE_BIT_METHODS else KQuantLinear)

@@ -21,8 +21,8 @@ Where the CPU has AMX, `auto` (`prompt-bf16`) sends the prompt tokens of the dec
 kernel on a bfloat16 copy (kernels/amx_linear.cpp), 2-10x faster prefill, and keeps every generated token on the
 block kernel: each row's result depends only on the row (prompt or generated), never on the batch or the chunking.
 Elsewhere `auto` (`prompt-fp16`) does the same with fbgemm's float16 copy for the prompt tokens.
-Where the CPU has AVX-512 VNNI, `--block-activations auto` (int16) runs the block kernels with the activations as
-16-bit integers per block of 32 inputs (kernels/int16_activations.cpp): exact integer dot products, so a row's result
+Where the kernels build (AVX-512 VNNI or AVX2), `--block-activations auto` (int16) runs the block kernels with the
+activations as 16-bit integers per block of 32 inputs (kernels/int16_activations.cpp): exact integer dot products, so a row's result
 still does not depend on the batch, 1.2-2.7x faster at 1-64 rows, and a next-token KL below 1e-5 from the float32
 model (bfloat16 activations: 1e-4).
 
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from lmserve.models import dequantize_gguf_blocks
-from lmserve.worker.kernels import cpu_kernels, cpu_kernels_load, disabled_features
+from lmserve.worker.kernels import cpu_flags, cpu_kernels, cpu_kernels_load, disabled_features
 from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
 from lmserve.worker.stored_formats import (
     BLOCK_FORMATS,
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
 # Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): int16 activations only.
-KQUANT_METHODS = ("q4_k", "q6_k", "q5_0")
+KQUANT_METHODS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
 LAYER_METHODS = BLOCK_METHODS + KQUANT_METHODS
 BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "none")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
@@ -68,6 +68,7 @@ BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
 # 32 and 64); above it the layer uses its fp16 copy, which fbgemm multiplies 5-14% faster (benchmarks/block_gemm.py).
 BLOCK_KERNEL_MAX_ROWS = 64
+FBGEMM_AVX2_ROWS = 6  # fbgemm's float16 GEMM kernels on AVX2: rows a tile (fbgemm_row_tile)
 # With AMX, oneDNN's bfloat16 GEMM overtakes the block kernel at a few rows (benchmarks/block_gemm.py --batched bf16).
 AMX_BLOCK_KERNEL_MAX_ROWS = 8
 
@@ -117,9 +118,12 @@ def batched_path(setting: str | None = "auto") -> BatchedPath:
 
 
 def block_activations(setting: str | None = "auto") -> str:
-    """How the block kernels take their activations: float32 (kernels/quantized_linear.cpp) or int16, 16-bit
-    integers per block of 32 inputs through AVX-512 VNNI's exact integer dot products (kernels/int16_activations.cpp:
-    1.2-2.7x faster at 1-64 rows; next-token KL below 1e-5 from the float32 model). auto: int16 where it runs."""
+    """How the q4_1 and q8_0 block kernels take their activations: float32 (kernels/quantized_linear.cpp) or int16,
+    16-bit integers per block of 32 inputs through exact integer dot products (kernels/int16_activations.cpp: with
+    AVX-512 VNNI 1.2-2.7x faster at 1-64 rows, next-token KL below 1e-5 from the float32 model). auto: int16 where
+    the VNNI build runs; on the AVX2 build float32, whose kernel is as fast at 1-8 rows and 1.5-2x faster at 16-64
+    (benchmarks/int16_activations.py): there the int16 kernels run the formats that have no float32 kernel (q5_0,
+    q5_1, the K-quants), and `int16` puts q4_1 and q8_0 on them too."""
     setting = setting or "auto"
     if setting not in BLOCK_ACTIVATIONS:
         raise ValueError(f"unknown block activations {setting!r}: use one of {', '.join(BLOCK_ACTIVATIONS)}")
@@ -127,19 +131,24 @@ def block_activations(setting: str | None = "auto") -> str:
         return setting
     runs = int16_kernel_loads()
     if setting == "int16" and not runs:
-        raise ValueError("--block-activations int16 needs a CPU with AVX-512 VNNI (avx512f, avx512bw, avx512_vnni)")
+        raise ValueError("--block-activations int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI, where the "
+                         "kernels build (LMSERVE_DISABLE_CPU_FEATURES=vnni turns the VNNI build's off)")
+    if setting == "auto" and runs and not cpu_kernels().int16_uses_vnni():
+        return "float32"
     return "int16" if runs else "float32"
 
 
 def int16_kernel_loads() -> bool:
-    """Whether kernels/int16_activations.cpp was built here (the compiler saw AVX-512 VNNI in -march=native) and is
-    not turned off (LMSERVE_DISABLE_CPU_FEATURES=vnni)."""
-    if "vnni" in disabled_features():
-        return False
+    """Whether the int16-activation kernels (kernels/int16_activations.cpp, kernels/kquant_int16.cpp) were built here
+    (for AVX-512 VNNI or for AVX2) and can run: the VNNI build not turned off (LMSERVE_DISABLE_CPU_FEATURES=vnni, as
+    a CPU without VNNI would run before these kernels had an AVX2 build; the AVX2 build is LMSERVE_KERNEL_MARCH=haswell)."""
     try:
-        return hasattr(cpu_kernels(), "q4_1_int16_linear")
+        ops = cpu_kernels()
     except RuntimeError:
         return False
+    if not hasattr(ops, "q4_1_int16_linear"):
+        return False
+    return not (ops.int16_uses_vnni() and "vnni" in disabled_features())
 
 
 def amx_kernel_loads() -> bool:
@@ -196,9 +205,18 @@ def block_kernels_load(method: str, explicit: bool) -> bool:
     return True
 
 
+def fbgemm_row_tile() -> int:
+    """Rows that fbgemm's float16 GEMM computes alike in every call when it is given a multiple of them: its AVX2
+    kernels take 6 rows at a time and a remainder of 1 or 2 rows with another kernel, whose sums differ in their last
+    bits (a row's result then depends on the batch's size); its AVX-512 ones give each row the same bits at any size.
+    fbgemm picks by the CPU (avx512f, bw, dq and vl), not by how lmserve's kernels were built."""
+    return 1 if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags() else FBGEMM_AVX2_ROWS
+
+
 class Float16WeightLinear(nn.Module):
     """y = x @ W.T + b with W stored in float16 and the arithmetic in float32, through fbgemm at every batch size: it
-    also beats a float32 GEMM of the weights widened per call at 256 and 1,024 rows (benchmarks/quantization.py)."""
+    also beats a float32 GEMM of the weights widened per call at 256 and 1,024 rows (benchmarks/quantization.py).
+    The rows go in padded with zero rows to a multiple of fbgemm_row_tile(), so that each row's result is its own."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -206,9 +224,16 @@ class Float16WeightLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), self.bias)
+        self.row_tile = fbgemm_row_tile()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        rows = x.reshape(-1, self.in_features)
+        padding = -rows.shape[0] % self.row_tile
+        if not padding:
+            return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        padded = torch.cat([rows, rows.new_zeros(padding, self.in_features)])
+        y = torch.ops.quantized.linear_dynamic_fp16(padded, self.packed)[: rows.shape[0]]
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"

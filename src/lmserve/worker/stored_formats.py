@@ -5,15 +5,15 @@ A llama.cpp file mixes block types: a Q4_K_M file of a model whose rows are 896 
 kernels/int16_activations.cpp) read q4_1 and q8_0 blocks. Some stored types convert into one of them without changing
 any weight's value, block for block, with the same float16 scale:
   q5_0: float16 d, 32 five-bit codes q (w = d (q - 16)) -> q8_0 with the int8 codes q - 16 (where no q5_0 kernel
-        runs: kernels/int16_activations.cpp reads q5_0 at its stored size on AVX-512 VNNI);
+        runs: kernels/int16_activations.cpp reads q5_0 at its stored size with int16 activations);
   q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),
         or q8_0 with q - 8;
-  q4_1 and q8_0 are kernel formats already, and so are q4_k and q6_k where kernels/kquant_int16.cpp runs
-  (worker/kquant_formats.py).
+  q4_1 and q8_0 are kernel formats already, and so are q5_1, q4_k, q5_k and q6_k where the int16-activation
+  kernels run (worker/kquant_formats.py).
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
 (tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
-include a type that converts into none of the formats that run here (q5_1, q5_k, q2_k, q3_k; q4_k and q6_k without
-AVX-512 VNNI; q4_k rows fused with q6_k ones) gets no block format: it keeps float weights (float16 under
+include a type that converts into none of the formats that run here (q2_k, q3_k, iq4_nl...; the K-quants, q5_0 and
+q5_1 under --block-activations float32) gets no block format: it keeps float weights (float16 under
 --quantization auto).
 """
 
@@ -23,9 +23,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-# Fewest bytes a weight first. The K-quants run where kernels/kquant_int16.cpp does (AVX-512 VNNI or AVX2), q5_0
-# where kernels/int16_activations.cpp does (AVX-512 VNNI).
-KERNEL_FORMATS = ("q4_k", "q4_1", "q5_0", "q6_k", "q8_0")
+# Fewest bytes a weight first. The K-quants and q5_0 run where the int16-activation kernels do (AVX-512 VNNI or AVX2).
+KERNEL_FORMATS = ("q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
 # Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
 EXACT_INTO: dict[str, tuple[str, ...]] = {
@@ -33,12 +32,14 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q8_0": ("q8_0",),
     "q4_0": ("q4_1", "q8_0"),
     "q5_0": ("q5_0", "q8_0"),
+    "q5_1": ("q5_1",),
     "q4_k": ("q4_k",),
+    "q5_k": ("q5_k",),
     "q6_k": ("q6_k",),
 }
 STORED_BLOCK_TYPES = tuple(EXACT_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
-STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q8_0": 34, "q4_k": 144, "q6_k": 210}
-BLOCK_WIDTH = {"q4_k": 256, "q6_k": 256}  # weights a block; 32 for the others
+STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256}  # weights a block; 32 for the others
 
 
 def block_width(stored_type: str) -> int:

@@ -67,9 +67,9 @@ inline void size_for(int64_t M, int64_t K, Activations& a) {
   a.low_half.resize(2 * M * blocks);
 }
 
-// split_rows without vector instructions, for builds without AVX-512 (kquant_int16.cpp's AVX2 build): the same
-// arithmetic, element by element (the block's float sum in another order: bits may differ from an AVX-512 build's,
-// never between two rows or two batches of one build).
+// split_rows without vector instructions, for builds without AVX-512 (the AVX2 build): the same arithmetic, element
+// by element (the block's float sum in another order: bits may differ from an AVX-512 build's, never between two rows
+// or two batches of one build), except that x_lo stops at -127: int16_simd.h's dot4_signed needs |x| <= 127.
 inline void split_rows_portable(const float* x, int64_t M, int64_t K, Activations& a) {
   size_for(M, K, a);
   const int64_t blocks = K / kBlock;
@@ -92,7 +92,7 @@ inline void split_rows_portable(const float* x, int64_t M, int64_t K, Activation
       for (int k = 0; k < kBlock; ++k) {
         const float high = std::nearbyint(src[k] * inverse);
         const float rest = std::fma(-high, s, src[k]);
-        const float low = std::min(std::max(std::nearbyint(rest * (inverse * 256.0f)), -128.0f), 127.0f);
+        const float low = std::min(std::max(std::nearbyint(rest * (inverse * 256.0f)), -127.0f), 127.0f);
         a.high[i * kBlock + k] = static_cast<int8_t>(high);
         a.low[i * kBlock + k] = static_cast<int8_t>(low);
         sums[0][k / 16] += static_cast<int32_t>(high);

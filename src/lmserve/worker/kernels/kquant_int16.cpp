@@ -1,10 +1,11 @@
-// Linear layers over llama.cpp's K-quant weights (q4_k, q6_k), with the activations as 16-bit integers per block of
+// Linear layers over llama.cpp's K-quant weights (q4_k, q5_k, q6_k), with the activations as 16-bit integers per block of
 // 32 inputs: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size. Built for AVX-512
 // VNNI (VPDPBUSD) or for AVX2 (the same products as VPMADDUBSW + VPMADDWD), from one source over a few primitives.
 //
 // K-quants group a row's weights in super-blocks of 256 with a float16 scale d (q4_k: and minimum scale dmin), and
 // sub-blocks with small integer scales:
 //   q4_k: 8 sub-blocks of 32, 6-bit scale sc and minimum mn, 4-bit q:  w = (d sc) q - (dmin mn)   (4.5 bits a weight)
+//   q5_k: the same with 5-bit q                                                                       (5.5 bits)
 //   q6_k: 16 sub-blocks of 16, int8 scale sc, 6-bit q:                  w = (d sc) (q - 32)        (6.5625 bits)
 // d sc and dmin mn are exact in float32 (11-bit by 8-bit products), so each sub-block is a q4_1 / q8_0 block with
 // float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k: per half
@@ -21,12 +22,6 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include "int16_activations.h"
-
-#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) || \
-    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,135 +29,23 @@
 #include <type_traits>
 #include <vector>
 
+#include "int16_simd.h"
+
+#if defined(LMSERVE_INT16_KERNELS)
+
 namespace {
 
-using lmserve_int16::Activations;
-using lmserve_int16::kBlock;
+using namespace lmserve_int16;
 
-constexpr int64_t kGroup = 16;
 constexpr int64_t kSuper = 256;
 constexpr int64_t kBlocksPerSuper = kSuper / kBlock;
-constexpr int64_t kPrefetchAhead = 4096;
-
-// 16 lanes of int32 or float32 (one per output row of a group) and 64 bytes: one AVX-512 register each, or two AVX2
-// ones (lanes 0-7, 8-15; bytes 0-31, 32-63). The kernel below is written once over these.
-#if defined(__AVX512VNNI__)
-constexpr bool kAvx512 = true;
-using I32 = __m512i;
-using F32 = __m512;
-using U8 = __m512i;
-inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
-  lmserve_int16::split_rows<true>(x, M, K, a);
-}
-inline U8 load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline U8 and8(U8 a, int mask) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(mask))); }
-inline U8 or8(U8 a, U8 b) { return _mm512_or_si512(a, b); }
-template <int N> inline U8 shift_left16(U8 a) { return _mm512_slli_epi16(a, N); }
-template <int N> inline U8 shift_right16(U8 a) { return _mm512_srli_epi16(a, N); }
-inline I32 zero_i() { return _mm512_setzero_si512(); }
-inline F32 zero_f() { return _mm512_setzero_ps(); }
-// acc + per lane n: the 4 unsigned bytes 4n..4n+3 of q times the 4 signed bytes at x.
-inline I32 dot4(I32 acc, U8 q, const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_dpbusd_epi32(acc, q, _mm512_set1_epi32(v));
-}
-inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
-inline I32 sub_i(I32 a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
-inline I32 shift_left32_8(I32 a) { return _mm512_slli_epi32(a, 8); }
-inline F32 to_float(I32 a) { return _mm512_cvtepi32_ps(a); }
-inline F32 set1(float v) { return _mm512_set1_ps(v); }
-inline F32 mul(F32 a, F32 b) { return _mm512_mul_ps(a, b); }
-inline F32 add(F32 a, F32 b) { return _mm512_add_ps(a, b); }
-inline F32 fmadd(F32 a, F32 b, F32 c) { return _mm512_fmadd_ps(a, b, c); }
-inline F32 fnmadd(F32 a, F32 b, F32 c) { return _mm512_fnmadd_ps(a, b, c); }
-inline F32 loadu(const float* p) { return _mm512_loadu_ps(p); }
-inline void storeu(float* p, F32 a) { _mm512_storeu_ps(p, a); }
-inline F32 widen16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline F32 bytes_unsigned(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline F32 bytes_signed(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#else
-// AVX2: VPMADDUBSW (unsigned by signed bytes, pairs summed into int16) then VPMADDWD by ones (pairs into int32) for
-// each VPDPBUSD. The int16 pairs cannot saturate: codes are at most 63 and activations -128..127 (2 x 63 x 128).
-constexpr bool kAvx512 = false;
-struct I32 { __m256i lo, hi; };
-struct F32 { __m256 lo, hi; };
-using U8 = I32;
-inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
-  lmserve_int16::split_rows_portable(x, M, K, a);
-}
-inline U8 load64(const uint8_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-}
-inline U8 and8(U8 a, int mask) {
-  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
-  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
-}
-inline U8 or8(U8 a, U8 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
-template <int N> inline U8 shift_left16(U8 a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
-template <int N> inline U8 shift_right16(U8 a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
-inline I32 zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline F32 zero_f() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline I32 dot4(I32 acc, U8 q, const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  const __m256i b = _mm256_set1_epi32(v), ones = _mm256_set1_epi16(1);
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, b), ones)),
-          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, b), ones))};
-}
-inline I32 add_i(I32 a, I32 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
-inline I32 sub_i(I32 a, int32_t b) {
-  const __m256i v = _mm256_set1_epi32(b);
-  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
-}
-inline I32 shift_left32_8(I32 a) { return {_mm256_slli_epi32(a.lo, 8), _mm256_slli_epi32(a.hi, 8)}; }
-inline F32 to_float(I32 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-inline F32 set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-inline F32 mul(F32 a, F32 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline F32 add(F32 a, F32 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline F32 fmadd(F32 a, F32 b, F32 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline F32 fnmadd(F32 a, F32 b, F32 c) {
-  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
-}
-inline F32 loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void storeu(float* p, F32 a) {
-  _mm256_storeu_ps(p, a.lo);
-  _mm256_storeu_ps(p + 8, a.hi);
-}
-inline F32 widen16(const uint8_t* p) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
-}
-inline F32 bytes_unsigned(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
-}
-inline F32 bytes_signed(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
-}
-#endif
-
-inline void low_nibbles(const uint8_t* quants, U8 rows[8]) {
-  for (int c = 0; c < 4; ++c) {
-    const U8 v = load64(quants + 64 * c);
-    rows[2 * c] = and8(v, 0x0F);
-    rows[2 * c + 1] = and8(shift_right16<4>(v), 0x0F);
-  }
-}
 
 struct Q4_K {
   static constexpr const char* kName = "q4_k";
   static constexpr int64_t kHeader = 64;           // 16 d, 16 dmin
   static constexpr int64_t kBlockBytes = 32 + 256;  // 16 sc, 16 mn, nibbles
   static constexpr int kTileRows = kAvx512 ? 6 : 2;
+  static constexpr int kPerWiden = 8;  // int16_simd.h's dot_rows on AVX2: codes <= 15
   static inline void quants(const uint8_t* block, U8 rows[8]) { low_nibbles(block + 32, rows); }
   // q of output n at input k of a block (for dequantize).
   static inline int quant(const uint8_t* block, int n, int k) {
@@ -172,11 +55,30 @@ struct Q4_K {
   }
 };
 
+// q5_k: q4_k with a fifth bit per code (q in 0..31), as one more chunk of 64 bytes per block (int16_simd.h's
+// fifth_bits): 64 + 8 x (32 + 256 + 64) = 2,880 bytes per 16 x 256 weights (the file's 176 per 256: 5.5 bits + 0.125).
+struct Q5_K {
+  static constexpr const char* kName = "q5_k";
+  static constexpr int64_t kHeader = 64;                 // 16 d, 16 dmin
+  static constexpr int64_t kBlockBytes = 32 + 256 + 64;  // 16 sc, 16 mn, nibbles, fifth bits
+  static constexpr int kTileRows = kAvx512 ? 6 : 2;
+  static constexpr int kPerWiden = 4;  // codes <= 31
+  static inline void quants(const uint8_t* block, U8 rows[8]) {
+    low_nibbles(block + 32, rows);
+    fifth_bits(block + 32 + 256, rows);
+  }
+  static inline int quant(const uint8_t* block, int n, int k) {
+    const int j = k / 4, e = k % 4;
+    return Q4_K::quant(block, n, k) | (((block[32 + 256 + 4 * n + e] >> j) & 1) << 4);
+  }
+};
+
 struct Q6_K {
   static constexpr const char* kName = "q6_k";
   static constexpr int64_t kHeader = 32;                  // 16 d
   static constexpr int64_t kBlockBytes = 32 + 256 + 128;  // 16 + 16 sc, nibbles, top bits
   static constexpr int kTileRows = kAvx512 ? 4 : 1;      // four accumulators a row
+  static constexpr int kPerWiden = 2;                     // codes <= 63
   static inline void quants(const uint8_t* block, U8 rows[8]) {
     low_nibbles(block + 32, rows);
     for (int h = 0; h < 2; ++h) {
@@ -212,8 +114,7 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* super = group + b / kBlocksPerSuper * super_bytes<Format>();
     const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
-    for (int64_t line = 0; line < Format::kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + line), _MM_HINT_T0);
+    prefetch_block(block, Format::kBlockBytes);
     U8 rows[8];
     Format::quants(block, rows);
     // Per row: dot products with the high and low activation halves (q6_k: of each 16-input half apart).
@@ -221,14 +122,23 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
     I32 dot_high[T][kHalves], dot_low[T][kHalves];
     for (int t = 0; t < T; ++t)
       for (int h = 0; h < kHalves; ++h) dot_high[t][h] = dot_low[t][h] = zero_i();
+    if constexpr (kAvx512) {
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-      for (int t = 0; t < T; ++t) {
-        const int h = kSixBit ? j / 4 : 0;
-        const int64_t at = t * K + b * kBlock + 4 * j;
-        dot_high[t][h] = dot4(dot_high[t][h], rows[j], high + at);
-        dot_low[t][h] = dot4(dot_low[t][h], rows[j], low + at);
-      }
+      for (int j = 0; j < 8; ++j)
+        for (int t = 0; t < T; ++t) {
+          const int h = kSixBit ? j / 4 : 0;
+          const int64_t at = t * K + b * kBlock + 4 * j;
+          dot_high[t][h] = dot4(dot_high[t][h], rows[j], high + at);
+          dot_low[t][h] = dot4(dot_low[t][h], rows[j], low + at);
+        }
+    } else {
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < kHalves; ++h) {
+          const int64_t at = t * K + b * kBlock + 16 * h;
+          dot_high[t][h] = dot_rows<Format::kPerWiden>(dot_high[t][h], rows + 4 * h, 8 / kHalves, high + at);
+          dot_low[t][h] = dot_rows<Format::kPerWiden>(dot_low[t][h], rows + 4 * h, 8 / kHalves, low + at);
+        }
+    }
     const F32 d = widen16(super);
     if constexpr (kSixBit) {
       const F32 scale0 = mul(d, bytes_signed(block)), scale1 = mul(d, bytes_signed(block + 16));
@@ -247,8 +157,11 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
       const F32 minimum = mul(widen16(super + 32), bytes_unsigned(block + 16));
       for (int t = 0; t < T; ++t) {
         const int64_t i = first + t * blocks + b;
-        // 256 (q . x_hi) + (q . x_lo) < 2^24 (q <= 15): exact in float32.
-        const F32 dot = to_float(add_i(shift_left32_8(dot_high[t][0]), dot_low[t][0]));
+        // q4_k: 256 (q . x_hi) + (q . x_lo) < 2^24 (q <= 15), exact in float32. q5_k's (q <= 31) can pass 2^24: one
+        // FMA of the two exact dot products.
+        const F32 dot = std::is_same_v<Format, Q4_K>
+                            ? to_float(add_i(shift_left32_8(dot_high[t][0]), dot_low[t][0]))
+                            : fmadd(to_float(dot_high[t][0]), set1(256.0f), to_float(dot_low[t][0]));
         acc[t] = fmadd(dot, mul(scale, set1(a.scale[i])), acc[t]);
         acc[t] = fnmadd(minimum, set1(a.sum[i]), acc[t]);
       }
@@ -260,14 +173,7 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
 
 template <class Format>
 void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
-              "packed weight must be a contiguous uint8 CPU tensor");
-  TORCH_CHECK(K > 0 && K % kSuper == 0, Format::kName, " needs in_features that are a positive multiple of 256, got ",
-              K);
-  TORCH_CHECK(N > 0 && N % kGroup == 0, "out_features must be a positive multiple of 16, got ", N);
-  const int64_t expected = N / kGroup * (K / kSuper) * super_bytes<Format>();
-  TORCH_CHECK(weight.numel() == expected, "packed weight has ", weight.numel(), " bytes, expected ", expected, " for ",
-              N, " x ", K);
+  check_packed_weight(weight, Format::kName, N, K, kSuper, K / kSuper * super_bytes<Format>());
 }
 
 template <class Format, int T = Format::kTileRows>
@@ -282,23 +188,17 @@ void tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, 
 template <class Format>
 torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias) {
-  lmserve_int16::LinearCall call = lmserve_int16::linear_call(input, out_features, bias);
+  LinearCall call = linear_call(input, out_features, bias);
   const int64_t K = call.K, N = call.N, M = call.M, blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
   if (M == 0) return call.y.view(call.out_shape);
-  const torch::Tensor& x = call.x;
-  const float* bias_data = call.bias;
   Activations a;
-  split(x.data_ptr<float>(), M, K, a);
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  split<true>(call.x.data_ptr<float>(), M, K, a);
   float* yp = call.y.data_ptr<float>();
-  const int64_t group_bytes = K / kSuper * super_bytes<Format>();
-  at::parallel_for(0, N / kGroup, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t row = 0; row < M; row += Format::kTileRows)
-        tile<Format>(static_cast<int>(std::min<int64_t>(Format::kTileRows, M - row)), wp + g * group_bytes, blocks,
-                     a, row, K, bias_data, yp, N, g * kGroup);
-  });
+  for_each_tile<Format::kTileRows>(M, N, K / kSuper * super_bytes<Format>(), weight.data_ptr<uint8_t>(),
+                                   [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
+                                     tile<Format>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
+                                   });
   return call.y.view(call.out_shape);
 }
 
@@ -318,6 +218,14 @@ struct SourceQ4_K {  // llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scale
   }
   static int code(const uint8_t* src, int w) { return (src[16 + 32 * (w / 64) + w % 32] >> (4 * (w / 32 % 2))) & 0x0F; }
 };
+struct SourceQ5_K {  // block_q5_K: d, dmin, 12 bytes of scales and minimums, 32 of fifth bits, 128 of nibbles
+  static constexpr int64_t kBytes = 176;
+  static void scales(const uint8_t* src, uint8_t sc[8], uint8_t mn[8]) { SourceQ4_K::scales(src, sc, mn); }
+  static int code(const uint8_t* src, int w) {
+    const int low = (src[48 + 32 * (w / 64) + w % 32] >> (4 * (w / 32 % 2))) & 0x0F;
+    return low | (((src[16 + w % 32] >> (w / 32)) & 1) << 4);
+  }
+};
 struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, d
   static constexpr int64_t kBytes = 210;
   static int code(const uint8_t* src, int w) {
@@ -330,7 +238,8 @@ struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16
 template <class Format>
 torch::Tensor pack(const torch::Tensor& blocks) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
-  using Source = std::conditional_t<kSixBit, SourceQ6_K, SourceQ4_K>;
+  constexpr bool kFiveBit = std::is_same_v<Format, Q5_K>;
+  using Source = std::conditional_t<kSixBit, SourceQ6_K, std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>;
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.size(2) == Source::kBytes,
               Format::kName, " blocks must be uint8 [N, K / 256, ", Source::kBytes, "]");
   const int64_t N = blocks.size(0), supers = blocks.size(1);
@@ -373,6 +282,10 @@ torch::Tensor pack(const torch::Tensor& blocks) {
               for (int e = 0; e < 4; ++e)
                 block[32 + 64 * c + 4 * n + e] =
                     static_cast<uint8_t>((q[n][8 * c + e] & 0x0F) | ((q[n][8 * c + 4 + e] & 0x0F) << 4));
+          if constexpr (kFiveBit)
+            for (int n = 0; n < kGroup; ++n)
+              for (int e = 0; e < 4; ++e)
+                block[32 + 256 + 4 * n + e] = fifth_bits_byte(n, e, [&](int64_t row, int64_t k) { return q[row][k]; });
           if constexpr (kSixBit)
             for (int h = 0; h < 2; ++h)
               for (int n = 0; n < kGroup; ++n)
@@ -404,7 +317,7 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
         const uint8_t* super = wp + g * group_bytes + b / kBlocksPerSuper * super_bytes<Format>();
         const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
         alignas(64) float second[16], first_scale[16];
-        if constexpr (std::is_same_v<Format, Q4_K>) {
+        if constexpr (!std::is_same_v<Format, Q6_K>) {
           storeu(first_scale, mul(widen16(super), bytes_unsigned(block)));
           storeu(second, mul(widen16(super + 32), bytes_unsigned(block + 16)));  // dmin mn
         } else {
@@ -415,7 +328,7 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
           for (int k = 0; k < kBlock; ++k) {
             const float q = static_cast<float>(Format::quant(block, n, k));
             float* dst = op + (g * kGroup + n) * K + b * kBlock + k;
-            if constexpr (std::is_same_v<Format, Q4_K>) *dst = std::fma(q, first_scale[n], -second[n]);
+            if constexpr (!std::is_same_v<Format, Q6_K>) *dst = std::fma(q, first_scale[n], -second[n]);
             else *dst = (q - 32.0f) * (k < 16 ? first_scale[n] : second[n]);
           }
       }
@@ -425,11 +338,13 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
-  m.def("kquant_uses_vnni() -> bool", [] { return kAvx512; });
   m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q4_k_int16_pack(Tensor blocks) -> Tensor");
   m.def("q6_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q5_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("q5_k_int16_pack(Tensor blocks) -> Tensor");
   m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
@@ -438,9 +353,12 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q4_k_int16_linear", &linear<Q4_K>);
   m.impl("q4_k_int16_pack", &pack<Q4_K>);
   m.impl("q6_k_int16_pack", &pack<Q6_K>);
+  m.impl("q5_k_int16_linear", &linear<Q5_K>);
+  m.impl("q5_k_int16_pack", &pack<Q5_K>);
+  m.impl("q5_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_K>(w, out); });
   m.impl("q4_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_K>(w, out); });
   m.impl("q6_k_int16_linear", &linear<Q6_K>);
   m.impl("q6_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q6_K>(w, out); });
 }
 
-#endif  // AVX-512 VNNI, or AVX2 with FMA and F16C
+#endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C

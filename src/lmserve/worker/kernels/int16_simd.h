@@ -1,0 +1,239 @@
+// The few vector primitives the int16-activation kernels are written over (int16_activations.cpp: q4_1, q8_0, q5_0;
+// kquant_int16.cpp: q4_k, q6_k), so that one source builds for AVX-512 VNNI and for AVX2.
+//
+// 16 lanes of int32 or float32 (one per output row of a group of 16) and 64 bytes: one AVX-512 register each, or two
+// AVX2 ones (lanes 0-7, 8-15; bytes 0-31, 32-63). dot4 is VPDPBUSD on AVX-512 VNNI; on AVX2 the same products as
+// VPMADDUBSW (unsigned by signed bytes, pairs summed into int16) then VPMADDWD by ones (pairs into int32). Those int16
+// pairs saturate above 32,767, so on AVX2 a format's unsigned codes must stay below 128 (q4: 15, q5: 31, q6: 63);
+// q8_0's signed codes take dot4_signed instead (llama.cpp's trick: |q| as the unsigned bytes, x with q's sign, which
+// with |x| <= 127 stays within 2 x 128 x 127).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "int16_activations.h"
+
+namespace lmserve_int16 {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+constexpr bool kAvx512 = true;
+using I32 = __m512i;
+using F32 = __m512;
+using U8 = __m512i;
+template <bool kHalves>
+inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
+  split_rows<kHalves>(x, M, K, a);
+}
+inline U8 load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline void store64(uint8_t* p, U8 a) { _mm512_storeu_si512(p, a); }
+inline U8 and8(U8 a, int mask) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(mask))); }
+inline U8 or8(U8 a, U8 b) { return _mm512_or_si512(a, b); }
+template <int N> inline U8 shift_left16(U8 a) { return _mm512_slli_epi16(a, N); }
+template <int N> inline U8 shift_right16(U8 a) { return _mm512_srli_epi16(a, N); }
+inline I32 zero_i() { return _mm512_setzero_si512(); }
+inline F32 zero_f() { return _mm512_setzero_ps(); }
+// acc + per lane n: the 4 unsigned bytes 4n..4n+3 of q times the 4 signed bytes at x.
+inline I32 dot4(I32 acc, U8 q, const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_dpbusd_epi32(acc, q, _mm512_set1_epi32(v));
+}
+// acc + the dot products of rows[0..count) with the 4 activations each at x + 4j (count a multiple of kPerWiden).
+template <int kPerWiden>
+inline I32 dot_rows(I32 acc, const U8* rows, int count, const int8_t* x) {
+  for (int j = 0; j < count; ++j) acc = dot4(acc, rows[j], x + 4 * j);
+  return acc;
+}
+inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
+inline I32 sub_i(I32 a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline I32 shift_left32_8(I32 a) { return _mm512_slli_epi32(a, 8); }
+inline F32 to_float(I32 a) { return _mm512_cvtepi32_ps(a); }
+inline F32 set1(float v) { return _mm512_set1_ps(v); }
+inline F32 mul(F32 a, F32 b) { return _mm512_mul_ps(a, b); }
+inline F32 add(F32 a, F32 b) { return _mm512_add_ps(a, b); }
+inline F32 fmadd(F32 a, F32 b, F32 c) { return _mm512_fmadd_ps(a, b, c); }
+inline F32 fnmadd(F32 a, F32 b, F32 c) { return _mm512_fnmadd_ps(a, b, c); }
+inline F32 loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void storeu(float* p, F32 a) { _mm512_storeu_ps(p, a); }
+inline F32 widen16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline F32 bytes_unsigned(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline F32 bytes_signed(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LMSERVE_INT16_KERNELS_AVX2 1
+constexpr bool kAvx512 = false;
+struct I32 { __m256i lo, hi; };
+struct F32 { __m256 lo, hi; };
+using U8 = I32;
+template <bool kHalves>
+inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
+  split_rows_portable(x, M, K, a);
+}
+inline U8 load64(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline void store64(uint8_t* p, U8 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), a.hi);
+}
+inline U8 and8(U8 a, int mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
+}
+inline U8 or8(U8 a, U8 b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+template <int N> inline U8 shift_left16(U8 a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
+template <int N> inline U8 shift_right16(U8 a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
+inline I32 zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline F32 zero_f() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline I32 dot4(I32 acc, U8 q, const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  const __m256i b = _mm256_set1_epi32(v), ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, b), ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, b), ones))};
+}
+// dot_rows on AVX2: kPerWiden VPMADDUBSW results summed in int16 before one VPMADDWD widens them (3 instructions a
+// row become ~2). Exact while kPerWiden x 2 x (largest code) x 127 <= 32,767: 8 rows of 4-bit codes, 4 of 5-bit, 2 of
+// 6-bit (split_rows_portable keeps |x| <= 127).
+template <int kPerWiden>
+inline I32 dot_rows(I32 acc, const U8* rows, int count, const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int j = 0; j < count; j += kPerWiden) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int w = 0; w < kPerWiden; ++w) {
+      int32_t v;
+      std::memcpy(&v, x + 4 * (j + w), 4);
+      const __m256i b = _mm256_set1_epi32(v);
+      lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(rows[j + w].lo, b));
+      hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(rows[j + w].hi, b));
+    }
+    acc = {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, ones)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, ones))};
+  }
+  return acc;
+}
+// q8_0 on AVX2: q as signed bytes (the packed q + 128 with its top bit flipped); the products as dot4's from |q| and
+// x given q's sign. Exact while |x| <= 127 (split_rows_portable's halves).
+inline U8 flip_top_bits(U8 a) {
+  const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80));
+  return {_mm256_xor_si256(a.lo, top), _mm256_xor_si256(a.hi, top)};
+}
+inline U8 abs8(U8 q) { return {_mm256_sign_epi8(q.lo, q.lo), _mm256_sign_epi8(q.hi, q.hi)}; }
+inline I32 dot4_signed(I32 acc, U8 magnitude, U8 q, const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  const __m256i b = _mm256_set1_epi32(v), ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo,
+                           _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude.lo, _mm256_sign_epi8(b, q.lo)), ones)),
+          _mm256_add_epi32(acc.hi,
+                           _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude.hi, _mm256_sign_epi8(b, q.hi)), ones))};
+}
+inline I32 add_i(I32 a, I32 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline I32 sub_i(I32 a, int32_t b) {
+  const __m256i v = _mm256_set1_epi32(b);
+  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
+}
+inline I32 shift_left32_8(I32 a) { return {_mm256_slli_epi32(a.lo, 8), _mm256_slli_epi32(a.hi, 8)}; }
+inline F32 to_float(I32 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline F32 set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F32 mul(F32 a, F32 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F32 add(F32 a, F32 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F32 fmadd(F32 a, F32 b, F32 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F32 fnmadd(F32 a, F32 b, F32 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F32 loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void storeu(float* p, F32 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline F32 widen16(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline F32 bytes_unsigned(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+inline F32 bytes_signed(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) || \
+    defined(LMSERVE_INT16_KERNELS_AVX2)
+#define LMSERVE_INT16_KERNELS 1
+constexpr int64_t kGroup = 16;  // output rows per group: one I32 / F32 of lanes
+// The block 4 KB ahead is asked for, so that few-row products do not wait on memory (as quantized_linear.cpp).
+constexpr int64_t kPrefetchAhead = 4096;
+
+inline void prefetch_block(const uint8_t* block, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + line), _MM_HINT_T0);
+}
+
+// 4 chunks of 64 bytes, chunk c holding row 2c in its low nibbles and row 2c + 1 in its high ones, as 8 rows.
+inline void low_nibbles(const uint8_t* quants, U8 rows[8]) {
+  for (int c = 0; c < 4; ++c) {
+    const U8 v = load64(quants + 64 * c);
+    rows[2 * c] = and8(v, 0x0F);
+    rows[2 * c + 1] = and8(shift_right16<4>(v), 0x0F);
+  }
+}
+
+// A fifth bit per code (q5_0, q5_1, q5_k): 64 bytes whose byte 4n + e holds in bit j the fifth bit of row j's byte
+// 4n + e, ORed into rows' bit 4 (16-bit shifts; what crosses into the other byte is masked off).
+inline void fifth_bits(const uint8_t* packed, U8 rows[8]) {
+  const U8 bits = load64(packed);
+  rows[0] = or8(rows[0], and8(shift_left16<4>(bits), 0x10));
+  rows[1] = or8(rows[1], and8(shift_left16<3>(bits), 0x10));
+  rows[2] = or8(rows[2], and8(shift_left16<2>(bits), 0x10));
+  rows[3] = or8(rows[3], and8(shift_left16<1>(bits), 0x10));
+  rows[4] = or8(rows[4], and8(bits, 0x10));
+  rows[5] = or8(rows[5], and8(shift_right16<1>(bits), 0x10));
+  rows[6] = or8(rows[6], and8(shift_right16<2>(bits), 0x10));
+  rows[7] = or8(rows[7], and8(shift_right16<3>(bits), 0x10));
+}
+
+// The packed byte e of lane n of the fifth-bit chunk, from q(n, k) in 0..31 over the block's 32 inputs.
+template <class Q>
+inline uint8_t fifth_bits_byte(int64_t n, int64_t e, Q q) {
+  uint8_t byte = 0;
+  for (int j = 0; j < 8; ++j) byte |= static_cast<uint8_t>(((q(n, 4 * j + e) >> 4) & 1) << j);
+  return byte;
+}
+
+// A packed weight checked against its shape: `group_bytes` bytes per 16 output rows.
+inline void check_packed_weight(const torch::Tensor& weight, const char* name, int64_t N, int64_t K, int64_t width,
+                                int64_t group_bytes) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+              "packed weight must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(K > 0 && K % width == 0, name, " needs in_features that are a positive multiple of ", width, ", got ", K);
+  TORCH_CHECK(N > 0 && N % kGroup == 0, "out_features must be a positive multiple of 16, got ", N);
+  const int64_t expected = N / kGroup * group_bytes;
+  TORCH_CHECK(weight.numel() == expected, "packed weight has ", weight.numel(), " bytes, expected ", expected, " for ",
+              N, " x ", K);
+}
+
+// Every group of 16 outputs against every row, `tile(rows, group, row, n0)` taking up to kTileRows rows at a time
+// from `row`: the groups spread over the threads, each row computed alone.
+template <int kTileRows, class Tile>
+inline void for_each_tile(int64_t M, int64_t N, int64_t group_bytes, const uint8_t* weight, Tile tile) {
+  at::parallel_for(0, N / kGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t row = 0; row < M; row += kTileRows)
+        tile(static_cast<int>(std::min<int64_t>(kTileRows, M - row)), weight + g * group_bytes, row, g * kGroup);
+  });
+}
+#endif
+
+}  // namespace lmserve_int16
