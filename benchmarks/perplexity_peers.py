@@ -55,7 +55,7 @@ def llama_perplexity(binary: Path, model: str, text: Path, ctx: int, chunks: int
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     log = result.stdout + result.stderr
     final = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
-    tokens = re.search(r"tokenization took .*?\n.*?calculating perplexity over (\d+) chunks", log, re.S)
+    tokens = re.search(r"tokenization took .*?\n.*?calculating perplexity over (\d+) chunks", log, re.DOTALL)
     if final is None:
         raise RuntimeError(f"no final estimate in llama-perplexity's output:\n{log[-3000:]}")
     return {"setting": "llama.cpp llama-perplexity", "perplexity": float(final.group(1)),
