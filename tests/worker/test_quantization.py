@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -459,6 +460,34 @@ def test_batched_weights_none_keeps_every_row_on_the_kernel_and_builds_no_copy(m
         assert torch.equal(layer(x), kernel)
     assert torch.equal(layer(x[7:8]), kernel[7:8]) or not invariant
     assert layer.batched is None and layer.prompt_copy is None
+
+
+def test_copies_built_on_several_threads_are_built_once_each(monkeypatch) -> None:
+    """prepare_batched_copies with threads: every layer's prompt copy exists afterwards, made once (a forward pass
+    racing the builders waits for a layer's copy instead of making a second), and computes what a copy built alone
+    computes."""
+    layers = [Q8_0Linear(random_blocks("q8_0", 32, 64, seed=seed), None, batched_path("prompt-fp16"))
+              for seed in range(6)]
+    for layer in layers:
+        layer.prompt_copies = True
+    built: list[int] = []
+    real = Float16WeightLinear.__init__
+
+    def counting(self, weight, bias) -> None:
+        built.append(weight.shape[0])
+        real(self, weight, bias)
+
+    monkeypatch.setattr(Float16WeightLinear, "__init__", counting)
+    model = nn.Sequential(*layers)
+    racer = threading.Thread(target=lambda: [layer.prepare_prompt_copy() for layer in reversed(layers)])
+    racer.start()
+    prepare_batched_copies(model, threads=3)
+    racer.join()
+    assert len(built) == len(layers)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8))
+    for layer in layers:
+        assert isinstance(layer.prompt_copy, Float16WeightLinear) and layer.batched is None
+        assert torch.equal(layer.prompt_copy(x), Float16WeightLinear(layer.dequantized(), None)(x))
 
 
 @pytest.mark.parametrize("setting", ["bf16", "fp16", "prompt-fp16"])

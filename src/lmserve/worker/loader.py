@@ -33,11 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 def load_weights(
-    source: ModelSource, dtype: torch.dtype, blocks: Collection[str] = ()
+    source: ModelSource, dtype: torch.dtype | None, blocks: Collection[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
-    """Every weight as (Hugging Face name, tensor in `dtype`). `blocks`: block formats (worker/quantization.py's
-    names, q4_1, q8_0) whose GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block
-    layers take those bytes as they are (LlamaForCausalLM.load_weights)."""
+    """Every weight as (Hugging Face name, tensor in `dtype`; None: in the dtype the checkpoint stores it, for
+    targets that convert as they copy). `blocks`: block formats (worker/quantization.py's names, q4_1, q8_0) whose
+    GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block layers take those bytes as
+    they are (LlamaForCausalLM.load_weights)."""
     config = load_model_config(source)  # rejects unsupported architectures before any weight is read
     start, count, nbytes = time.perf_counter(), 0, 0
     weights = _hf_weights(source.path) if source.kind == "hf" else _gguf_weights(source.path, config, blocks)
@@ -45,17 +46,35 @@ def load_weights(
         if isinstance(tensor, StoredBlocks):
             size = tensor.data.nbytes
         else:
-            tensor = tensor.to(dtype)
+            tensor = tensor if dtype is None else tensor.to(dtype)
             size = tensor.nbytes
         count, nbytes = count + 1, nbytes + size
         yield name, tensor
     elapsed = time.perf_counter() - start
     logger.info(
-        "loaded %d tensors (%.1f MB, %s) from %s in %.2f s", count, nbytes / 1e6, dtype, source.path, elapsed
+        "loaded %d tensors (%.1f MB, %s) from %s in %.2f s", count, nbytes / 1e6, dtype or "as stored", source.path,
+        elapsed,
     )
 
 
-def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensor_dtype(source: ModelSource, name: str) -> torch.dtype | None:
+    """The dtype a Hugging Face directory's safetensors store `name` in (None: not such a source, or no such
+    tensor). Read from the files' headers, which is what the weights really are, whatever the config says."""
+    if source.kind != "hf":
+        return None
+    from safetensors import safe_open  # HF directories only
+
+    for file in _safetensors_files(source.path):
+        with safe_open(file, framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 - safe_open handles support no `in`
+                return _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+    return None
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         # Some repos also ship consolidated.safetensors in another naming scheme; the index says which to use.
@@ -64,9 +83,13 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    return files
+
+
+def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open  # HF directories only
 
-    for file in files:
+    for file in _safetensors_files(directory):
         with safe_open(file, framework="pt") as f:
             names = f.keys()  # safe_open handles are not iterable
             for name in names:

@@ -8,7 +8,8 @@ checkpoint lacks any parameter, so no uninitialised value can survive into a for
 
 With a block format (`block_method`, --quantization q4_1 or q8_0) the linear layers are block layers from the start:
 they are built as PendingBlockLinear (uint8 rows of blocks), which load_weights fills with the file's own blocks and
-packs, so the float32 weights of those layers never exist.
+packs, so the float32 weights of those layers never exist. With float16 weights (--quantization fp16, and a GGUF's
+layers that no block format holds) the float layers are built as PendingFloat16Linear, likewise.
 """
 
 from __future__ import annotations
@@ -31,18 +32,23 @@ def build_model(
     config: PretrainedConfig, max_position: int, device: torch.device, dtype: torch.dtype,
     parallel: ParallelGroups | None = None, block_method: str | None = None,
     stored_types: Mapping[str, str] | None = None, formats: Sequence[str] = KERNEL_FORMATS,
-    activations: str = "float32",
+    activations: str = "float32", float16_layers: bool = False, embedding_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """The model's modules on `device` in `dtype`, parameters uninitialised (load its weights next). The RoPE
     tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded.
     block_method: the linear layers' block format (LlamaForCausalLM.pend_block_layers), or None for float ones;
     stored_types: a GGUF's matrix types, for a format per layer among `formats` (those that run here); activations:
-    the block layers' kernel (block_activations), their blocks packed for it at once."""
+    the block layers' kernel (block_activations), their blocks packed for it at once. float16_layers: the float
+    linear layers that remain load straight into float16 weights (LlamaForCausalLM.pend_float16_layers; the table
+    in embedding_dtype where given)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
         if block_method is not None:
             model.pend_block_layers(block_method, stored_types, formats, activations)
-    return _to_empty(model.to(dtype), device)
+        model = model.to(dtype)  # before the float16 layers: it would widen their staged rows
+        if float16_layers:
+            model.pend_float16_layers(embedding_dtype)
+    return _to_empty(model, device)
 
 
 def _to_empty(model: nn.Module, device: torch.device) -> nn.Module:

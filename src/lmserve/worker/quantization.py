@@ -37,6 +37,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -216,24 +217,28 @@ def fbgemm_row_tile() -> int:
 class Float16WeightLinear(nn.Module):
     """y = x @ W.T + b with W stored in float16 and the arithmetic in float32, through fbgemm at every batch size: it
     also beats a float32 GEMM of the weights widened per call at 256 and 1,024 rows (benchmarks/quantization.py).
-    The rows go in padded with zero rows to a multiple of fbgemm_row_tile(), so that each row's result is its own."""
+    The rows go in padded with zero rows to a multiple of fbgemm_row_tile(), so that each row's result is its own.
+    The bias is added after the product, in float32 as fbgemm adds a packed one (the same bits), so that the weights
+    can be packed before the bias is known (float16_layers.PendingFloat16Linear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), self.bias)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
         self.row_tile = fbgemm_row_tile()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         padding = -rows.shape[0] % self.row_tile
         if not padding:
-            return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
-        padded = torch.cat([rows, rows.new_zeros(padding, self.in_features)])
-        y = torch.ops.quantized.linear_dynamic_fp16(padded, self.packed)[: rows.shape[0]]
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        else:
+            padded = torch.cat([rows, rows.new_zeros(padding, self.in_features)])
+            y = torch.ops.quantized.linear_dynamic_fp16(padded, self.packed)[: rows.shape[0]]
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"
@@ -435,9 +440,6 @@ def pack_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return pack_blocks("q8_0", quantize_blocks("q8_0", weight))
 
 
-_BATCHED_COPIES_LOCK = threading.Lock()
-
-
 class BlockQuantizedLinear(nn.Module):
     """y = x @ W.T + b with W in one of llama.cpp's block formats, computed in float32. Batches of up to
     `batched.block_kernel_max_rows` rows run the block kernel; larger ones a float16 or bfloat16 copy of the same
@@ -465,6 +467,7 @@ class BlockQuantizedLinear(nn.Module):
         # The decoder layers' copy for prompt rows (use_prompt_copies), built the same way.
         self.prompt_copies = False
         self.prompt_copy: nn.Module | None = None
+        self.copy_lock = threading.Lock()  # one builder of this layer's copies at a time
 
     def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
         """The weights in the kernel's layout, out_features, in_features."""
@@ -503,9 +506,9 @@ class BlockQuantizedLinear(nn.Module):
     def _copy(self, attribute: str, layer_type: Callable[[], type[nn.Module]]) -> nn.Module:
         copy = getattr(self, attribute)
         if copy is None:
-            # One builder at a time: a forward pass that needs a copy waits for the background thread's build of
-            # it instead of making a second one (twice the memory, and freed memory a process rarely gives back).
-            with _BATCHED_COPIES_LOCK:
+            # One builder a layer: a forward pass that needs a copy waits for the background threads' build of it
+            # instead of making a second one (twice the memory, and freed memory a process rarely gives back).
+            with self.copy_lock:
                 copy = getattr(self, attribute)
                 if copy is None:
                     copy = layer_type()(self.dequantized(), self.bias)
@@ -570,16 +573,21 @@ def register_layer_type(method: str, layer_type: type[nn.Module]) -> None:
 OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
 
 
-def prepare_batched_copies(module: nn.Module) -> None:
+def prepare_batched_copies(module: nn.Module, threads: int = 1) -> None:
     """Builds every block layer's float16 copy for large batches under `module` (run on a background thread after
     start-up, over the decoder layers: the output layer sees large batches only when scoring prompts, and builds
-    its copy then)."""
-    for child in module.modules():
-        if isinstance(child, BlockQuantizedLinear):
-            if child.prompt_copies:
-                child.prepare_prompt_copy()
-            elif child.batched_path.weights != "none":
-                child.prepare_batched()
+    its copy then), `threads` layers at a time in layer order: fbgemm packs a matrix on one core (~6 s for Qwen2.5
+    0.5B's layers), and the first prompt after start-up waits for the copies it needs."""
+    def build(child: BlockQuantizedLinear) -> None:
+        if child.prompt_copies:
+            child.prepare_prompt_copy()
+        elif child.batched_path.weights != "none":
+            child.prepare_batched()
+
+    layers = [child for child in module.modules() if isinstance(child, BlockQuantizedLinear)]
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="batched-copies") as pool:
+        for _ in pool.map(build, layers):
+            pass
 
 
 def use_prompt_copies(module: nn.Module) -> int:
@@ -601,7 +609,7 @@ def use_batched_path(module: nn.Module, path: BatchedPath) -> None:
     is dropped and rebuilt on demand)."""
     for child in module.modules():
         if isinstance(child, BlockQuantizedLinear) and child.batched_path != path:
-            with _BATCHED_COPIES_LOCK:
+            with child.copy_lock:
                 if child.batched_path.weights != path.weights:
                     child.batched = None
                 child.batched_path = path

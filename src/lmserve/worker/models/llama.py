@@ -23,6 +23,7 @@ from torch import nn
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
+from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.quantization import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
@@ -251,13 +252,25 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // parallel.tp_size)
         self.first_row = parallel.tp_rank * self.rows_per_rank
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        self.activation_dtype: torch.dtype | None = None  # set where the table is kept in another dtype
+
+    def keep_table_in(self, dtype: torch.dtype) -> None:
+        """The table in `dtype` (a 16-bit checkpoint's own: its values exactly, half the bytes), looked up rows
+        widened to the activations' dtype. Call on the meta device, after the model's cast to its dtype."""
+        self.activation_dtype = self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device),
+                                   requires_grad=False)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.embedding(ids, self.weight)
+        return x if self.activation_dtype is None else x.to(self.activation_dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return nn.functional.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.first_row
         outside = (local < 0) | (local >= self.rows_per_rank)
-        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self._lookup(local.masked_fill(outside, 0))
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return self.parallel.all_reduce(x)
 
@@ -419,6 +432,20 @@ class LlamaForCausalLM(nn.Module):
                     segments = list(zip(sizes, parts, strict=True))
                     setattr(owner, name, PendingSegmentsLinear(fused.in_features, segments, fused.bias is not None,
                                                                activations))
+
+    def pend_float16_layers(self, embedding_dtype: torch.dtype | None = None) -> None:
+        """What quantize("fp16") makes of a loaded model, decided before loading (on the meta device, after the cast
+        to the model's dtype): every linear layer still float, and on the last stage the output layer unless it is
+        pending in a block format, becomes a PendingFloat16Linear (worker/float16_layers.py), which load_weights
+        fills as the checkpoint's tensors arrive: the float32 weights of those layers never exist. A tied
+        embedding's rows feed the output layer too. embedding_dtype: the table's dtype when not the model's (a
+        16-bit checkpoint's own, VocabParallelEmbedding.keep_table_in)."""
+        pend_float16_linears(self.layers)
+        if self.parallel.layout.is_last_stage and not isinstance(self.lm_head, PendingLayer):
+            rows = -(-self.vocab_size // self.parallel.tp_size)
+            self.lm_head = PendingFloat16Linear(self.config.hidden_size, rows, False)
+        if embedding_dtype is not None and isinstance(self.embed_tokens, VocabParallelEmbedding):
+            self.embed_tokens.keep_table_in(embedding_dtype)
 
     def quantize_float_layers(self, method: str) -> int:
         """The layers pend_block_layers left in float (their stored type has no exact kernel format) to `method`
