@@ -87,10 +87,14 @@ def test_engine_exits_soon_after_the_api_process_is_killed_mid_step(tmp_path: Pa
 
 
 def test_max_queued_requests_answers_429_with_retry_after(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-queued-requests", "1")
+    # The running request must outlast the checks below: 480 tokens of the tiny model can end within a second,
+    # before the second request is even queued, on a loaded machine (the test then saw no waiting request).
+    server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-queued-requests", "1",
+                         "--max-model-len", "2048")
+    longer = {**LONG, "max_tokens": 2000}
     try:
         running, queued = threading.Event(), threading.Event()
-        stream_in_background(server, LONG, running)  # takes the only running slot
+        stream_in_background(server, longer, running)  # takes the only running slot
         assert running.wait(30)
         stream_in_background(server, LONG, queued)  # waits for it: the one queued request allowed
 
