@@ -104,6 +104,8 @@ class SamplingParams:
     # Constrained decoding (xgrammar): the output follows this JSON schema, regex, choice list or grammar.
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len), cut after tokenization.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +156,8 @@ class SamplingParams:
             check_int("logprobs", 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", 0, MAX_LOGPROBS)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int("truncate_prompt_tokens", 1, MAX_COUNT)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

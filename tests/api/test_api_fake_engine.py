@@ -64,7 +64,9 @@ class FakeEngine:
             self.words.append(word)
         return self.vocab[word]
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        if add_special_tokens is not None:  # the EngineClient's tokenize
+            return self.prompt_token_ids(text, add_special_tokens)
         return [self._id(w) for w in text.split()]
 
     def prompt_token_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
@@ -79,8 +81,9 @@ class FakeEngine:
         turns = " ".join(f"{m['role']}: {m['content']}" for m in messages)
         return turns + (" assistant:" if add_generation_prompt else "")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
-        return self.prompt_token_ids(self.apply_chat_template(messages, add_generation_prompt), False)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict,
+                    add_special_tokens: bool = False) -> list[int]:
+        return self.prompt_token_ids(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens)
 
     # --------------------------------------------------------------------------- engine side
     async def generate(
@@ -279,6 +282,48 @@ def test_completion_stream_matches_non_stream(oai: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(oai: openai.OpenAI) -> None:
+    chunks = list(oai.completions.create(
+        model=MODEL, prompt="streams concatenate to the same text", max_tokens=10, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    ))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) > 1
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_a_stream_are_refused(oai: openai.OpenAI, stream: bool | None) -> None:
+    extra = {} if stream is None else {"stream": stream}
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed when stream is true"):
+        oai.completions.create(model=MODEL, prompt="x", stream_options={"include_usage": True}, **extra)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                    stream_options={"include_usage": True}, **extra)
+
+
+def test_vllms_prompt_fields_are_honoured(oai: openai.OpenAI) -> None:
+    """add_special_tokens (the fake's BOS is token 0), top_logprobs 0 without logprobs, continue_final_message's
+    checks; truncate_prompt_tokens is bounded here and applied by the front-end (tests/frontend, server e2e)."""
+    def prompt_tokens(**extra: Any) -> int:
+        return oai.completions.create(model=MODEL, prompt="a b c d", max_tokens=2, extra_body=extra).usage.prompt_tokens
+
+    assert prompt_tokens() == 5 and prompt_tokens(add_special_tokens=False) == 4
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        prompt_tokens(truncate_prompt_tokens=0)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = oai.chat.completions.create(model=MODEL, messages=messages, top_logprobs=0)
+    assert plain.choices[0].logprobs is None
+    with_bos = oai.chat.completions.create(model=MODEL, messages=messages, extra_body={"add_special_tokens": True})
+    assert with_bos.usage.prompt_tokens == plain.usage.prompt_tokens + 1
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        oai.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="may not set continue_final_message"):
+        oai.chat.completions.create(model=MODEL, messages=messages,
+                                    extra_body={"chat_template_kwargs": {"continue_final_message": True}})
 
 
 def test_completion_n_and_prompt_list(oai: openai.OpenAI, engine: FakeEngine) -> None:

@@ -64,3 +64,41 @@ def test_tool_flags_are_checked_at_start() -> None:
         ToolConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="hermes"):
         ToolConfig(tool_call_parser="nope")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed(oai: openai.OpenAI) -> None:
+    two = CALLING + ' <tool_call> {"name": "get_weather", "arguments": {"city": "Rome"}} </tool_call>'
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": two}], "tools": [WEATHER]}
+    assert len(oai.chat.completions.create(**kwargs).choices[0].message.tool_calls) == 2
+    whole = oai.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    (call,) = whole.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and whole.finish_reason == "tool_calls"
+    indices, arguments = set(), ""
+    for chunk in oai.chat.completions.create(**kwargs, parallel_tool_calls=False, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                indices.add(delta.index)
+                arguments += delta.function.arguments or ""
+    assert indices == {0} and arguments == call.function.arguments
+
+
+@pytest.fixture(scope="module")
+def no_parser() -> Iterator[openai.OpenAI]:
+    with ServerThread(build_app(FakeEngine())) as running:
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_tools_without_tool_choice_mean_auto_which_needs_a_parser(no_parser: openai.OpenAI) -> None:
+    """OpenAI's and vLLM's default with tools is "auto"; on a server without a parser that is a 400 naming the
+    flags (vLLM's answer), not a silent "none" whose tool-call text would come back as the answer."""
+    for extra in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            no_parser.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CALLING}],
+                                              tools=[WEATHER], **extra)
+        assert "--enable-auto-tool-choice" in info.value.body["message"]
+        assert "--tool-call-parser" in info.value.body["message"] and info.value.body["param"] == "tool_choice"
+    answer = no_parser.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               tools=[WEATHER], tool_choice="none").choices[0]
+    assert answer.message.tool_calls is None and answer.message.content == "user: hi assistant:"
+    plain = no_parser.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert plain.choices[0].message.content == "user: hi assistant:"

@@ -211,6 +211,14 @@ def test_errors_from_the_real_engine(server: Server) -> None:
     assert httpx.post(url, json={"prompt": [999999999]}).status_code == 400
     # The engine is unharmed.
     assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    # OpenAI's words, which LiteLLM matches to trim or fall back (tests/frontend/test_context_length_errors.py).
+    assert message.startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However,")
+    # vLLM's truncate_prompt_tokens: the same too-long prompt, cut to its last 100 tokens, is answered.
+    cut = httpx.post(url, json={"prompt": "hello " * 1100, "max_tokens": 2, "truncate_prompt_tokens": 100})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 100, cut.text
+    ids = httpx.post(url, json={"prompt": list(range(1000, 1050)), "max_tokens": 1, "truncate_prompt_tokens": 7,
+                                "echo": True, "logprobs": 0})
+    assert ids.json()["usage"]["prompt_tokens"] == 7, ids.text
 
 
 MODEL = "smollm2-135m-instruct"

@@ -173,6 +173,23 @@ def tool_call(client: openai.OpenAI, tool_choice: Any, stream: bool) -> tuple[li
     return [(name, arguments) for name, arguments in (calls[i] for i in sorted(calls))], finish
 
 
+def test_parallel_tool_calls_false_bounds_required_to_one_call(client: openai.OpenAI) -> None:
+    """parallel_tool_calls false reaches the grammar of "required" (maxItems 1, tests/api/test_tools.py): one call,
+    whole and streamed alike."""
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
+    for stream in (False, True):
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+            tool_choice="required", parallel_tool_calls=False, stream=stream)
+        if stream:
+            indices = {d.index for chunk in response for c in chunk.choices for d in c.delta.tool_calls or ()}
+            assert indices == {0}
+        else:
+            (call,) = response.choices[0].message.tool_calls
+            assert call.function.name in ("get_weather", "get_time")
+            assert response.choices[0].finish_reason == "tool_calls"
+
+
 def test_forced_tool_calls_validate_and_stream_the_same(client: openai.OpenAI) -> None:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -185,7 +202,8 @@ def test_forced_tool_calls_validate_and_stream_the_same(client: openai.OpenAI) -
             assert [name for name, _ in calls] == ["get_weather"]
         assert tool_call(client, tool_choice, stream=True) == (calls, finish_reason)
     # A tool result goes back in as a "tool" message after the assistant's call.
-    follow_up = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, tools=[WEATHER], messages=[
+    follow_up = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, tools=[WEATHER],
+                                               tool_choice="none", messages=[
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},

@@ -152,6 +152,22 @@ def test_required_schema_is_an_array_of_calls() -> None:
             jsonschema.validate(bad, schema)
 
 
+def test_required_schema_takes_one_call_when_calls_may_not_be_parallel() -> None:
+    """parallel_tool_calls false: maxItems 1, which the grammar backend (xgrammar) enforces while decoding."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    listed = tools(tool("get_weather", WEATHER), tool("noop"))
+    one, two = ('[{"name": "noop", "parameters": {}}]',
+                '[{"name": "noop", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    unbounded = Grammar.from_json_schema(json.dumps(constraint_schema(listed, "required")))
+    assert _is_grammar_accept_string(unbounded, one) and _is_grammar_accept_string(unbounded, two)
+    schema = constraint_schema(listed, "required", max_calls=1)
+    assert schema["maxItems"] == 1
+    bounded = Grammar.from_json_schema(json.dumps(schema))
+    assert _is_grammar_accept_string(bounded, one) and not _is_grammar_accept_string(bounded, two)
+
+
 def test_required_schema_moves_definitions_to_the_root() -> None:
     point = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
              "$defs": {"Point": {"type": "array", "items": {"type": "number"}, "minItems": 2}}}

@@ -68,13 +68,15 @@ class OpenAIRequestModel(BaseModel):
 
 class StreamOptions(OpenAIRequestModel):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last one).
+    continuous_usage_stats: bool | None = False
 
 
 # Request fields copied to SamplingParams as they are when the client set them (None keeps SamplingParams' default).
 _PASSTHROUGH_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "prompt_logprobs",
+    "skip_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
 )
 
 
@@ -125,6 +127,7 @@ class _SamplingRequest(OpenAIRequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k at its position
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     skip_special_tokens: bool | None = None
     priority: int | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -138,6 +141,17 @@ class _SamplingRequest(OpenAIRequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _SamplingRequest:
+        # As OpenAI and vLLM: options of a stream that is not there are a mistake, not a no-op.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def _build_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None
@@ -199,6 +213,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # explicit null: up to the context length
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
+    add_special_tokens: bool | None = True  # vLLM's: false leaves out the BOS the tokenizer would add
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -251,7 +266,7 @@ class ContentPart(BaseModel):
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
     "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
+    "tokenizer_kwargs", "continue_final_message",
 })
 
 def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -314,19 +329,28 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; "required" may call several tools, others at most as parsed
+    parallel_tool_calls: bool | None = None  # false: at most one call (the "required" grammar, the parsed calls)
     # vLLM extras
     add_generation_prompt: bool | None = True
+    # The last message left open for the model to go on with (a prefilled assistant turn), as vLLM.
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False  # on top of the template's own (which hold BOS and turn markers)
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
 
     def template_kwargs(self) -> dict[str, Any]:
-        return checked_template_kwargs(self.chat_template_kwargs)
+        kwargs = checked_template_kwargs(self.chat_template_kwargs)
+        if not self.continue_final_message:
+            return kwargs
+        if self.add_generation_prompt is not False:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true (send "
+                               "add_generation_prompt: false to continue the last message)", "continue_final_message")
+        return {**kwargs, "continue_final_message": True}
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 without logprobs asks for nothing: accepted, as vLLM
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

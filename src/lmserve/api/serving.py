@@ -42,7 +42,7 @@ from lmserve.api.sse import (
 )
 from lmserve.api.tool_output import ToolOutput
 from lmserve.api.tool_parsers import ToolConfig, get_tool_parser
-from lmserve.api.tools import check_tool_choice, constraint_schema
+from lmserve.api.tools import check_tool_choice, constraint_schema, resolve_tool_choice
 from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
@@ -137,7 +137,8 @@ class OpenAIServing:
                     yield chunk(items)
                 async for prompt_index, out in group.outputs():
                     for choice in choices.stream_choices(prompt_index, out):
-                        yield chunk([choice])  # one choice per chunk, as OpenAI (and clients reading choices[0])
+                        # One choice per chunk, as OpenAI (and clients reading choices[0]).
+                        yield chunk([choice], choices.usage() if req.continuous_usage else None)
                 if last := trailer(choices, group, req.include_usage, bool(req.return_timeline)):
                     yield chunk([], *last)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
@@ -152,6 +153,12 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = req.prompts()
         params = req.to_sampling_params(self.client.default_sampling)
+        if req.add_special_tokens is False:  # vLLM's: the text's tokens alone, no BOS the tokenizer would add
+            try:
+                prompts = [self.client.tokenize(p, add_special_tokens=False) if isinstance(p, str) else p
+                           for p in prompts]
+            except ValueError as exc:
+                raise RequestError.from_value_error(exc) from exc
         response_id = f"cmpl-{uuid.uuid4().hex}"
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         group = self._group(req, prompts, params, request_ids, raw)
@@ -185,23 +192,24 @@ class OpenAIServing:
     def _tool_output(self, req: ChatCompletionRequest, params: SamplingParams) -> ToolOutput | None:
         """What the chat's tools make of its output; a forced call (required, named) constrains the decoding to the
         function's schema, so its arguments always parse."""
-        choice = req.tool_choice
-        if choice is None:  # OpenAI's default is "auto" with tools; without a parser here, that means plain text
-            choice = "auto" if req.tools and self.tools.enable_auto_tool_choice else "none"
-        if choice == "auto" and not self.tools.enable_auto_tool_choice:
-            raise RequestError('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
-                               "--tool-call-parser", "tool_choice")
+        choice = resolve_tool_choice(req.tools, req.tool_choice)  # OpenAI's and vLLM's default: "auto" with tools
+        if choice == "auto" and req.tools and not self.tools.enable_auto_tool_choice:
+            # As vLLM: a silent "none" would put the model's tool-call text into content as an answer.
+            raise RequestError('"auto" tool choice (the default when a request has tools) requires the server to '
+                               "run with --enable-auto-tool-choice and --tool-call-parser; or send tool_choice "
+                               '"none", "required" or a named function', "tool_choice")
         check_tool_choice(req.tools, choice)
         if choice == "none" or not req.tools:
             return None
+        max_calls = 1 if req.parallel_tool_calls is False else None
         if choice == "auto":
-            return ToolOutput(choice, get_tool_parser(self.tools.tool_call_parser or ""))
+            return ToolOutput(choice, get_tool_parser(self.tools.tool_call_parser or ""), max_calls)
         if params.structured_outputs is not None:
             raise RequestError("a forced tool call cannot be combined with response_format or structured_outputs",
                                "tool_choice")
-        schema = constraint_schema(req.tools, choice)
+        schema = constraint_schema(req.tools, choice, max_calls)
         params.structured_outputs = StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
-        return ToolOutput(choice)
+        return ToolOutput(choice, max_calls=max_calls)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -212,7 +220,7 @@ class OpenAIServing:
             template_kwargs = {**template_kwargs, "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
         try:
             prompt_token_ids = self.client.render_chat(messages, req.add_generation_prompt is not False,
-                                                       template_kwargs)
+                                                       template_kwargs, bool(req.add_special_tokens))
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -15,6 +15,7 @@ from lmserve.api.tools import ConstrainedToolStream, NamedToolChoice, ToolChoice
 class ToolOutput:
     tool_choice: ToolChoice  # "auto", "required" or a named function
     parser: ToolParser | None = None  # for "auto"
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (the first call the model writes)
 
     @property
     def calls_finish_reason(self) -> str:
@@ -24,9 +25,10 @@ class ToolOutput:
     def final(self, text: str) -> tuple[str | None, list[ToolCallOut]]:
         """The message's content and tool calls from the whole text."""
         if self.parser is None:
-            return None, [_call_out(c) for c in tool_calls_from_constrained(text, self.tool_choice)]
+            calls = tool_calls_from_constrained(text, self.tool_choice)
+            return None, [_call_out(c) for c in calls[: self.max_calls]]
         extracted = self.parser.extract(text)
-        return extracted.content, [_call_out(c) for c in extracted.tool_calls]
+        return extracted.content, [_call_out(c) for c in extracted.tool_calls[: self.max_calls]]
 
     def stream(self) -> ChoiceToolStream:
         return ChoiceToolStream(self)
@@ -39,6 +41,7 @@ class ChoiceToolStream:
         self.parsed = output.parser.streaming() if output.parser is not None else None
         self.constrained = None if output.parser is not None else ConstrainedToolStream(output.tool_choice)
         self.num_calls = 0
+        self.max_calls = output.max_calls
 
     def feed(self, text: str, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
         if self.constrained is not None:
@@ -53,6 +56,8 @@ class ChoiceToolStream:
         return content or None, self._out(calls)
 
     def _out(self, calls: list[ParsedDelta]) -> list[DeltaToolCall]:
+        if self.max_calls is not None:  # the calls past the first max_calls are left out, fragments and all
+            calls = [c for c in calls if c.index < self.max_calls]
         self.num_calls += sum(1 for c in calls if c.id is not None)
         return [
             DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,

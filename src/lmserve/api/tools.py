@@ -99,11 +99,14 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
     return copy.deepcopy(parameters) if parameters is not None else {"type": "object"}
 
 
-def constraint_schema(tools: Sequence[ChatTool] | None, tool_choice: ToolChoice | None) -> dict[str, Any] | None:
+def constraint_schema(
+    tools: Sequence[ChatTool] | None, tool_choice: ToolChoice | None, max_calls: int | None = None
+) -> dict[str, Any] | None:
     """The JSON schema the whole output must follow, or None when the model may answer freely ("none", "auto").
 
     Named function: its parameters, so the output *is* the arguments. "required": a non-empty array of
-    `{"name": NAME, "parameters": {...}}`, one anyOf branch per tool (as vLLM). Checks check_tool_choice's 400s."""
+    `{"name": NAME, "parameters": {...}}`, one anyOf branch per tool (as vLLM), of at most max_calls elements
+    (parallel_tool_calls false: 1). Checks check_tool_choice's 400s."""
     from lmserve.api.protocol import RequestError
 
     check_tool_choice(tools, tool_choice)
@@ -131,7 +134,8 @@ def constraint_schema(tools: Sequence[ChatTool] | None, tool_choice: ToolChoice 
             "required": ["name", "parameters"],
             "additionalProperties": False,
         })
-    return {"type": "array", "minItems": 1, "items": {"anyOf": branches}, **definitions}
+    bound = {} if max_calls is None else {"maxItems": max_calls}
+    return {"type": "array", "minItems": 1, **bound, "items": {"anyOf": branches}, **definitions}
 
 
 class ConstrainedToolStream:

@@ -155,8 +155,9 @@ class AsyncLLM:
     # ---- the EngineClient interface of the API room ----------------------------------------------------------
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        return self._inputs().render_chat(messages, add_generation_prompt, template_kwargs)
+        return self._inputs().render_chat(messages, add_generation_prompt, template_kwargs, add_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -191,7 +192,7 @@ class AsyncLLM:
             # A bad schema is the client's 400 here, not a failed request later; building it can take a while for
             # a large schema, so off the event loop (the grammar cache makes a repeated schema instant).
             await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
-        processed = inputs.tokenize(prompt)
+        processed = inputs.tokenize(prompt, truncate_to=params.truncate_prompt_tokens)
         requests = [inputs.make_request(request_id, processed, p, priority, arrival, cache_salt)
                     for p in child_params(params)]
         child_ids = self.output_processor.add_request(

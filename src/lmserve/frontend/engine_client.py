@@ -36,9 +36,11 @@ class EngineClient(Protocol):
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """The prompt's token ids: the model's chat template over the messages, tokenized. ValueError names what
-        is wrong with the messages (the template raised, or the prompt cannot fit)."""
+        """The prompt's token ids: the model's chat template over the messages, tokenized (add_special_tokens: the
+        tokenizer's BOS on top of the template's). ValueError names what is wrong with the messages (the template
+        raised, or the prompt cannot fit)."""
         ...
 
     def decode_token(self, token_id: int) -> str:

@@ -67,12 +67,13 @@ class InputProcessor:
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The chat template over the messages, tokenized; ValueError says what went wrong."""
         try:
             text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
-            # The template already holds the special tokens (BOS and turn markers).
-            return self.tokenize(text, add_special_tokens=False).token_ids
+            # The template already holds the special tokens (BOS and turn markers): more only when asked.
+            return self.tokenize(text, add_special_tokens=add_special_tokens).token_ids
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
             raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
 
@@ -85,24 +86,34 @@ class InputProcessor:
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
 
-    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def tokenize(
+        self, prompt: Prompt, add_special_tokens: bool = True, truncate_to: int | None = None
+    ) -> ProcessedPrompt:
+        """truncate_to: SamplingParams.truncate_prompt_tokens, the last k tokens kept (-1: max_model_len); a cut
+        prompt's text is dropped, since the ids no longer spell it."""
+        keep = self.max_model_len if truncate_to == -1 else truncate_to
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             max_chars = self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
             if len(prompt) > max_chars:
                 raise PromptTooLongError(
-                    f"prompt has {len(prompt)} characters, more than {max_chars} cannot fit the model's maximum "
-                    f"context length of {self.max_model_len} tokens (max_model_len)"
+                    f"{self._context_length()} However, your prompt has {len(prompt)} characters, more than the "
+                    f"{max_chars} that can fit in max_model_len={self.max_model_len} tokens. Please reduce the "
+                    "length of the messages."
                 )
             try:
                 token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except UnicodeError as exc:
                 raise ValueError(f"prompt is not valid Unicode text: {exc}") from None
+            if keep is not None and len(token_ids) > keep:
+                return ProcessedPrompt(None, token_ids[-keep:])
             return ProcessedPrompt(prompt, token_ids)
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
+        if keep is not None:
+            token_ids = token_ids[-keep:]
         self._check_prompt_fits(len(token_ids))  # before the per-token check below
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
@@ -119,23 +130,30 @@ class InputProcessor:
             params.max_tokens = min(room, self.default_max_tokens or room)
             if params.min_tokens > room:
                 raise PromptTooLongError(
-                    f"min_tokens={params.min_tokens} does not fit: {num_prompt_tokens} prompt tokens leave room for "
-                    f"{room} of the model's maximum context length of {self.max_model_len} tokens"
+                    f"{self._context_length()} However, you requested at least {num_prompt_tokens + params.min_tokens}"
+                    f" tokens ({num_prompt_tokens} in the messages, min_tokens={params.min_tokens} in the "
+                    "completion). Please reduce the length of the messages or min_tokens."
                 )
         elif params.max_tokens > room:
             raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt_tokens} "
-                f"prompt tokens plus max_tokens={params.max_tokens} would need "
-                f"{num_prompt_tokens + params.max_tokens}; reduce the prompt or max_tokens"
+                f"{self._context_length()} However, you requested {num_prompt_tokens + params.max_tokens} tokens "
+                f"({num_prompt_tokens} in the messages, {params.max_tokens} in the completion). Please reduce the "
+                f"length of the messages or completion (max_tokens={params.max_tokens})."
             )
         return params
 
     def _check_prompt_fits(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens >= self.max_model_len:
             raise PromptTooLongError(
-                f"prompt has {num_prompt_tokens} tokens but the model's maximum context length is "
-                f"{self.max_model_len} (max_model_len), leaving no room to generate"
+                f"{self._context_length()} However, your request has {num_prompt_tokens} input tokens, which leaves "
+                "no room to generate. Please reduce the length of the input messages (or serve with a larger "
+                "max_model_len)."
             )
+
+    def _context_length(self) -> str:
+        # OpenAI's and vLLM's opening words: LiteLLM and other clients match them to tell a context-window error
+        # (and trim or fall back) from any other 400.
+        return f"This model's maximum context length is {self.max_model_len} tokens."
 
     def make_request(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int = 0,

@@ -118,7 +118,7 @@ class LLM:
         request_id = str(next(self._ids))
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
-        processed = self.input_processor.tokenize(prompt)
+        processed = self.input_processor.tokenize(prompt, truncate_to=params.truncate_prompt_tokens)
         children = child_params(params)
         requests = [
             self.input_processor.make_request(f"{request_id}", processed, p, priority) for p in children
