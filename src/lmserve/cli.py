@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
         api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
-        tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
+        tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser), allowed_origins=args.allowed_origins,
     ))
 
 
@@ -101,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model's names in the API: requests may use any, responses and /metrics the first "
+                          "(default: the model argument)")
+    srv.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                     help="answer browser pages from these origins (CORS), e.g. http://localhost:3000, or '*' for "
+                          "any (default: none, so that no web page can call this server from a browser)")
     srv.add_argument("--api-cpus", default=None, help="CPUs the API process runs on, e.g. '0' (default: all)")
     srv.add_argument("--request-log", default=None, metavar="FILE",
                      help="append one JSON line per finished request with its whole timeline")

@@ -512,6 +512,18 @@ def test_unknown_model(oai: openai.OpenAI) -> None:
         oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
 
 
+def test_several_served_model_names(engine: FakeEngine) -> None:
+    """--served-model-name A B, as vLLM: requests may name any, responses name the first, /v1/models lists all."""
+    with ServerThread(build_app(engine, served_model_name=["first", "alias"])) as running:
+        oai = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in oai.models.list().data] == ["first", "alias"]
+        for name in ("first", "alias"):
+            answer = oai.completions.create(model=name, prompt="x y")
+            assert answer.model == "first" and answer.choices[0].text == "x y"
+        with pytest.raises(openai.NotFoundError, match="'first', 'alias'"):
+            oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+
 def test_api_key(engine: FakeEngine) -> None:
     app = build_app(engine, api_key="sekret", served_model_name="served")
     with ServerThread(app) as running, httpx.Client(base_url=running.url) as http:

@@ -21,7 +21,9 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
     srv = start_server(
-        tmp_path_factory.mktemp("server"), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB"
+        tmp_path_factory.mktemp("server"), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB",
+        "--allowed-origins", "http://localhost:3000",  # the CLI's CORS flag reaches the app (tests/api/test_cors.py)
+        "--served-model-name", MODEL, "smollm2",  # and a second name
     )
     yield srv
     srv.stop(signal.SIGKILL)
@@ -211,6 +213,10 @@ def test_errors_from_the_real_engine(server: Server) -> None:
     assert httpx.post(url, json={"prompt": [999999999]}).status_code == 400
     # The engine is unharmed.
     assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    alias = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "model": "smollm2"})
+    assert alias.status_code == 200 and alias.json()["model"] == MODEL
+    preflight = httpx.options(url, headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers.get("access-control-allow-origin") == "http://localhost:3000"
     # OpenAI's words, which LiteLLM matches to trim or fall back (tests/frontend/test_context_length_errors.py).
     assert message.startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However,")
     # vLLM's truncate_prompt_tokens: the same too-long prompt, cut to its last 100 tokens, is answered.

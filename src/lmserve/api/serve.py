@@ -51,13 +51,14 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     log_level: str = "info",
     request_log: str | None = None,
     api_cpus: list[int] | None = None,
     max_queued_requests: int | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tools: ToolConfig | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies or the address cannot be bound (exit code 1)."""
     try:
@@ -65,7 +66,8 @@ async def serve(
     except PortUnavailable as exc:
         logger.error("%s", exc)
         return 1
-    llm = AsyncLLM(config, served_model_name=served_model_name, log_level=log_level.upper(),
+    first_name = served_model_name[0] if isinstance(served_model_name, list) else served_model_name
+    llm = AsyncLLM(config, served_model_name=first_name, log_level=log_level.upper(),
                    max_queued_requests=max_queued_requests)
     if api_cpus:
         # After the engine process has started: it keeps its own placement (config.placement).
@@ -78,7 +80,7 @@ async def serve(
     from lmserve.api.server import build_app
 
     app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log,
-                    max_request_body_bytes=max_request_body_bytes, tools=tools)
+                    max_request_body_bytes=max_request_body_bytes, tools=tools, allowed_origins=allowed_origins)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
     )

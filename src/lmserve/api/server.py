@@ -8,9 +8,11 @@ It reaches the engine only through the front-end's `EngineClient`; tokenizing, s
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,8 +85,8 @@ async def detokenize(raw: Request) -> Response:
 @v1.get("/models")
 async def models(raw: Request) -> Response:
     serving = _serving(raw)
-    card = ModelCard(id=serving.model_name, max_model_len=serving.client.max_model_len)
-    return json_response(ModelList(data=[card]))
+    cards = [ModelCard(id=name, max_model_len=serving.client.max_model_len) for name in serving.model_names]
+    return json_response(ModelList(data=cards))
 
 
 @plain.get("/health")
@@ -126,16 +128,17 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    client: EngineClient, api_key: str | None = None, served_model_name: str | None = None,
+    client: EngineClient, api_key: str | None = None, served_model_name: str | Sequence[str] | None = None,
     request_log: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-    tools: ToolConfig | None = None,
+    tools: ToolConfig | None = None, allowed_origins: Sequence[str] | None = None,
 ) -> FastAPI:
     app = FastAPI(title="lmserve", version=__version__)
     app.state.max_request_body_bytes = max_request_body_bytes
-    model_name = served_model_name or client.model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+    model_name = names[0] if names else client.model_name
     recorder = StatsRecorder(model_name, request_log)
     client.on_step = recorder.on_step
-    serving = OpenAIServing(client, model_name, recorder, tools)
+    serving = OpenAIServing(client, model_name, recorder, tools, aliases=names[1:])
     app.state.serving = serving
     app.state.recorder = recorder
     app.include_router(v1)
@@ -145,5 +148,9 @@ def build_app(
     app.add_exception_handler(RequestValidationError, _http_exception)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        # Outside the key check: a browser's preflight carries no key. Credentials stay off (a key is a header).
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.add_middleware(ArrivalStampMiddleware)  # added last: the outermost layer, so it runs first
     return app

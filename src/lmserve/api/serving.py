@@ -55,17 +55,20 @@ class OpenAIServing:
 
     def __init__(
         self, client: EngineClient, model_name: str, recorder: StatsRecorder, tools: ToolConfig | None = None,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.client = client
-        self.model_name = model_name
+        self.model_name = model_name  # what responses name (vLLM's first --served-model-name)
+        self.model_names = list(dict.fromkeys([model_name, *aliases]))  # what requests may name
         self.recorder = recorder
         self.tools = tools or ToolConfig()
         self.num_requests_aborted = 0  # by this server (client disconnects, failures); for /metrics
 
     def check_model(self, requested: str | None) -> None:
         # A missing model means the served one, as in vLLM; a wrong one must not silently run another model.
-        if requested is not None and requested != self.model_name:
-            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server serves {self.model_name!r}")
+        if requested is not None and requested not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server serves {served}")
 
     def _count_abort(self) -> None:
         self.num_requests_aborted += 1
