@@ -512,6 +512,29 @@ def test_unknown_model(oai: openai.OpenAI) -> None:
         oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
 
 
+def test_tokenize_renders_the_tools_and_options_a_chat_request_would(
+    http: httpx.Client, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[dict, bool]] = []
+    real = engine.render_chat
+
+    def recording(messages, add_generation_prompt, template_kwargs, add_special_tokens=False):
+        seen.append((template_kwargs, add_special_tokens))
+        return real(messages, add_generation_prompt, template_kwargs, add_special_tokens)
+
+    monkeypatch.setattr(engine, "render_chat", recording)
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": [{"role": "user", "content": "a b"}], "tools": [tool], "add_generation_prompt": False,
+            "continue_final_message": True, "add_special_tokens": True, "return_token_strs": True}
+    answer = http.post("/tokenize", json=body).json()
+    (kwargs, special), = seen
+    assert [t["function"]["name"] for t in kwargs["tools"]] == ["get_weather"]
+    assert kwargs["continue_final_message"] is True and special is True
+    assert answer["token_strs"] == [engine.decode_token(t) for t in answer["tokens"]]
+    refused = http.post("/tokenize", json={**body, "add_generation_prompt": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
 def test_several_served_model_names(engine: FakeEngine) -> None:
     """--served-model-name A B, as vLLM: requests may name any, responses name the first, /v1/models lists all."""
     with ServerThread(build_app(engine, served_model_name=["first", "alias"])) as running:

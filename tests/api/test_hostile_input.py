@@ -335,6 +335,17 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server: Server) -> None:
     chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10).json()
     usage = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}, timeout=60).json()["usage"]
     assert chat["count"] == usage["prompt_tokens"]  # the same template and tokens as a chat request
+    # Tools go into the template as a chat request puts them, so they count; token_strs spell the text.
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "user", "content": "hi"}]
+    with_tools = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": [weather]}, timeout=10).json()
+    chat_usage = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        **CHAT, "messages": messages, "tools": [weather], "tool_choice": "none", "max_tokens": 1}).json()["usage"]
+    assert with_tools["count"] == chat_usage["prompt_tokens"]  # (SmolLM2's template shows no tools: see the fake's)
+    pieces = httpx.post(f"{url}/tokenize", json={"prompt": prompt, "return_token_strs": True}, timeout=10).json()
+    assert pieces["tokens"] == tokens["tokens"] and "".join(pieces["token_strs"]) == prompt
+    assert tokens.get("token_strs") is None
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

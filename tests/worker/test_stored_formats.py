@@ -31,6 +31,7 @@ from lmserve.worker.stored_formats import (
     STORED_BLOCK_TYPES,
     convert_blocks,
     exact_kernel_format,
+    float_fallbacks,
     preferred_kernel_format,
     runnable_types,
 )
@@ -101,6 +102,14 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     assert preferred_kernel_format(["q5_1", "q5_k"]) == "q5_k" and exact_kernel_format(["q5_1"]) == "q5_1"
     assert runnable_types({"a": "q6_k", "b": "q5_0", "c": "f32"}, BLOCK_FORMATS) == {"a": "float", "b": "q5_0",
                                                                                     "c": "float"}
+
+
+def test_matrices_without_a_kernel_are_named_for_the_log() -> None:
+    stored = {"a": "q3_k", "b": "q3_k", "c": "q2_k", "d": "q5_0", "e": "f32", "f": "q6_k"}
+    assert float_fallbacks(stored, runnable_types(stored, BLOCK_FORMATS)) == "2 q3_k, 1 q2_k, 1 q6_k"
+    everything = ("q8_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+    assert float_fallbacks(stored, runnable_types(stored, everything)) == "2 q3_k, 1 q2_k"
+    assert float_fallbacks({"d": "q5_0", "e": "f16"}, {"d": "q5_0", "e": "float"}) is None
 
 
 # ------------------------------------------------------------------ a Q4_K_M-like file of a model 896 wide, in small

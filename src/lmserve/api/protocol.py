@@ -385,7 +385,10 @@ class TokenizeRequest(OpenAIRequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Tools | None = None  # in the template, as a chat request puts them: they count
+    return_token_strs: bool | None = False  # each token's own text beside its id
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

@@ -174,16 +174,26 @@ class OpenAIServing:
         self.check_model(req.model)
         try:
             if req.messages is not None:
-                kwargs = checked_template_kwargs(req.chat_template_kwargs)
+                kwargs = dict(checked_template_kwargs(req.chat_template_kwargs))
+                if req.tools:
+                    kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+                if req.continue_final_message:
+                    if req.add_generation_prompt is not False:
+                        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                           "continue_final_message")
+                    kwargs["continue_final_message"] = True
                 messages = [m.to_template_dict() for m in req.messages]
-                tokens = self.client.render_chat(messages, req.add_generation_prompt is not False, kwargs)
+                tokens = self.client.render_chat(messages, req.add_generation_prompt is not False, kwargs,
+                                                 bool(req.add_special_tokens))
             else:
                 tokens = self.client.tokenize(req.prompt or "", req.add_special_tokens is not False)
         except RequestError:
             raise
         except ValueError as exc:
             raise RequestError.from_value_error(exc) from exc
-        return TokenizeResponse(count=len(tokens), max_model_len=self.client.max_model_len, tokens=tokens)
+        token_strs = [self.client.decode_token(t) for t in tokens] if req.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.client.max_model_len, tokens=tokens,
+                                token_strs=token_strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)

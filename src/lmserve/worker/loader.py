@@ -100,9 +100,10 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 GGMLType = gguf.GGMLQuantizationType
-# Each is dequantized to float on loading. The K-quants (what llama.cpp's Q4_K_M, Q5_K_M, Q6_K files and Ollama's
-# default downloads hold) have no kernel here, so `--quantization auto` gives them float16 weights; Q5_0 and Q5_1 are
-# what llama.cpp falls back to in those files for rows that are not a multiple of 256 wide.
+# The types a GGUF may hold. Under `--quantization auto` a matrix whose type a kernel format holds exactly (Q4_0, Q4_1,
+# Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: worker/stored_formats.py) stays in its stored blocks; the others (Q2_K, Q3_K,
+# and any type where this CPU's kernels do not build) are dequantized tensor by tensor into float16 layers
+# (worker/float16_layers.py), and the runner's log names them. A type not listed is refused by name.
 SUPPORTED_GGML_TYPES = (
     GGMLType.F32,
     GGMLType.F16,

@@ -46,7 +46,12 @@ from lmserve.worker.quantization import (
     use_prompt_copies,
 )
 from lmserve.worker.sampler import Sampler, SamplingMetadata, reads_output_token_ids, token_logprobs
-from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, preferred_kernel_format, runnable_types
+from lmserve.worker.stored_formats import (
+    STORED_BLOCK_TYPES,
+    float_fallbacks,
+    preferred_kernel_format,
+    runnable_types,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +129,9 @@ class ModelRunner:
         per_layer = None
         if stored_types and (model_config.quantization or "auto") == "auto":
             per_layer = runnable_types(stored_types, formats)
+            if fallbacks := float_fallbacks(stored_types, per_layer):
+                logger.warning("no kernel here holds these matrices at their stored size: %s; they run as float16 "
+                               "weights (2 bytes a weight)", fallbacks)
         self.block_size = cache_config.block_size
         if self.device.type == "cpu":
             numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"

@@ -77,6 +77,18 @@ def runnable_types(stored_types: Mapping[str, str], formats: Iterable[str]) -> d
     return {name: t if runs & set(EXACT_INTO.get(t, ())) else "float" for name, t in stored_types.items()}
 
 
+def float_fallbacks(stored_types: Mapping[str, str], runnable: Mapping[str, str]) -> str | None:
+    """What a user should hear about a file's quantized matrices that run as float16 weights (runnable_types named
+    them "float"): "3 q3_k, 1 q2_k", most first; None when every quantized matrix keeps its blocks."""
+    counts: dict[str, int] = {}
+    for name, stored in stored_types.items():
+        if runnable.get(name) == "float" and stored not in ("f32", "f16", "bf16"):
+            counts[stored] = counts.get(stored, 0) + 1
+    if not counts:
+        return None
+    return ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> np.ndarray:
     """uint8 [rows, blocks, bytes] of `stored_type` as the same weights in `kernel_format`'s blocks (llama.cpp's
     layout of that format); raises where the conversion is not exact."""
