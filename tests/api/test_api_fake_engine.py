@@ -535,6 +535,23 @@ def test_tokenize_renders_the_tools_and_options_a_chat_request_would(
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
 
 
+def test_chat_echo_gives_the_assistants_prefill_back_first(oai: openai.OpenAI) -> None:
+    """vLLM's echo on chat: with a last assistant message (continued, not closed), the answer begins with it."""
+    messages = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}]
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    plain = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                        extra_body={k: v for k, v in extra.items() if k != "echo"})
+    whole = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, extra_body=extra)
+    assert whole.choices[0].message.content == "c d" + plain.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, extra_body=extra, stream=True) if c.choices)
+    assert streamed == whole.choices[0].message.content
+    # The last message is the user's: nothing to echo.
+    user_last = oai.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=20, extra_body={"echo": True})
+    assert user_last.choices[0].message.content == oai.chat.completions.create(
+        model=MODEL, messages=messages[:1], max_tokens=20).choices[0].message.content
+
+
 def test_several_served_model_names(engine: FakeEngine) -> None:
     """--served-model-name A B, as vLLM: requests may name any, responses name the first, /v1/models lists all."""
     with ServerThread(build_app(engine, served_model_name=["first", "alias"])) as running:

@@ -199,11 +199,12 @@ class CompletionChoices(Choices):
 class ChatChoices(Choices):
     def __init__(
         self, n: int, num_top_logprobs: int | None, decode_token: DecodeToken, num_prompt_logprobs: int | None = None,
-        tool_output: ToolOutput | None = None,
+        tool_output: ToolOutput | None = None, echoed: str | None = None,
     ) -> None:
         super().__init__(n, num_prompt_logprobs, decode_token)
         self.num_top_logprobs = num_top_logprobs
         self.tool_output = tool_output  # None: the text is the answer
+        self.echoed = echoed  # echo: the assistant's own last message, before each answer
         self.tool_streams: dict[int, ChoiceToolStream] = {}
 
     def response_fields(self) -> dict[str, Any]:
@@ -245,6 +246,8 @@ class ChatChoices(Choices):
                 message = ChatMessageOut(content=content, tool_calls=calls or None)
                 if calls and finish_reason is not None:
                     finish_reason = self.tool_output.calls_finish_reason
+            if self.echoed is not None:
+                message.content = self.echoed + (message.content or "")
             choices.append(ChatCompletionChoice(
                 index=index, message=message, logprobs=self._logprobs(state.logprobs),
                 finish_reason=finish_reason, stop_reason=state.stop_reason,

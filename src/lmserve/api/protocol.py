@@ -336,9 +336,16 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False  # on top of the template's own (which hold BOS and turn markers)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the answer starts with the last message's text when that message is the assistant's (a prefill the
+    # model continued), so the client gets the whole turn back.
+    echo: bool | None = False
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def echoed_text(self) -> str | None:
+        last = self.messages[-1]
+        return last._text_content() if self.echo and last.role == "assistant" else None
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = checked_template_kwargs(self.chat_template_kwargs)

@@ -239,9 +239,14 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = self._group(req, [prompt_token_ids], params, [response_id], raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs, tool_output)
-        # OpenAI's first chunk of each choice carries the role.
-        roles = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
-                 for i in range(choices.n)]
+        echoed = req.echoed_text()
+        choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs, tool_output,
+                              echoed)
+        # OpenAI's first chunk of each choice carries the role; with echo, the next one the echoed text (as vLLM).
+        prelude = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
+                   for i in range(choices.n)]
+        if echoed:
+            prelude += [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echoed))]
+                        for i in range(choices.n)]
         return await self._serve(req, raw, group, choices, response_id, ChatCompletionResponse,
-                                 ChatCompletionStreamResponse, prelude=roles)
+                                 ChatCompletionStreamResponse, prelude=prelude)
