@@ -33,7 +33,7 @@ browser:
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=25
 
 # The inner loop before a commit: everything but the tests marked slow (make test runs them all).
 test-fast: $(STAMP) browser
