@@ -278,6 +278,20 @@ def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs or {}
 
 
+def chat_template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """What a chat request (or /tokenize's messages) hands the chat template besides the messages: the client's
+    chat_template_kwargs, its tools, and continue_final_message (which leaves no room for a generation prompt)."""
+    kwargs = dict(checked_template_kwargs(req.chat_template_kwargs))
+    if req.tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if req.continue_final_message:
+        if req.add_generation_prompt is not False:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true (send "
+                               "add_generation_prompt: false to continue the last message)", "continue_final_message")
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -348,13 +362,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return last._text_content() if self.echo and last.role == "assistant" else None
 
     def template_kwargs(self) -> dict[str, Any]:
-        kwargs = checked_template_kwargs(self.chat_template_kwargs)
-        if not self.continue_final_message:
-            return kwargs
-        if self.add_generation_prompt is not False:
-            raise RequestError("continue_final_message and add_generation_prompt cannot both be true (send "
-                               "add_generation_prompt: false to continue the last message)", "continue_final_message")
-        return {**kwargs, "continue_final_message": True}
+        return chat_template_options(self)
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:  # 0 without logprobs asks for nothing: accepted, as vLLM

@@ -29,7 +29,7 @@ from lmserve.api.protocol import (
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
-    checked_template_kwargs,
+    chat_template_options,
 )
 from lmserve.api.sse import (
     SSE_DONE,
@@ -174,14 +174,7 @@ class OpenAIServing:
         self.check_model(req.model)
         try:
             if req.messages is not None:
-                kwargs = dict(checked_template_kwargs(req.chat_template_kwargs))
-                if req.tools:
-                    kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-                if req.continue_final_message:
-                    if req.add_generation_prompt is not False:
-                        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
-                                           "continue_final_message")
-                    kwargs["continue_final_message"] = True
+                kwargs = chat_template_options(req)
                 messages = [m.to_template_dict() for m in req.messages]
                 tokens = self.client.render_chat(messages, req.add_generation_prompt is not False, kwargs,
                                                  bool(req.add_special_tokens))
@@ -229,8 +222,6 @@ class OpenAIServing:
         params = req.to_sampling_params(self.client.default_sampling)
         tool_output = self._tool_output(req, params)
         messages, template_kwargs = req.template_messages(), req.template_kwargs()
-        if req.tools:
-            template_kwargs = {**template_kwargs, "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
         try:
             prompt_token_ids = self.client.render_chat(messages, req.add_generation_prompt is not False,
                                                        template_kwargs, bool(req.add_special_tokens))
