@@ -19,6 +19,11 @@ from typing import Any
 
 GiB = 1 << 30
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
+# one list for the resolver, the worker and the planner.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text")
+# Those of them that run Gemma's decoder layer (HF directories name Gemma 3 gemma3_text, GGUF files gemma3).
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 # `lmserve serve --max-request-body-bytes`: a larger HTTP body gets 413 before it is read.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # `--async-scheduling` (vLLM's): plan step N+1 while step N computes. Off until measured on these machines.

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import gguf
 import numpy as np
 
-from lmserve.config import DEFAULT_MODEL, cache_directory
+from lmserve.config import DEFAULT_MODEL, SUPPORTED_MODEL_TYPES, cache_directory
 from lmserve.heap import release_freed_heap
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directory's config is read, not before
@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directo
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
 
 
@@ -158,7 +157,8 @@ def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
         read_config_dict(source)  # rejects an architecture AutoConfig would accept but lmserve does not run
         return transformers.AutoConfig.from_pretrained(source.path, local_files_only=True)
     arch, kwargs = _gguf_config_kwargs(source.path)
-    return transformers.AutoConfig.for_model(arch, **kwargs)
+    # transformers' text-only Gemma 3 (its "gemma3" is the model with a vision tower).
+    return transformers.AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), **kwargs)
 
 
 def load_model_config(source: ModelSource) -> transformers.PretrainedConfig | GGUFConfig:
@@ -186,7 +186,19 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
               "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
+    "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "attention_bias": False,
+               "max_position_embeddings": 8192, "bos_token_id": 2, "eos_token_id": 1,
+               "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": None,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "attention_bias": False,
+               "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
+               "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": None,
+               "attn_logit_softcapping": None, "final_logit_softcapping": None},
 }
+# Gemma 3's local (sliding-window) layers turn at this RoPE base; a GGUF header does not say it, llama.cpp fixes it.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -203,12 +215,13 @@ class GGUFConfig:
         self.__dict__.update(_CONFIG_DEFAULTS[model_type])
         rope_theta = kwargs.pop("rope_theta", _DEFAULT_ROPE_THETA)
         rope_scaling = kwargs.pop("rope_scaling", None) or {}
+        rope_by_layer_type = kwargs.pop("rope_parameters", None)
         self.__dict__.update(kwargs)
         if getattr(self, "head_dim", 0) is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        self.rope_parameters = {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
+        self.rope_parameters = rope_by_layer_type or {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
 
     def __repr__(self) -> str:
         return f"GGUFConfig({self.__dict__})"
@@ -221,6 +234,10 @@ def read_config_dict(source: ModelSource) -> dict[str, Any]:
         config_file = source.path / "config.json"
         config = json.loads(config_file.read_text())
         _check_model_type(config.get("model_type", "<missing>"), config_file)
+        if config["model_type"] == "gemma3":
+            raise ValueError(f"{config_file} is Gemma 3 with its vision tower (model_type gemma3); lmserve runs "
+                             "text-only Gemma 3 checkpoints (model_type gemma3_text, as google/gemma-3-270m and "
+                             "-1b) and Gemma 3 GGUF files")
         return config
     arch, kwargs = _gguf_config_kwargs(source.path)
     return {"model_type": arch, **kwargs}
@@ -260,6 +277,10 @@ GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
     "mistral": _GGUF_LLAMA_KEYS,
     "qwen2": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None},
     "qwen3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None},
+    "gemma2": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+               "attention.sliding_window": "sliding_window"},
+    "gemma3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+               "attention.sliding_window": "sliding_window"},
     "tokenizer": {
         "ggml.bos_token_id": "bos_token_id",
         "ggml.eos_token_id": "eos_token_id",
@@ -287,6 +308,12 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
         kwargs["vocab_size"] = metadata["tokenizer.ggml.tokens"]
     if f"{arch}.attention.key_length" in metadata:  # written where head_dim is not hidden / heads (Qwen3)
         kwargs["head_dim"] = metadata[f"{arch}.attention.key_length"]
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp's scale of the scores: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B models (the
+        # only ones where query_pre_attn_scalar is not head_dim; a GGUF header does not carry it).
+        head_dim = kwargs.get("head_dim", _CONFIG_DEFAULTS[arch]["head_dim"])
+        is_27b = kwargs.get("num_hidden_layers") in (46, 62) and kwargs.get("hidden_size") in (4608, 5376)
+        kwargs["query_pre_attn_scalar"] = kwargs["hidden_size"] // kwargs["num_attention_heads"] if is_27b else head_dim
     # llama.cpp drops output.weight when the head shares the embedding.
     kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
 
@@ -297,6 +324,13 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
         raise ValueError(
             f"{path}: rope scaling '{scaling}' is not supported in GGUF files; use an HF directory"
         )
+    if arch == "gemma3":  # the header's base and scaling are the global layers'; the local ones have their own
+        global_rope = {"rope_type": "default", **kwargs.pop("rope_scaling", {}),
+                       "rope_theta": kwargs.pop("rope_theta", _DEFAULT_ROPE_THETA)}
+        kwargs["rope_parameters"] = {
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+        }
     rope_freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         # llama.cpp's converter bakes Llama 3.1's rope scaling into per-dimension divisors of the default

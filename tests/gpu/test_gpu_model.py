@@ -57,7 +57,7 @@ def test_everything_is_on_the_device(request, fixture: str) -> None:
     runner = runner_for(request.getfixturevalue(fixture))
     for name, tensor in [*runner.model.named_parameters(), *runner.model.named_buffers()]:
         assert (tensor.device.type, tensor.dtype) == ("cuda", torch.bfloat16), name
-    for table in (runner.model.rotary.cos, runner.model.rotary.sin):
+    for table in (runner.model.rotary["full_attention"].cos, runner.model.rotary["full_attention"].sin):
         assert (table.device.type, table.dtype) == ("cuda", torch.float32)
     assert all(k.device.type == "cuda" for pair in runner.kv_caches for k in pair)
 

@@ -51,13 +51,13 @@ def test_everything_follows_the_chosen_device_and_dtype(request, fixture: str, d
     for name, tensor in tensors.items():
         assert (tensor.device.type, tensor.dtype) == (device, dtype), name
     # The RoPE tables follow the device but stay float32 (module.to(dtype) must not round them).
-    for table in (model.rotary.cos, model.rotary.sin):
+    for table in (model.rotary["full_attention"].cos, model.rotary["full_attention"].sin):
         assert (table.device.type, table.dtype) == (device, torch.float32)
         assert table.shape == (MAX_POSITION, model.kv_shape[1] // 2)
     if device == "cpu":
         expected_cos, expected_sin = hf_rope_tables(config, MAX_POSITION)
-        torch.testing.assert_close(model.rotary.cos, expected_cos, rtol=0, atol=1e-6)
-        torch.testing.assert_close(model.rotary.sin, expected_sin, rtol=0, atol=1e-6)
+        torch.testing.assert_close(model.rotary["full_attention"].cos, expected_cos, rtol=0, atol=1e-6)
+        torch.testing.assert_close(model.rotary["full_attention"].sin, expected_sin, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("ambient", ["meta", "cpu"])

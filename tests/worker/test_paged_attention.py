@@ -32,8 +32,11 @@ def from_kernel_layout(k_cache: torch.Tensor) -> torch.Tensor:
     return k_cache.transpose(2, 3) if paged_keys_transposed() else k_cache
 
 
-def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int) -> torch.Tensor:
-    """Causal attention in float64 for queries at the last q.shape[0] positions of a `context`-long sequence."""
+def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention in float64 for queries at the last q.shape[0] positions of a `context`-long sequence; under a
+    sliding `window` a query sees its last `window` positions only (transformers' key > query - window), and
+    softcap > 0 caps the scores as Gemma 2 does."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     # The cache is [blocks, kv heads, block size, head dim]: positions in order are each block's rows, block by block.
     keys = k_cache[block_ids].transpose(1, 2).reshape(-1, k_cache.shape[1], head_dim)[:context].double()
@@ -41,16 +44,25 @@ def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: 
     group = num_heads // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(context - q.shape[0], context)[:, None]
-    scores = scores.masked_fill(torch.arange(context)[None, :] > positions, float("-inf"))
+    key_positions = torch.arange(context)[None, :]
+    hidden = (key_positions > positions) | ((key_positions <= positions - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 16, 16), (8, 2, 128, 32), (2, 1, 8, 4), (6, 3, 32, 16)],
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "window", "softcap"),
+    [(9, 3, 64, 16, 0, 0.0), (4, 4, 16, 16, 0, 0.0), (8, 2, 128, 32, 0, 0.0), (2, 1, 8, 4, 0, 0.0),
+     (6, 3, 32, 16, 0, 0.0),
+     # Sliding windows shorter than a block, of a block and a bit, longer than most contexts; Gemma 2's cap.
+     (4, 1, 256, 16, 5, 0.0), (9, 3, 64, 16, 19, 0.0), (8, 2, 128, 32, 64, 0.0), (4, 2, 64, 16, 0, 2.0),
+     (6, 3, 32, 16, 37, 1.5)],
 )
-def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                                          window: int, softcap: float) -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks = 96
     k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
@@ -73,12 +85,14 @@ def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, hea
     q = fused[:, :num_heads]
     out = torch.full((rows, num_heads, head_dim), 7.0)
     info = torch.tensor([(r, q_len, ctx) for r, (q_len, ctx) in zip(first_rows, requests, strict=True)])
-    paged_attention_op()(out, q, in_kernel_layout(k_cache), v_cache, block_tables, info, head_dim**-0.5)
+    paged_attention_op()(out, q, in_kernel_layout(k_cache), v_cache, block_tables, info, head_dim**-0.5, window,
+                         softcap)
 
     assert (out[0] == 7.0).all()
     for i, (q_len, ctx) in enumerate(requests):
         r = first_rows[i]
-        expected = reference(q[r : r + q_len], k_cache, v_cache, block_tables[i].long().tolist(), ctx)
+        expected = reference(q[r : r + q_len], k_cache, v_cache, block_tables[i].long().tolist(), ctx, window,
+                             softcap)
         torch.testing.assert_close(out[r : r + q_len].double(), expected, atol=2e-6, rtol=1e-5)
 
 

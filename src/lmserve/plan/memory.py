@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from lmserve.config import SchedulerConfig
+from lmserve.config import SUPPORTED_MODEL_TYPES, SchedulerConfig
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 
 GiB = 1 << 30
@@ -22,8 +22,6 @@ BLOCK_SIZE = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Stated, not measured: CUDA context, allocator fragmentation, communication buffers. Override with --overhead-gib.
 DEFAULT_OVERHEAD_GIB = 1.0
-# The same list as lmserve.worker.models.llama (not imported: that module needs torch).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Shipped configs so that planning works offline for models not on disk. The default engine model

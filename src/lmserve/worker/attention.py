@@ -124,7 +124,34 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
     block_size: int  # positions per cache block
     backend: str  # the attention backend this metadata was built for
+    # sdpa only: int64 [num_decodes], each decode's context length (its position + 1), for sliding-window masks.
+    decode_context: torch.Tensor | None = None
     _cache_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _window_masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def window_decode_mask(self, window: int) -> torch.Tensor | None:
+        """sdpa: decode_mask with the keys before each decode's sliding window masked out too. Built once a step."""
+        key = (window, -1)
+        if key not in self._window_masks:
+            assert self.decode_mask is not None and self.decode_context is not None
+            keys = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            outside = keys[None, :] <= (self.decode_context[:, None] - 1 - window)
+            self._window_masks[key] = self.decode_mask.masked_fill(outside.view(self.decode_mask.shape), float("-inf"))
+        return self._window_masks[key]
+
+    def window_chunk_mask(self, window: int, start: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """sdpa: the additive mask of a prefill chunk at positions [start, start + num_tokens) over keys [0, start +
+        num_tokens) under a sliding window; None where the window hides nothing the causal mask shows."""
+        key = (window, start * (1 << 32) + num_tokens)
+        if key not in self._window_masks:
+            mask = None
+            if start + num_tokens > window:
+                positions = np.arange(start, start + num_tokens)[:, None]
+                keys = np.arange(start + num_tokens)[None, :]
+                visible = (keys <= positions) & (keys > positions - window)
+                mask = torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=self.slot_mapping.device)
+            self._window_masks[key] = mask
+        return self._window_masks[key]
 
     def cache_rows(self, num_kv_heads: int) -> torch.Tensor:
         """[num_tokens * num_kv_heads] long: the row of a [blocks * kv heads * block size, head dim] view of the
@@ -170,7 +197,7 @@ def build_metadata(
     for i, (_, c) in enumerate(paged):
         n = -(-int(context[i]) // bs)
         tables[i, :n] = c.block_ids[:n]
-    mask = requests = None
+    mask = requests = decode_context = None
     if backend == "paged-cpu":
         rows = np.array([[first, c.num_tokens] for first, c in paged], dtype=np.int64).reshape(-1, 2)
         requests = torch.as_tensor(np.concatenate([rows, context[:, None]], axis=1))
@@ -179,6 +206,7 @@ def build_metadata(
         visible = np.arange(max_blocks * bs)[None, :] < context[:, None]
         mask = torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
         mask = mask.view(len(paged), 1, 1, max_blocks * bs)
+        decode_context = torch.as_tensor(context, device=device)
     return AttentionMetadata(
         slot_mapping=torch.as_tensor(np.concatenate(slots), device=device),
         num_decodes=num_decodes,
@@ -188,6 +216,7 @@ def build_metadata(
         prefills=prefills,
         block_size=bs,
         backend=backend,
+        decode_context=decode_context,
     )
 
 
@@ -210,12 +239,33 @@ def _chunk_mask(positions: np.ndarray, dtype: torch.dtype, device: torch.device)
     return torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
 
 
+def _attend(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, softcap: float) -> torch.Tensor:
+    """Attention of [B, H, Q, D] queries over [B, KVH, K, D] keys and values. SDPA, unless softcap > 0 (Gemma 2's
+    tanh cap on the scores, which SDPA cannot apply): then the same steps written out, in float32."""
+    gqa = q.shape[1] != k.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+    scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    return (scores.softmax(-1) @ v).to(q.dtype)
+
+
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+                 softcap: float = 0.0) -> None:
+        """window: a sliding window of that many positions (0: none), as Gemma's local layers; softcap > 0: Gemma 2's
+        cap on the attention scores, softcap * tanh(score / softcap)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.window = window
+        self.softcap = softcap
 
     def forward(
         self,
@@ -236,7 +286,8 @@ class PagedAttention:
         out = torch.empty_like(q)
         if md.decode_requests is not None:
             if len(md.decode_requests):
-                paged_attention_op()(out, q, k_cache, v_cache, md.decode_block_tables, md.decode_requests, self.scale)
+                paged_attention_op()(out, q, k_cache, v_cache, md.decode_block_tables, md.decode_requests, self.scale,
+                                     self.window, self.softcap)
         elif md.num_decodes:
             out[: md.num_decodes] = self._decode(q[: md.num_decodes], k_cache, v_cache, md)
         for row, q_len, start, block_ids, mask in md.prefills:
@@ -250,21 +301,19 @@ class PagedAttention:
                     keys, values = keys.to(k_cache.dtype).to(keys.dtype), values.to(v_cache.dtype).to(values.dtype)
                 keys, values = keys.transpose(0, 1), values.transpose(0, 1)
                 causal = True
+                if self.window:
+                    mask = md.window_chunk_mask(self.window, start, q_len, q.dtype)
+                    causal = mask is None
             else:
                 keys = _gather(k_cache, block_ids, start + q_len, q.dtype, transposed=keys_transposed(md.backend))
                 values = _gather(v_cache, block_ids, start + q_len, q.dtype)
                 causal = False
+                windowed = md.window_chunk_mask(self.window, start, q_len, q.dtype) if self.window else None
+                mask = mask if windowed is None else windowed
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,
             # which made a 1,500-token prefill 5x slower (benchmarks/prefill_attention.py).
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1).unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
-                scale=self.scale,
-                enable_gqa=self.num_heads != kvh,
-            )
+            o = _attend(qs.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, causal,
+                        self.scale, self.softcap)
             out[row : row + q_len] = o[0].transpose(0, 1)
         return out
 
@@ -276,12 +325,6 @@ class PagedAttention:
         keys = keys.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)  # [n, KVH, L, D]
         values = v_cache.index_select(0, flat).view(n, -1, kvh, md.block_size, d)
         values = values.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [n, H, 1, D]
-            keys,
-            values,
-            attn_mask=md.decode_mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != kvh,
-        )
+        mask = md.window_decode_mask(self.window) if self.window else md.decode_mask
+        o = _attend(q.unsqueeze(2), keys, values, mask, False, self.scale, self.softcap)  # q: [n, H, 1, D]
         return o.squeeze(2)

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import torch
 
+from lmserve.config import GEMMA_MODEL_TYPES
 from lmserve.models import (
     GGUFConfig,
     ModelSource,
@@ -42,7 +43,12 @@ def load_weights(
     config = load_model_config(source)  # rejects unsupported architectures before any weight is read
     start, count, nbytes = time.perf_counter(), 0, 0
     weights = _hf_weights(source.path) if source.kind == "hf" else _gguf_weights(source.path, config, blocks)
+    # Gemma's RMSNorm scales by (1 + weight): the model's norm scales by its weight, so the 1 is added here, in
+    # float32 as transformers adds it. llama.cpp's converter stored it added already.
+    norms_plus_one = source.kind == "hf" and config.model_type in GEMMA_MODEL_TYPES
     for name, tensor in weights:
+        if norms_plus_one and name.endswith("norm.weight"):
+            tensor = tensor.float() + 1.0
         if isinstance(tensor, StoredBlocks):
             size = tensor.data.nbytes
         else:
@@ -137,11 +143,21 @@ _GGUF_PER_LAYER = {
 _GGUF_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
 
-def hf_name_from_gguf(name: str) -> str:
+# Gemma 2/3 name their four norms a layer as llama.cpp does; ffn_norm is the MLP's input norm in both.
+_GGUF_GEMMA_PER_LAYER = {
+    **_GGUF_PER_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def hf_name_from_gguf(name: str, arch: str = "llama") -> str:
     match = _GGUF_NAME.fullmatch(name)
-    table = _GGUF_PER_LAYER if match and match[1] is not None else _GGUF_TOP_LEVEL
+    per_layer = _GGUF_GEMMA_PER_LAYER if arch in GEMMA_MODEL_TYPES else _GGUF_PER_LAYER
+    table = per_layer if match and match[1] is not None else _GGUF_TOP_LEVEL
     if not match or match[2] not in table:
-        raise ValueError(f"unexpected GGUF tensor '{name}' for a llama-family model")
+        raise ValueError(f"unexpected GGUF tensor '{name}' for a {arch} model")
     layer, module, kind = match.groups()
     prefix = f"model.layers.{layer}." if layer is not None else ""
     return f"{prefix}{table[module]}.{kind}"
@@ -161,7 +177,7 @@ def _gguf_weights(
     for info in tensors:
         if info.name == "rope_freqs.weight":
             continue  # read into the config by lmserve.models; the rotary embedding applies it
-        name = hf_name_from_gguf(info.name)
+        name = hf_name_from_gguf(info.name, config.model_type)
         method = ggml_type_name(info.ggml_type).lower()
         as_blocks = method in blocks and len(info.shape) == 2
         array = read_gguf_blocks(path, info) if as_blocks else read_gguf_tensor(path, info)
@@ -179,9 +195,11 @@ def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
     the kernel format each layer takes (worker/stored_formats.py); None for any other source."""
     if source.kind != "gguf":
         return None
+    header = read_gguf_header(source.path)
+    arch = header.metadata.get("general.architecture", "llama")
     return {
-        hf_name_from_gguf(info.name): ggml_type_name(info.ggml_type).lower()
-        for info in read_gguf_header(source.path).tensors
+        hf_name_from_gguf(info.name, arch): ggml_type_name(info.ggml_type).lower()
+        for info in header.tensors
         if len(info.shape) == 2 and info.name != "rope_freqs.weight"
     }
 

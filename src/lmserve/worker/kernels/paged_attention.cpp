@@ -160,8 +160,8 @@ struct BlockPart {
 // multiply-adds over the dims per group of kLanes keys, summed pairwise. Keys at or past a row's `visible` count get
 // the lowest float.
 template <int kDim, int kRows, typename T>
-void run_scores(const float* queries, const BlockPart<T>& part, int64_t padded, const int64_t* visible,
-                float* scores) {
+void run_scores(const float* queries, const BlockPart<T>& part, int64_t padded, const int64_t* hidden,
+                const int64_t* visible, float softcap, float* scores) {
   static_assert(kDim % kPartials == 0, "head sizes are multiples of 8");
   constexpr int64_t kLine = 64 / sizeof(T);
   const Vec lanes = lane_indices();
@@ -182,10 +182,15 @@ void run_scores(const float* queries, const BlockPart<T>& part, int64_t padded, 
         s = (acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]);
       else
         s = acc[r][0] + acc[r][1];
-      const Vec limit = Vec{} + static_cast<float>(visible[r] - g);
-      store(scores + r * padded + g, lanes < limit ? s : Vec{} + std::numeric_limits<float>::lowest());
+      const Vec limit = Vec{} + static_cast<float>(visible[r] - g), start = Vec{} + static_cast<float>(hidden[r] - g);
+      store(scores + r * padded + g,
+            lanes < limit && lanes >= start ? s : Vec{} + std::numeric_limits<float>::lowest());
     }
   }
+  if (softcap > 0.f)  // Gemma 2's cap on every score: softcap * tanh(score / softcap)
+    for (int r = 0; r < kRows; ++r)
+      for (int64_t j = std::max<int64_t>(hidden[r], 0); j < visible[r]; ++j)
+        scores[r * padded + j] = softcap * std::tanh(scores[r * padded + j] / softcap);
 }
 
 // acc += p . V over the first visible[r] keys of the block, for kRows rows, kSlice vectors of the dims at a time.
@@ -226,11 +231,13 @@ void run_values(const float* probs, int64_t padded, const BlockPart<T>& part, co
 }
 
 // kRows rows against one block: scores, the online softmax's update of each row's maximum and sum (rows that see
-// none of the block's keys are left as they are), then p . V.
+// none of the block's keys are left as they are), then p . V. A row sees keys [hidden, visible) of the block; run()
+// sets visible to 0 where a sliding window hides all of them.
 template <int kDim, int kRows, typename T>
 void run_block(const float* queries, float* acc, float* scores, float* row_max, float* row_sum,
-               const int64_t* visible, const BlockPart<T>& part, int64_t padded) {
-  run_scores<kDim, kRows, T>(queries, part, padded, visible, scores);
+               const int64_t* hidden, const int64_t* visible, const BlockPart<T>& part, int64_t padded,
+               float softcap) {
+  run_scores<kDim, kRows, T>(queries, part, padded, hidden, visible, softcap, scores);
   const Vec lanes = lane_indices();
   int64_t least = padded, most = 0;
   for (int r = 0; r < kRows; ++r) {
@@ -253,7 +260,8 @@ void run_block(const float* queries, float* acc, float* scores, float* row_max, 
     float sum = 0.f;
     for (int64_t g = 0; g < padded; g += kLanes) {
       const Vec p = exp_nonpositive(load(s + g) - m);
-      const Vec visible_p = lanes < Vec{} + static_cast<float>(n - g) ? p : Vec{};
+      const Vec visible_p =
+          lanes < Vec{} + static_cast<float>(n - g) && lanes >= Vec{} + static_cast<float>(hidden[r] - g) ? p : Vec{};
       store(s + g, visible_p);
       sum += sum_lanes(visible_p);
     }
@@ -265,18 +273,18 @@ void run_block(const float* queries, float* acc, float* scores, float* row_max, 
 // `rows` rows that share one kv head against one block, kRunRows at a time.
 template <int kDim, typename T>
 void run_rows(int64_t rows, const float* queries, float* acc, float* scores, float* row_max, float* row_sum,
-              const int64_t* visible, BlockPart<T> part, int64_t padded) {
+              const int64_t* hidden, const int64_t* visible, BlockPart<T> part, int64_t padded, float cap) {
   for (int64_t i = 0; i < rows; i += kRunRows) {
-    const int64_t* n = visible + i;
+    const int64_t *h = hidden + i, *n = visible + i;
     const float* q = queries + i * kDim;
     float *a = acc + i * kDim, *s = scores + i * padded;
     switch (std::min<int64_t>(kRunRows, rows - i)) {
-      case 1: run_block<kDim, 1, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-      case 2: run_block<kDim, 2, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-      case 3: run_block<kDim, 3, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-      case 4: run_block<kDim, 4, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-      case 5: run_block<kDim, 5, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
-      default: run_block<kDim, 6, T>(q, a, s, row_max + i, row_sum + i, n, part, padded); break;
+      case 1: run_block<kDim, 1, T>(q, a, s, row_max + i, row_sum + i, h, n, part, padded, cap); break;
+      case 2: run_block<kDim, 2, T>(q, a, s, row_max + i, row_sum + i, h, n, part, padded, cap); break;
+      case 3: run_block<kDim, 3, T>(q, a, s, row_max + i, row_sum + i, h, n, part, padded, cap); break;
+      case 4: run_block<kDim, 4, T>(q, a, s, row_max + i, row_sum + i, h, n, part, padded, cap); break;
+      case 5: run_block<kDim, 5, T>(q, a, s, row_max + i, row_sum + i, h, n, part, padded, cap); break;
+      default: run_block<kDim, 6, T>(q, a, s, row_max + i, row_sum + i, h, n, part, padded, cap); break;
     }
     part.next_k = part.next_v = nullptr;  // the first run prefetched them
   }
@@ -285,7 +293,7 @@ void run_rows(int64_t rows, const float* queries, float* acc, float* scores, flo
 template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
-         int64_t group, double scale) {
+         int64_t group, double scale, int64_t window, float softcap) {
   const int64_t block_size = k_cache.size(3), num_kv_heads = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
   const int64_t* req = requests.data_ptr<int64_t>();
@@ -307,6 +315,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     std::vector<float> kt(kDim * padded), vs(block_size * kDim);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
     std::vector<int64_t> row_position(max_rows), row_query(max_rows), row_head(max_rows), visible(max_rows);
+    std::vector<int64_t> hidden(max_rows);
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& it = items[w];
       const int64_t first_row = req[3 * it.request], query_len = req[3 * it.request + 1];
@@ -330,11 +339,17 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       const int64_t rows_per_kv = group * it.num_queries;
       const int64_t first_kv = it.first_head / group, num_kv = it.num_heads / group;
       const int32_t* table = tables + it.request * max_blocks;
-      for (int64_t b = 0; b * block_size < keys_needed; ++b) {
+      const int64_t first_position = context_len - query_len + it.first_query;
+      for (int64_t b = first_window_key(first_position, window) / block_size; b * block_size < keys_needed; ++b) {
         const int64_t block_first = b * block_size;
         const int64_t block_keys = std::min(block_size, keys_needed - block_first);
-        // Keys past a query's own position are masked out (causal); key 0 is always visible.
-        for (int64_t i = 0; i < rows; ++i) visible[i] = std::min(block_keys, row_position[i] - block_first + 1);
+        // Keys past a query's own position are masked out (causal), and under a sliding window the keys before it;
+        // its own key is always visible.
+        for (int64_t i = 0; i < rows; ++i) {
+          visible[i] = std::min(block_keys, row_position[i] - block_first + 1);
+          hidden[i] = std::clamp<int64_t>(first_window_key(row_position[i], window) - block_first, 0, block_size);
+          if (hidden[i] >= visible[i]) visible[i] = 0;
+        }
         const bool has_next = block_first + block_size < keys_needed;
         for (int64_t kv = 0; kv < num_kv; ++kv) {
           const int64_t offset = table[b] * block_stride + (first_kv + kv) * head_values;
@@ -351,12 +366,12 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
               }
             const BlockPart<float> part{kt.data(), vs.data(), padded, nullptr, nullptr};
             run_rows<kDim, float>(rows_per_kv, q, a, s, row_max.data() + r0, row_sum.data() + r0,
-                                  visible.data() + r0, part, padded);
+                                  hidden.data() + r0, visible.data() + r0, part, padded, softcap);
           } else {
             const BlockPart<KV> part{k_data + offset, v_data + offset, block_size,
                                      has_next ? k_data + next : nullptr, has_next ? v_data + next : nullptr};
-            run_rows<kDim, KV>(rows_per_kv, q, a, s, row_max.data() + r0, row_sum.data() + r0, visible.data() + r0,
-                               part, padded);
+            run_rows<kDim, KV>(rows_per_kv, q, a, s, row_max.data() + r0, row_sum.data() + r0,
+                               hidden.data() + r0, visible.data() + r0, part, padded, softcap);
           }
         }
       }
@@ -371,8 +386,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& requests,
-                     double scale) {
-  check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests);
+                     double scale, int64_t window, double softcap) {
+  check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests, window, softcap);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = v_cache.size(2), num_kv_heads = v_cache.size(1);
   TORCH_CHECK(v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && k_cache.size(0) == v_cache.size(0) &&
@@ -383,7 +398,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t group = num_heads / num_kv_heads;
   const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
   dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
-    run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale, window,
+                  static_cast<float>(softcap));
   });
 }
 
@@ -443,7 +459,7 @@ bool paged_keys_transposed() { return lmserve_paged::kKeysTransposed; }
 TORCH_LIBRARY(lmserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor requests, float scale) -> ()");
+      "Tensor requests, float scale, int window=0, float softcap=0.) -> ()");
   m.def("write_kv_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor rows) -> ()");
   m.def("paged_keys_transposed() -> bool", &paged_keys_transposed);
 }

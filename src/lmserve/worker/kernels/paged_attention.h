@@ -41,7 +41,9 @@ struct WorkItem {
 // The checks that do not depend on K's layout (each kernel checks its caches' shapes itself).
 inline void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& requests) {
+                                   const at::Tensor& requests, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or a number of positions");
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 queries");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
                   (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
@@ -56,6 +58,12 @@ inline void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, c
   TORCH_CHECK(requests.scalar_type() == at::kLong && requests.is_contiguous() && requests.size(1) == 3,
               "requests: int64 [R, 3] of (first row, query length, context length)");
   TORCH_CHECK(block_tables.size(0) == requests.size(0), "block_tables: one row per request");
+}
+
+// The first key a query at `position` sees: under a sliding window of `window` positions (0: none) the keys
+// position - window + 1 .. position, as transformers' sliding_window_overlay (key > query - window).
+inline int64_t first_window_key(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
 }
 
 // The work items of a call, after checking each request against its block table.

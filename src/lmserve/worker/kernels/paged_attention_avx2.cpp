@@ -71,9 +71,11 @@ inline float horizontal_sum(Vec8 v) {
 // `k_block`/`v_block` are the head's [block_size, kDim] runs. When `next_k` is set, the run also prefetches the same
 // head's part of the next block, one key row per key it computes: spread out like this the requests never fill the
 // core's miss buffers, where a burst of a whole block's prefetches at once stalled the loads of the block in hand.
+// Keys before j0 (outside a sliding window) are skipped; softcap > 0 caps each score at +-softcap (Gemma 2).
 template <int kDim, int kRows, typename KV>
-void run_block(const float* queries, float* acc, float* s, float* row_max, float* row_sum, int64_t n,
-               const KV* k_block, const KV* v_block, const KV* next_k, const KV* next_v, int64_t block_size) {
+void run_block(const float* queries, float* acc, float* s, float* row_max, float* row_sum, int64_t j0, int64_t n,
+               const KV* k_block, const KV* v_block, const KV* next_k, const KV* next_v, int64_t block_size,
+               float softcap) {
   constexpr int kVecs = kDim / 8;
   auto prefetch_key = [&](int64_t j) {
     for (int f = 0; f < kDim; f += 64 / static_cast<int>(sizeof(KV))) {  // one 64-byte line at a time
@@ -83,7 +85,9 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
   };
   float block_max[kRows];
   for (int r = 0; r < kRows; ++r) block_max[r] = std::numeric_limits<float>::lowest();
-  for (int64_t j = 0; j < n; ++j) {
+  if (next_k != nullptr)
+    for (int64_t j = 0; j < j0; ++j) prefetch_key(j);
+  for (int64_t j = j0; j < n; ++j) {
     const KV* k = k_block + j * kDim;
     if (next_k != nullptr) prefetch_key(j);
     Vec8 dot[kRows] = {};
@@ -92,7 +96,8 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
       for (int r = 0; r < kRows; ++r) dot[r] = fmadd(load(queries + r * kDim + 8 * v), kv, dot[r]);
     }
     for (int r = 0; r < kRows; ++r) {
-      s[r * block_size + j] = horizontal_sum(dot[r]);
+      const float score = horizontal_sum(dot[r]);
+      s[r * block_size + j] = softcap > 0.f ? softcap * std::tanh(score / softcap) : score;
       block_max[r] = std::max(block_max[r], s[r * block_size + j]);
     }
   }
@@ -108,7 +113,7 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
     float* p = s + r * block_size;
     const float m = row_max[r];
     float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       p[j] = std::exp(p[j] - m);
       sum += p[j];
     }
@@ -120,7 +125,7 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
     Vec8 a[kRows][kSlice];
     for (int r = 0; r < kRows; ++r)
       for (int v = 0; v < kSlice; ++v) a[r][v] = load(acc + r * kDim + 8 * (v0 + v));
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       const KV* vrow = v_block + j * kDim + 8 * v0;
       for (int v = 0; v < kSlice; ++v) {
         const Vec8 vv = load_kv(vrow + 8 * v);
@@ -137,23 +142,24 @@ void run_block(const float* queries, float* acc, float* s, float* row_max, float
 // `next_v`, null on the last block), one kv head each.
 template <int kDim, typename KV>
 void tile_block(int64_t rows, int64_t heads, int64_t group, const float* queries, float* acc, float* scores,
-                float* row_max, float* row_sum, const int64_t* visible, const int64_t* kv_offset, const KV* k_block,
-                const KV* v_block, const KV* next_k, const KV* next_v, int64_t block_size) {
+                float* row_max, float* row_sum, const int64_t* hidden, const int64_t* visible,
+                const int64_t* kv_offset, const KV* k_block, const KV* v_block, const KV* next_k, const KV* next_v,
+                int64_t block_size, float cap) {
   for (int64_t i = 0; i < rows;) {
     const int64_t in_group = i % group;
     const int64_t count = std::min<int64_t>(4, group - in_group);
-    const int64_t n = visible[i];
-    if (n > 0) {
+    const int64_t j0 = hidden[i], n = visible[i];  // a run's rows share one query, so one window
+    if (n > j0) {
       const KV *k = k_block + kv_offset[i], *v = v_block + kv_offset[i];
       const bool prefetches = next_k != nullptr && i < heads && in_group == 0;
       const KV* nk = prefetches ? next_k + kv_offset[i] : nullptr;
       const KV* nv = prefetches ? next_v + kv_offset[i] : nullptr;
       float *q = const_cast<float*>(queries) + i * kDim, *a = acc + i * kDim, *s = scores + i * block_size;
       switch (count) {
-        case 1: run_block<kDim, 1, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
-        case 2: run_block<kDim, 2, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
-        case 3: run_block<kDim, 3, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
-        default: run_block<kDim, 4, KV>(q, a, s, row_max + i, row_sum + i, n, k, v, nk, nv, block_size); break;
+        case 1: run_block<kDim, 1, KV>(q, a, s, row_max + i, row_sum + i, j0, n, k, v, nk, nv, block_size, cap); break;
+        case 2: run_block<kDim, 2, KV>(q, a, s, row_max + i, row_sum + i, j0, n, k, v, nk, nv, block_size, cap); break;
+        case 3: run_block<kDim, 3, KV>(q, a, s, row_max + i, row_sum + i, j0, n, k, v, nk, nv, block_size, cap); break;
+        default: run_block<kDim, 4, KV>(q, a, s, row_max + i, row_sum + i, j0, n, k, v, nk, nv, block_size, cap);
       }
     }
     i += count;
@@ -163,7 +169,7 @@ void tile_block(int64_t rows, int64_t heads, int64_t group, const float* queries
 template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
-         int64_t group, double scale) {
+         int64_t group, double scale, int64_t window, float softcap) {
   const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t* req = requests.data_ptr<int64_t>();
   const float* q_data = q.data_ptr<float>();
@@ -183,6 +189,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     std::vector<float> queries(max_rows * kDim), acc(max_rows * kDim), scores(max_rows * block_size);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
     std::vector<int64_t> row_position(max_rows), row_head(max_rows), kv_offset(max_rows), visible(max_rows);
+    std::vector<int64_t> hidden(max_rows);
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& it = items[w];
       const int64_t first_row = req[3 * it.request], query_len = req[3 * it.request + 1];
@@ -201,17 +208,22 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       std::fill(acc.begin(), acc.begin() + rows * kDim, 0.f);
       const int64_t keys_needed = row_position[rows - 1] + 1;
       const int32_t* table = tables + it.request * max_blocks;
-      for (int64_t b = 0; b * block_size < keys_needed; ++b) {
+      for (int64_t b = first_window_key(row_position[0], window) / block_size; b * block_size < keys_needed; ++b) {
         const int64_t block_first = b * block_size;
         const int64_t block_keys = std::min(block_size, keys_needed - block_first);
-        // Keys past a query's own position are masked out (causal); key 0 is always visible.
-        for (int64_t i = 0; i < rows; ++i) visible[i] = std::min(block_keys, row_position[i] - block_first + 1);
+        // Keys past a query's own position are masked out (causal), and under a sliding window the keys before it;
+        // its own key is always visible.
+        for (int64_t i = 0; i < rows; ++i) {
+          visible[i] = std::min(block_keys, row_position[i] - block_first + 1);
+          hidden[i] = std::clamp<int64_t>(first_window_key(row_position[i], window) - block_first, 0, block_size);
+        }
         const bool has_next = block_first + block_size < keys_needed;
         const KV* next_k = has_next ? k_data + table[b + 1] * block_stride : nullptr;
         const KV* next_v = has_next ? v_data + table[b + 1] * block_stride : nullptr;
         tile_block<kDim, KV>(rows, it.num_heads, group, queries.data(), acc.data(), scores.data(), row_max.data(),
-                             row_sum.data(), visible.data(), kv_offset.data(), k_data + table[b] * block_stride,
-                             v_data + table[b] * block_stride, next_k, next_v, block_size);
+                             row_sum.data(), hidden.data(), visible.data(), kv_offset.data(),
+                             k_data + table[b] * block_stride, v_data + table[b] * block_stride, next_k, next_v,
+                             block_size, softcap);
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t query = it.first_query + i / it.num_heads;
@@ -225,8 +237,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& requests,
-                     double scale) {
-  check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests);
+                     double scale, int64_t window, double softcap) {
+  check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests, window, softcap);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && v_cache.sizes() == k_cache.sizes(),
@@ -235,7 +247,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t group = num_heads / num_kv_heads;
   const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
   dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
-    run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale);
+    run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale, window,
+                  static_cast<float>(softcap));
   });
 }
 

@@ -1,5 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of positions and a paged KV
-cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2/3) over a flat batch of positions and a
+paged KV cache.
+
+Gemma 2 and 3 are the same decoder with what their configs name: sliding-window attention on their local layers (each
+layer type with its own RoPE base on Gemma 3), a norm after attention and after the MLP as well as before each
+("sandwich" norms), GeGLU, embeddings scaled by sqrt(hidden size), q/k norms (Gemma 3), tanh soft-capping of the
+attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): worker/loader.py adds the 1 to
+a checkpoint's norm weights as it reads them (a GGUF file stores them with it), so the norm here is Llama's.
 
 Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
 matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
@@ -42,7 +49,9 @@ if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
     from transformers import PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text")
+# Every activation an MLP here runs: transformers' names.
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
 NUMPY_BLAS = os.environ.get("LMSERVE_BLAS", "numpy") == "numpy"
 
@@ -84,9 +93,23 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * h).to(x.dtype), residual
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
+def layer_types(config: PretrainedConfig) -> list[str]:
+    """Each layer's attention, as transformers names it: "full_attention", or "sliding_attention" (a window of
+    config.sliding_window positions). A config without the list: Gemma 2 alternates from a sliding first layer, Gemma
+    3 has five sliding layers to one full (transformers' and llama.cpp's defaults); the rest are full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    pattern = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}.get(config.model_type, 0)
+    return ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention"
+            for i in range(config.num_hidden_layers)]
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention") -> dict:
+    """The RoPE of a layer type: a config may give each its own (Gemma 3: rope_parameters by layer type)."""
     params = getattr(config, "rope_parameters", None)
     if params:
+        params = params.get(layer_type, params) if isinstance(params.get(layer_type), dict) else params
         return dict(params)
     params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.get("type", "default"))
@@ -94,9 +117,11 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
-def _rope_tables(config: PretrainedConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(
+    config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str = "full_attention"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin, [max_position, head_dim / 2], on the CPU."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     cpu = torch.device("cpu")
     if rope_type in ("default", "linear"):
@@ -112,7 +137,9 @@ def _rope_tables(config: PretrainedConfig, head_dim: int, max_position: int) -> 
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+        by_type = isinstance((getattr(config, "rope_parameters", None) or {}).get(layer_type), dict)
+        kwargs = {"layer_type": layer_type} if by_type else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, **kwargs)
     rope_freqs = getattr(config, "rope_freqs", None)
     if rope_freqs is not None:
         # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
@@ -127,13 +154,14 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_position, computed once in float32."""
 
     def __init__(
-        self, config: PretrainedConfig, head_dim: int, max_position: int, device: torch.device | None = None
+        self, config: PretrainedConfig, head_dim: int, max_position: int, device: torch.device | None = None,
+        layer_type: str = "full_attention",
     ) -> None:
         super().__init__()
         # On the CPU whatever default device is active (the model may be built under `with torch.device("meta")` or
         # "cuda"): transformers' init functions mix their own device with the default one, and meta has no values.
         with torch.device("cpu"):
-            cos, sin = _rope_tables(config, head_dim, max_position)
+            cos, sin = _rope_tables(config, head_dim, max_position, layer_type)
         # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16, and to_empty() must
         # not replace them with uninitialised memory. So they go to the model's device here, once.
         device = torch.device(device) if device is not None else torch.get_default_device()
@@ -161,8 +189,9 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
         super().__init__()
+        self.layer_type = layer_type
         tp = parallel.tp_size
         self.parallel = parallel
         total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -174,11 +203,15 @@ class Attention(nn.Module):
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        # Qwen3 normalizes each head of q and k before RoPE, one weight of head_dim shared by the heads.
-        qk_norm = config.model_type == "qwen3"
+        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE, one weight of head_dim shared by the heads.
+        qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        # Gemma scales scores by query_pre_attn_scalar^-1/2, which is not always head_dim's (Gemma 2 27B).
+        scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        window = config.sliding_window if layer_type == "sliding_attention" else 0
+        softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window or 0, softcap)
         self.fused = None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
@@ -204,12 +237,17 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size // parallel.tp_size  # this rank's columns
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU)")
+        # Gemma's configs name hidden_activation (GeGLU); the others hidden_act.
+        self.activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if self.activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r}: lmserve runs {', '.join(MLP_ACTIVATIONS)}")
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.activation == "gelu_pytorch_tanh":
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return self.parallel.all_reduce(self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up))
         if self.fused is not None:
             out = gate_up.new_empty(gate_up.shape[0], self.intermediate)
             self.fused.silu_and_mul(out, gate_up)
@@ -219,10 +257,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, parallel)
+        self.self_attn = Attention(config, parallel, layer_type)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, parallel)
 
@@ -231,6 +269,26 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(rope, x, kv_cache, md)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 2/3's layer: attention and MLP each between two norms (post_attention_layernorm normalizes attention's
+    output here, where Llama's normalizes the MLP's input), before each adds to the residual stream."""
+
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, parallel, layer_type)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, parallel)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope, x, residual, kv_cache, md):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, md))[0]
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x))[0], residual
 
 
 def vocab_rows(full: torch.Tensor, parallel: ParallelGroups) -> torch.Tensor:
@@ -299,7 +357,15 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         self.vocab_size = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, max_position, rope_device)
+        types = layer_types(config)
+        self.layer_types = types
+        # One table per layer type (Gemma 3's local layers turn at another base than its global ones).
+        self.rotary = {kind: RotaryEmbedding(config, head_dim, max_position, rope_device, kind)
+                       for kind in dict.fromkeys(types[i] for i in layout.stage_layers(config.num_hidden_layers))}
+        gemma = config.model_type in GEMMA_MODEL_TYPES
+        # Gemma multiplies the embeddings by sqrt(hidden size), rounded to the activations' dtype as transformers does.
+        self.embedding_scale = config.hidden_size**0.5 if gemma else None
+        self.final_logit_softcap = getattr(config, "final_logit_softcapping", None) or 0.0
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.stage_layers = layout.stage_layers(config.num_hidden_layers)
         # The embedding lives on the first stage, and on the last too when it is also the output layer.
@@ -307,8 +373,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) if needs_embedding else None
         )
+        layer_class = SandwichDecoderLayer if gemma else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel) if i in self.stage_layers else MissingLayer()
+            layer_class(config, parallel, types[i]) if i in self.stage_layers else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         last = layout.is_last_stage
@@ -334,12 +401,14 @@ class LlamaForCausalLM(nn.Module):
         which passes them back in as `intermediate`."""
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
+            if self.embedding_scale is not None:
+                x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         else:
             x, residual = intermediate
-        rope = self.rotary.tables(positions)
+        rope = {kind: rotary.tables(positions) for kind, rotary in self.rotary.items()}
         layers = [self.layers[i] for i in self.stage_layers]
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, md)
+            x, residual = layer(rope[layer.self_attn.layer_type], x, residual, kv_cache, md)
         if self.norm is None:
             return x, x if residual is None else residual
         return self.norm(x, residual)[0]
@@ -349,6 +418,8 @@ class LlamaForCausalLM(nn.Module):
             logits = blas_matmul(hidden, self.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
+        if self.final_logit_softcap:  # Gemma 2: cap * tanh(logits / cap), a bound that keeps the order
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         if self.parallel.tp_size == 1:
             return logits
         return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
