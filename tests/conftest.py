@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -122,6 +123,30 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) 
     return _save_tiny_model(directory, transformers.Qwen3ForCausalLM, config, default_tokenizer)
 
 
+# Gemma's tiny models: a window of 8 positions (tests run contexts of 20 to 76, so the local layers drop keys),
+# weights large enough (initializer_range 0.1) that attention is far from uniform and the soft-caps bend the scores.
+TINY_GEMMA = {**TINY_SIZES, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+              "initializer_range": 0.1, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Gemma 2: local and global layers in turn, attention and final-logit soft-caps, sandwich norms, GeGLU."""
+    config = transformers.Gemma2Config(
+        **TINY_GEMMA, **_token_ids(default_tokenizer), attn_logit_softcapping=1.5, final_logit_softcapping=3.0
+    )
+    directory = tmp_path_factory.mktemp("tiny-gemma2")
+    return _save_tiny_model(directory, transformers.Gemma2ForCausalLM, config, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Gemma 3: five local layers then a global one (its pattern), q/k norms, a RoPE base per layer type."""
+    config = transformers.Gemma3TextConfig(**{**TINY_GEMMA, "num_hidden_layers": 6}, **_token_ids(default_tokenizer))
+    directory = tmp_path_factory.mktemp("tiny-gemma3")
+    return _save_tiny_model(directory, transformers.Gemma3ForCausalLM, config, default_tokenizer)
+
+
 # --------------------------------------------------------------------------------------------------- GGUF
 
 _HF_TO_GGUF = {
@@ -166,12 +191,23 @@ def gguf_type_for(gguf_name: str) -> gguf.GGMLQuantizationType:
     return top_level[parts[0]]
 
 
-def _gguf_name(hf_name: str) -> str:
+# Gemma's four norms a layer, as llama.cpp's converter names them.
+_GEMMA_HF_TO_GGUF = {
+    **_HF_TO_GGUF,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
+    table = _GEMMA_HF_TO_GGUF if arch in _GEMMA_ARCHS else _HF_TO_GGUF
     module, kind = hf_name.rsplit(".", 1)
     if module.startswith("model.layers."):
         _, _, layer, rest = module.split(".", 3)
-        return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{kind}"
-    return f"{_HF_TO_GGUF[module]}.{kind}"
+        return f"blk.{layer}.{table[rest]}.{kind}"
+    return f"{table[module]}.{kind}"
 
 
 def _permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -206,6 +242,7 @@ def write_gguf(
     arch: str | None = None,
     blocks: dict[str, tuple[np.ndarray, Q]] | None = None,
     type_for: Callable[[str], Q] = gguf_type_for,
+    vocabulary: GGUFVocabulary | None = None,
 ) -> Path:
     """Write the weights of an HF directory as a llama.cpp-style GGUF (metadata, names, Q/K permutation, rope_freqs).
 
@@ -226,20 +263,34 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    if arch == "gemma3":
+        # The header holds the global layers' RoPE; llama.cpp fixes the local layers' base at 10000.
+        assert rope["sliding_attention"]["rope_theta"] == 10000.0, rope
+        rope = rope["full_attention"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch in _GEMMA_ARCHS:
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    if vocabulary is not None:
+        vocabulary.write(writer)
 
-    if config.rope_parameters.get("rope_type") == "llama3":
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
 
     tied = config.tie_word_embeddings
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp leaves the head out when it is the embedding
-        name = _gguf_name(hf_name)
+        name = _gguf_name(hf_name, arch)
         data, qtype = blocks[name] if blocks and name in blocks else (tensor.numpy(), type_for(name))
+        if arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's converter stores Gemma's (1 + weight) norms with the 1 added
         if arch == "llama" and ".attn_q." in name:
             data = _permute_rotary(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
@@ -280,6 +331,67 @@ def tiny_qwen2_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Pa
 @pytest.fixture(scope="session")
 def tiny_qwen3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Path:
     return write_gguf(tiny_qwen3_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_gemma2_dir: Path) -> Path:
+    """float32 weights, exactly the HF directory's: transformers runs that directory as the reference."""
+    return write_gguf(tiny_gemma2_dir, tmp_path_factory.mktemp("gguf") / "tiny-gemma2.gguf", type_for=lambda n: Q.F32)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_gemma3_dir: Path) -> Path:
+    """Quantized weights (Q4_0 to Q8_0, norms F32), as a real file stores them: the reference runs what they hold."""
+    return write_gguf(tiny_gemma3_dir, tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf", arch="gemma3")
+
+
+@dataclass
+class GGUFVocabulary:
+    """A sentencepiece vocabulary as llama.cpp stores one in a GGUF (tokenizer.ggml.*)."""
+
+    tokens: list[str]
+    token_types: list[int]  # 1 normal, 3 control, 4 user-defined, 6 byte
+    unknown_token_id: int
+    padding_token_id: int
+    add_bos_token: bool
+
+    def write(self, writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(self.tokens)
+        writer.add_token_scores([-float(i) for i in range(len(self.tokens))])
+        writer.add_token_types(self.token_types)
+        writer.add_unk_token_id(self.unknown_token_id)
+        writer.add_pad_token_id(self.padding_token_id)
+        writer.add_add_bos_token(self.add_bos_token)
+        writer.add_add_eos_token(False)
+
+
+def gemma_vocabulary() -> GGUFVocabulary:
+    """Gemma's special tokens at Gemma's places (<eos> 1, <bos> 2), its turn markers, characters, a few merged
+    pieces and byte fallback: a GGUF with it gets a tokenizer as a real Gemma file does (one that adds <bos>)."""
+    control = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    characters = [*"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'", "\u2581"]
+    pieces = ["us", "er", "user", "el", "del", "mo", "model", "\u2581H", "\u2581Hi", "lo", "\u2581hel", "\u2581hello"]
+    tokens = [*control, "\n", *characters, *pieces, *(f"<0x{b:02X}>" for b in range(256))]
+    types = [3] * len(control) + [4] + [1] * (len(characters) + len(pieces)) + [6] * 256
+    return GGUFVocabulary(tokens, types, unknown_token_id=3, padding_token_id=0, add_bos_token=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_chat_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 GGUF with its own Gemma-style vocabulary and, like the third-party Gemma 3 files, no chat
+    template: what a chat request to such a file gets is lmserve's choice."""
+    vocabulary = gemma_vocabulary()
+    config = transformers.Gemma3TextConfig(
+        **{**TINY_GEMMA, "num_hidden_layers": 2}, vocab_size=len(vocabulary.tokens), bos_token_id=2,
+        eos_token_id=1, pad_token_id=0,
+    )
+    directory = tmp_path_factory.mktemp("tiny-gemma3-chat")
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(directory)
+    path = tmp_path_factory.mktemp("gguf") / "tiny-gemma3-chat.gguf"
+    return write_gguf(directory, path, arch="gemma3", vocabulary=vocabulary)
 
 
 # ------------------------------------------------------------------------------------------------ K-quants

@@ -24,26 +24,32 @@ from lmserve.models import (
     read_gguf_header,
     resolve_model,
 )
-from lmserve.worker.models.llama import RotaryEmbedding
+from lmserve.worker.models.llama import RotaryEmbedding, layer_types
 
 # Every attribute of a config that the worker and the engine read (worker/models/llama.py, model_runner.py, the EOS ids).
 READ_ATTRIBUTES = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "attention_bias", "hidden_act", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_freqs", "rope_parameters",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_freqs", "rope_parameters", "hidden_activation",
+    "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
 )  # fmt: skip
 MISSING = object()
 
 
 def assert_same_config(ours: GGUFConfig, theirs: transformers.PretrainedConfig) -> None:
-    for name in READ_ATTRIBUTES:
-        # Absent on both sides is the same (qwen2 has no head_dim: the model then uses hidden_size / heads).
-        assert getattr(ours, name, MISSING) == getattr(theirs, name, MISSING), name
+    # transformers names text-only Gemma 3 gemma3_text, which a GGUF header calls gemma3.
+    assert {"gemma3": "gemma3_text"}.get(ours.model_type, ours.model_type) == theirs.model_type
+    for name in READ_ATTRIBUTES[1:]:
+        # Absent and None are the same (qwen2 has no head_dim: the model then uses hidden_size / heads; nor a window).
+        assert getattr(ours, name, None) == getattr(theirs, name, None), name
+    assert layer_types(ours) == layer_types(theirs)  # transformers lists them for some architectures only
 
 
 @pytest.mark.parametrize(
-    "fixture", [None, "tiny_llama_gguf", "tiny_llama3_gguf", "tiny_qwen2_gguf", "tiny_qwen3_gguf", "tiny_kquant_gguf"]
-)
+    "fixture",
+    [None, "tiny_llama_gguf", "tiny_llama3_gguf", "tiny_qwen2_gguf", "tiny_qwen3_gguf", "tiny_kquant_gguf",
+     "tiny_gemma2_gguf", "tiny_gemma3_gguf"],
+)  # fmt: skip
 def test_a_gguf_config_holds_transformers_values(request, fixture: str | None) -> None:
     source = resolve_model(DEFAULT_MODEL if fixture is None else str(request.getfixturevalue(fixture)))
     config = load_model_config(source)
@@ -69,8 +75,7 @@ def write_header(path: Path, arch: str, **metadata) -> Path:
     return path
 
 
-# Gemma's GGUF configs (gemma2, gemma3 -> transformers' gemma3_text) are not yet held to transformers' here.
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_what_a_header_leaves_out_takes_transformers_defaults(tmp_path: Path, arch: str) -> None:
     """Only the sizes: KV heads, head_dim, context length, epsilon, rope base and token ids are transformers'
     defaults for the architecture (they differ between them)."""

@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import gguf
 import numpy as np
 
-from lmserve.config import DEFAULT_MODEL, SUPPORTED_MODEL_TYPES, cache_directory
+from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
+from lmserve.config import (
+    DEFAULT_MODEL,
+    GEMMA_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    cache_directory,
+    default_layer_types,
+)
 from lmserve.heap import release_freed_heap
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directory's config is read, not before
@@ -179,7 +186,7 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
               "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
     "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None,
-                "max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2},
+                "max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
               "bos_token_id": None, "eos_token_id": None},
@@ -208,7 +215,8 @@ class GGUFConfig:
 
     def __init__(self, model_type: str, **kwargs: Any) -> None:
         self.model_type = model_type
-        self.hidden_act = "silu"
+        if model_type not in GEMMA_MODEL_TYPES:  # Gemma's configs name hidden_activation instead
+            self.hidden_act = "silu"
         self.rms_norm_eps = 1e-6
         self.tie_word_embeddings = False
         self.pad_token_id = None
@@ -222,6 +230,8 @@ class GGUFConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self.rope_parameters = rope_by_layer_type or {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
+        if model_type in GEMMA_MODEL_TYPES:
+            self.layer_types = default_layer_types(model_type, self.num_hidden_layers, self.sliding_window)
 
     def __repr__(self) -> str:
         return f"GGUFConfig({self.__dict__})"
@@ -314,6 +324,10 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
         head_dim = kwargs.get("head_dim", _CONFIG_DEFAULTS[arch]["head_dim"])
         is_27b = kwargs.get("num_hidden_layers") in (46, 62) and kwargs.get("hidden_size") in (4608, 5376)
         kwargs["query_pre_attn_scalar"] = kwargs["hidden_size"] // kwargs["num_attention_heads"] if is_27b else head_dim
+        # Gemma 2's soft-caps, which llama.cpp reads and transformers' GGUF table leaves at the config's defaults.
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if f"{arch}.{key}" in metadata:
+                kwargs[key] = metadata[f"{arch}.{key}"]
     # llama.cpp drops output.weight when the head shares the embedding.
     kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
 
@@ -526,7 +540,12 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         tokenizer = _gguf_tokenizer(source.path)
     release_freed_heap()  # the parse's temporaries: ~95 MiB of Qwen2.5's tokenizer stays resident otherwise
     if tokenizer.chat_template is None:
-        logger.warning("%s has no chat template; chat requests will fail", source.name)
+        model_type = _model_type_of(source)
+        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES.get(model_type)
+        if tokenizer.chat_template is not None:
+            logger.info("%s has no chat template; using %s's own", source.name, model_type)
+        else:
+            logger.warning("%s has no chat template; chat requests will fail", source.name)
     logger.info(
         "loaded tokenizer of %s (%d tokens) in %.2f s",
         source.name,
@@ -534,6 +553,25 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         time.perf_counter() - start,
     )
     return tokenizer
+
+
+def _model_type_of(source: ModelSource) -> str | None:
+    """The architecture of the model a tokenizer came with, if the source says (a tokenizer-only directory does not)."""
+    if source.kind == "gguf":
+        return read_gguf_header(source.path).metadata.get("general.architecture")
+    config_file = source.path / "config.json"
+    return json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+
+
+def end_of_generation_ids(source: ModelSource, tokenizer: transformers.PreTrainedTokenizerBase) -> list[int]:
+    """What else ends generation besides the model config's EOS ids: the tokenizer's EOS, and for a GGUF file
+    llama.cpp's end-of-generation tokens found in its vocabulary, so a file stops where llama.cpp stops it."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if source.kind == "gguf":
+        vocabulary = tokenizer.backend_tokenizer
+        found = (vocabulary.token_to_id(text) for text in GGUF_END_OF_GENERATION_TEXTS)
+        ids += [token_id for token_id in found if token_id is not None and token_id not in ids]
+    return ids
 
 
 def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:

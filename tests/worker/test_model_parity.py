@@ -33,7 +33,7 @@ import pytest
 import torch
 import transformers
 
-from lmserve.config import CacheConfig, ModelConfig
+from lmserve.config import GEMMA_MODEL_TYPES, CacheConfig, ModelConfig
 from lmserve.engine.outputs import ScheduledRequest
 from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
 from lmserve.sampling_params import SamplingParams
@@ -65,11 +65,13 @@ BF16_ATOL = 0.04
 KERNELS = {"cpp": ("paged-cpu", "cpu"), "torch": ("sdpa", "none")}
 TINY_MODELS = [
     "tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf", "tiny_kquant_gguf",
-    "tiny_llama3_gguf", "tiny_qwen3_dir", "tiny_qwen3_gguf",
+    "tiny_llama3_gguf", "tiny_qwen3_dir", "tiny_qwen3_gguf", "tiny_gemma2_dir", "tiny_gemma2_gguf", "tiny_gemma3_dir",
+    "tiny_gemma3_gguf",
 ]  # fmt: skip
 # GGUF fixture -> the HF directory transformers runs as its reference (for tiny_llama3_gguf: transformers' llama3 rope
 # scaling against lmserve applying the file's rope_freqs tensor).
-REFERENCE_DIRS = {"tiny_kquant_gguf": "tiny_kquant_dir", "tiny_llama3_gguf": "tiny_llama3_dir"}
+REFERENCE_DIRS = {"tiny_kquant_gguf": "tiny_kquant_dir", "tiny_llama3_gguf": "tiny_llama3_dir",
+                  "tiny_gemma2_gguf": "tiny_gemma2_dir"}
 
 
 def hf_reference(source_path: Path | str, fp16_weights: bool = False) -> transformers.PreTrainedModel:
@@ -91,6 +93,9 @@ def _hf_model(source_path: Path | str) -> transformers.PreTrainedModel:
         return model.eval()
     config = load_hf_config(source)
     weights = dict(load_weights(source, torch.float32))
+    if config.model_type in GEMMA_MODEL_TYPES:
+        # A GGUF (and so our loader) holds Gemma's norms as (1 + weight); transformers adds the 1 itself.
+        weights = {name: w - 1.0 if name.endswith("norm.weight") else w for name, w in weights.items()}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
@@ -98,6 +103,8 @@ def _hf_model(source_path: Path | str) -> transformers.PreTrainedModel:
     assert set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set()), missing
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # meta buffers need real values
+    if hasattr(model.model.embed_tokens, "embed_scale"):  # Gemma 3's sqrt(hidden) is a buffer too
+        model.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size**0.5)
     return model.eval()
 
 
@@ -134,8 +141,12 @@ class Parity:
         self.atol = atol
 
     def sequence(self, length: int, seed: int) -> list[int]:
+        return self.sequence_of(length, seed, self.vocab_size)
+
+    @staticmethod
+    def sequence_of(length: int, seed: int, vocab_size: int) -> list[int]:
         gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, self.vocab_size, (length,), generator=gen).tolist()
+        return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
     @torch.no_grad()
     def reference_logits(self, token_ids: list[int], position_scale: int = 1) -> torch.Tensor:
@@ -264,6 +275,25 @@ def test_tiny_chunked_prefill_and_decode_match_transformers(tiny: Parity) -> Non
 def test_tiny_mixed_batch_matches_transformers(tiny: Parity) -> None:
     error, scale = mixed_batch(tiny, {"a": [11, 3], "b": [6, 25, 1], "c": [20]})
     print(f"\n{tiny.name}: mixed batch, max abs logit error {error:.3g} (max |logit| {scale:.3g})")
+
+
+@pytest.mark.parametrize(
+    ("model", "changes"),
+    [("tiny_gemma2_dir", {"sliding_window": 10**6}), ("tiny_gemma2_dir", {"attn_logit_softcapping": None}),
+     ("tiny_gemma2_dir", {"final_logit_softcapping": None}), ("tiny_gemma3_dir", {"sliding_window": 10**6}),
+     ("tiny_gemma3_dir", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}})],
+)  # fmt: skip
+def test_tiny_gemma_parity_would_catch_a_missing_window_soft_cap_or_local_rope(request, model, changes) -> None:
+    """The Gemma parity checks above run 76 positions past a window of 8: without the window (or a soft-cap, or Gemma
+    3's own RoPE base for local layers) transformers' logits move by far more than their bound."""
+    directory = request.getfixturevalue(model)
+    tokens = torch.tensor([Parity.sequence_of(76, 0, 1000)])
+    with torch.no_grad():
+        expected = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)(tokens).logits
+        changed = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **changes)
+        moved = (changed(tokens).logits - expected).abs().max().item()
+    assert moved > 1000 * TINY_ATOL, (changes, moved)
 
 
 # --------------------------------------------------------------------------------------------- default model

@@ -29,7 +29,7 @@ from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueF
 from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
-from lmserve.frontend.tokenizer import load_frontend_tokenizer
+from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids
 from lmserve.generation_config import default_sampling
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
@@ -113,6 +113,7 @@ class AsyncLLM:
         self.engine = make_engine_client(config, log_level)
         try:
             self.tokenizer = load_frontend_tokenizer(config.model)
+            self.tokenizer_eos_token_ids = tokenizer_eos_token_ids(config.model, self.tokenizer)
             self.default_sampling = default_sampling(
                 resolve_model(config.model.model), config.model.generation_config,
                 config.model.override_generation_config,
@@ -315,7 +316,7 @@ class AsyncLLM:
                 self.input_processor = InputProcessor(
                     self.tokenizer, message.max_model_len, message.vocab_size,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
-                    scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=message.eos_token_ids,
+                    scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=[*message.eos_token_ids, *self.tokenizer_eos_token_ids],
                     default_max_tokens=self.default_sampling.get("max_tokens"),
                 )
                 self.is_ready = True

@@ -10,7 +10,7 @@ from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
 from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
-from lmserve.frontend.tokenizer import load_frontend_tokenizer
+from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids
 from lmserve.generation_config import default_sampling
 from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
@@ -38,7 +38,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
-            scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=self.engine.eos_token_ids,
+            scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=[*self.engine.eos_token_ids, *tokenizer_eos_token_ids(self.config.model, self.tokenizer)],
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -6,7 +6,7 @@ from typing import Any
 
 from lmserve.config import ModelConfig
 from lmserve.generation_config import load_chat_template
-from lmserve.models import load_tokenizer, resolve_model
+from lmserve.models import end_of_generation_ids, load_tokenizer, resolve_model
 
 
 def load_frontend_tokenizer(config: ModelConfig) -> Any:
@@ -15,3 +15,8 @@ def load_frontend_tokenizer(config: ModelConfig) -> Any:
     if template is not None:
         tokenizer.chat_template = template
     return tokenizer
+
+
+def tokenizer_eos_token_ids(config: ModelConfig, tokenizer: Any) -> list[int]:
+    """The ids that end generation by the tokenizer's word, besides the model config's (models.end_of_generation_ids)."""
+    return end_of_generation_ids(resolve_model(config.tokenizer or config.model), tokenizer)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, default_layer_types
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
@@ -95,14 +95,11 @@ class RMSNorm(nn.Module):
 
 def layer_types(config: PretrainedConfig) -> list[str]:
     """Each layer's attention, as transformers names it: "full_attention", or "sliding_attention" (a window of
-    config.sliding_window positions). A config without the list: Gemma 2 alternates from a sliding first layer, Gemma
-    3 has five sliding layers to one full (transformers' and llama.cpp's defaults); the rest are full."""
+    config.sliding_window positions); the architecture's pattern where a config does not list them."""
     types = getattr(config, "layer_types", None)
     if types:
         return list(types)
-    pattern = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}.get(config.model_type, 0)
-    return ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention"
-            for i in range(config.num_hidden_layers)]
+    return default_layer_types(config.model_type, config.num_hidden_layers, getattr(config, "sliding_window", None))
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention") -> dict:
