@@ -8,7 +8,11 @@ Here lmserve evaluates the same chunks (its own tokenization of the same text, t
 the same bytes on every machine here; ~8,000 tokens).
 
     .venv/bin/python benchmarks/perplexity_peers.py MODEL.gguf [--text FILE] [--ctx 512] [--chunks 15]
-        [--settings stored float32] [--llama-perplexity PATH]
+        [--settings stored float32 transformers] [--llama-perplexity PATH]
+
+`transformers` runs transformers' own model on the file (dequantized to float32) over the same token ids; its GGUF
+loader needs `accelerate`, which lmserve does not depend on: `pip install --target /tmp/acc --no-deps accelerate` and
+run with PYTHONPATH=/tmp/acc.
 """
 
 from __future__ import annotations
@@ -34,19 +38,52 @@ def chunk_nll(logprobs: list[float | None], ctx: int) -> list[float]:
     return [-lp for lp in logprobs[ctx // 2 + 1 : ctx] if lp is not None]
 
 
+def text_chunks(tokenizer, text: str, ctx: int, chunks: int) -> tuple[list[list[int]], int]:
+    """The text's tokens cut into `chunks` chunks of `ctx`, and the text's token count. Where the tokenizer adds BOS,
+    each chunk starts with it in place of its first token, as llama-perplexity does (Gemma without its BOS is another
+    model: 13.9 against 17.0 on the GPL-3 text)."""
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    bos = tokenizer.bos_token_id if ids and ids[0] == tokenizer.bos_token_id else None
+    cut = [ids[c * ctx : (c + 1) * ctx] for c in range(min(chunks, len(ids) // ctx))]
+    return [[bos, *chunk[1:]] if bos is not None else chunk for chunk in cut], len(ids)
+
+
 def lmserve_perplexity(model: str, setting: str, text: str, ctx: int, chunks: int) -> dict:
     from lmserve import LLM, SamplingParams
 
     llm = LLM(model=model, max_model_len=max(ctx + 16, 1024), **SETTINGS[setting])
-    ids = llm.tokenizer.encode(text, add_special_tokens=True)
-    count = min(chunks, len(ids) // ctx)
+    cut, text_tokens = text_chunks(llm.tokenizer, text, ctx, chunks)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     nll: list[float] = []
-    for c in range(count):
-        out = llm.generate([ids[c * ctx : (c + 1) * ctx]], params)[0]
+    for chunk in cut:
+        out = llm.generate([chunk], params)[0]
         nll += chunk_nll([None if e is None else e.logprob for e in out.prompt_logprobs], ctx)
     return {"setting": f"lmserve {setting}", "perplexity": math.exp(sum(nll) / len(nll)), "tokens": len(nll),
-            "chunks": count, "text_tokens": len(ids)}
+            "chunks": len(cut), "text_tokens": text_tokens}
+
+
+def transformers_perplexity(model: str, text: str, ctx: int, chunks: int) -> dict:
+    """transformers on the same file (its GGUF loader dequantizes every tensor to float32) over the same token ids
+    (lmserve's tokenization, so both score the same sequence) and the same positions: issue 35's reference."""
+    import torch
+    import transformers
+
+    from lmserve.models import load_tokenizer, resolve_model
+
+    path = Path(model).expanduser()
+    cut, text_tokens = text_chunks(load_tokenizer(resolve_model(str(path))), text, ctx, chunks)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    nll: list[float] = []
+    with torch.no_grad():
+        for ids in cut:
+            chunk = torch.tensor([ids])
+            logprobs = reference(chunk).logits[0].float().log_softmax(-1)
+            # logprobs[i] predicts token i + 1: the prompt logprob of position i + 1 (position 0 has none).
+            per_position = [None] + logprobs[:-1].gather(-1, chunk[0, 1:, None])[:, 0].tolist()
+            nll += chunk_nll(per_position, ctx)
+    return {"setting": "transformers float32", "perplexity": math.exp(sum(nll) / len(nll)), "tokens": len(nll),
+            "chunks": len(cut), "text_tokens": text_tokens}
 
 
 def llama_perplexity(binary: Path, model: str, text: Path, ctx: int, chunks: int) -> dict:
@@ -68,11 +105,14 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=15)
-    parser.add_argument("--settings", nargs="+", default=["stored", "float32"], choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=["stored", "float32"], choices=[*SETTINGS, "transformers"])
     parser.add_argument("--llama-perplexity", type=Path, default=LLAMA_PERPLEXITY)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     text = args.text.read_text()
+    if args.child == "transformers":
+        print(json.dumps(transformers_perplexity(args.model, text, args.ctx, args.chunks)))
+        return
     if args.child:  # each lmserve setting in a fresh process
         print(json.dumps(lmserve_perplexity(args.model, args.child, text, args.ctx, args.chunks)))
         return
