@@ -147,6 +147,24 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
     return _save_tiny_model(directory, transformers.Gemma3ForCausalLM, config, default_tokenizer)
 
 
+# Phi-3.5/4-mini's LongRoPE (short factors up to the original context of 256, long ones past it; the attention factor
+# of a 4x longer context) and Phi-4-mini's partial rotary (3/4 of each head turns: 6 frequencies of 16 dimensions).
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "original_max_position_embeddings": 256, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                 "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """Phi-3: q/k/v and gate/up stored fused, LongRoPE over a partial rotary."""
+    config = transformers.Phi3Config(
+        **{**TINY_SIZES, "max_position_embeddings": 1024}, **_token_ids(default_tokenizer),
+        original_max_position_embeddings=256, rope_parameters=PHI3_LONGROPE, tie_word_embeddings=False,
+    )
+    directory = tmp_path_factory.mktemp("tiny-phi3")
+    return _save_tiny_model(directory, transformers.Phi3ForCausalLM, config, default_tokenizer)
+
+
 # --------------------------------------------------------------------------------------------------- GGUF
 
 _HF_TO_GGUF = {
@@ -199,10 +217,12 @@ _GEMMA_HF_TO_GGUF = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 _GEMMA_ARCHS = ("gemma2", "gemma3")
+# Phi-3's fused matrices, as llama.cpp's converter names them (gate and up together are its ffn_up).
+_PHI3_HF_TO_GGUF = {**_HF_TO_GGUF, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def _gguf_name(hf_name: str, arch: str = "llama") -> str:
-    table = _GEMMA_HF_TO_GGUF if arch in _GEMMA_ARCHS else _HF_TO_GGUF
+    table = _GEMMA_HF_TO_GGUF if arch in _GEMMA_ARCHS else _PHI3_HF_TO_GGUF if arch == "phi3" else _HF_TO_GGUF
     module, kind = hf_name.rsplit(".", 1)
     if module.startswith("model.layers."):
         _, _, layer, rest = module.split(".", 3)
@@ -264,6 +284,16 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
+    if arch == "phi3":  # llama.cpp's Phi3MiniModel: rotary dimensions, and LongRoPE's factors as tensors
+        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rotary)
+        if rope.get("rope_type") == "longrope":
+            original = config.original_max_position_embeddings
+            scale = config.max_position_embeddings / original
+            writer.add_rope_scaling_orig_ctx_len(original)
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if arch == "gemma3":
         # The header holds the global layers' RoPE; llama.cpp fixes the local layers' base at 10000.
         assert rope["sliding_attention"]["rope_theta"] == 10000.0, rope
@@ -331,6 +361,22 @@ def tiny_qwen2_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Pa
 @pytest.fixture(scope="session")
 def tiny_qwen3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Path:
     return write_gguf(tiny_qwen3_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_phi3_dir: Path) -> Path:
+    """float32 weights, exactly the HF directory's (transformers' GGUF reader has no LongRoPE: the directory is the
+    reference)."""
+    return write_gguf(tiny_phi3_dir, tmp_path_factory.mktemp("gguf") / "tiny-phi3.gguf", type_for=lambda n: Q.F32)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_q8_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_phi3_dir: Path) -> Path:
+    """The same model's fused matrices in Q8_0 blocks, which split into q, k, v, gate and up as the file stores them."""
+    def type_for(name: str) -> Q:
+        return Q.F32 if "norm" in name or name.startswith("rope_") else Q.Q8_0
+
+    return write_gguf(tiny_phi3_dir, tmp_path_factory.mktemp("gguf") / "tiny-phi3-q8.gguf", type_for=type_for)
 
 
 @pytest.fixture(scope="session")

@@ -155,3 +155,26 @@ def test_a_header_is_read_once_per_version_of_the_file(tmp_path: Path) -> None:
     write_header(path, "llama", block_count=3, embedding_length=128, **{"attention.head_count": 4})
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # however coarse the clock
     assert read_gguf_header(path).metadata["llama.block_count"] == 3
+
+
+@pytest.mark.parametrize("max_position", [200, 512])  # up to Phi-3's original context of 256, and past it
+def test_phi3_gguf_rope_is_transformers_longrope_of_the_same_model(tiny_phi3_dir, tiny_phi3_gguf, max_position) -> None:
+    """A Phi-3 GGUF's rotary dimensions, LongRoPE factors (tensors), original context and attention factor give the
+    tables transformers computes from the HF config the file was written from: short factors for an engine within
+    the original context, long ones past it, 3/4 of each head turning. (transformers' own GGUF reader drops all of
+    these and would run plain RoPE over whole heads.)"""
+    ours = load_model_config(resolve_model(str(tiny_phi3_gguf)))
+    theirs = load_hf_config(resolve_model(str(tiny_phi3_dir)))
+    assert ours.rope_parameters["rope_type"] == "longrope" and ours.rope_parameters["partial_rotary_factor"] == 0.75
+    positions = torch.arange(max_position)[None]
+    reference = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(theirs)
+    expected_cos, expected_sin = reference(torch.zeros(1), positions)  # its choice of factors: by sequence length
+    rotary = RotaryEmbedding(ours, head_dim=16, max_position=max_position)
+    assert rotary.cos.shape == (max_position, 6)
+    # Angles up to ~500 radians are rounded to float32 (ulp ~3e-5) by both, in another order of operations.
+    torch.testing.assert_close(rotary.cos, expected_cos[0, :, :6], rtol=0, atol=3e-5)
+    torch.testing.assert_close(rotary.sin, expected_sin[0, :, :6], rtol=0, atol=3e-5)
+    # Short and long tables differ by far more than that: the choice is checked.
+    other = RotaryEmbedding(ours, head_dim=16, max_position=712 - max_position)
+    rows = min(max_position, 712 - max_position)
+    assert (other.cos[:rows] - rotary.cos[:rows]).abs().max() > 0.01

@@ -21,16 +21,19 @@ GiB = 1 << 30
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
 # one list for the resolver, the worker and the planner.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
 # Those of them that run Gemma's decoder layer (HF directories name Gemma 3 gemma3_text, GGUF files gemma3).
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
+# Those that normalize each head of q and k before RoPE (one RMSNorm weight of head_dim each, shared by the heads).
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text")
 
 
 def default_layer_types(model_type: str, num_layers: int, sliding_window: int | None = None) -> list[str]:
     """Each layer's attention where a config does not list it (a GGUF header never does), as transformers decides it:
     Gemma 2 alternates from a sliding-window first layer, Gemma 3 has five sliding-window layers to one full, Mistral
-    slides on every layer when its config names a window (Mistral 7B v0.1: 4096); the others attend in full."""
-    if model_type == "mistral":
+    and Phi-3 slide on every layer when their config names a window (Mistral 7B v0.1: 4096, Phi-3-mini-4k: 2047);
+    the others attend in full."""
+    if model_type in ("mistral", "phi3"):
         return ["sliding_attention" if sliding_window else "full_attention"] * num_layers
     pattern = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}.get(model_type, 0)
     return ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention" for i in range(num_layers)]

@@ -203,6 +203,10 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
                "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
                "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": None,
                "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096,
+             "original_max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000, "rms_norm_eps": 1e-5,
+             "sliding_window": None},
 }
 # Gemma 3's local (sliding-window) layers turn at this RoPE base; a GGUF header does not say it, llama.cpp fixes it.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -223,13 +227,13 @@ class GGUFConfig:
         self.__dict__.update(_CONFIG_DEFAULTS[model_type])
         rope_theta = kwargs.pop("rope_theta", _DEFAULT_ROPE_THETA)
         rope_scaling = kwargs.pop("rope_scaling", None) or {}
-        rope_by_layer_type = kwargs.pop("rope_parameters", None)
+        rope_parameters = kwargs.pop("rope_parameters", None)  # Gemma 3's per layer type, Phi-3's LongRoPE
         self.__dict__.update(kwargs)
         if getattr(self, "head_dim", 0) is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        self.rope_parameters = rope_by_layer_type or {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
+        self.rope_parameters = rope_parameters or {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
         if model_type in GEMMA_MODEL_TYPES:
             self.layer_types = default_layer_types(model_type, self.num_hidden_layers, self.sliding_window)
 
@@ -291,6 +295,7 @@ GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
                "attention.sliding_window": "sliding_window"},
     "gemma3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                "attention.sliding_window": "sliding_window"},
+    "phi3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None},
     "tokenizer": {
         "ggml.bos_token_id": "bos_token_id",
         "ggml.eos_token_id": "eos_token_id",
@@ -345,6 +350,8 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
             "full_attention": global_rope,
             "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
         }
+    if arch == "phi3":
+        kwargs.update(_phi3_rope(path, header, metadata, kwargs))
     rope_freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         # llama.cpp's converter bakes Llama 3.1's rope scaling into per-dimension divisors of the default
@@ -353,6 +360,30 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"{path}: rope_freqs together with rope scaling '{scaling}' is not supported")
         kwargs["rope_freqs"] = read_gguf_tensor(path, rope_freqs).tolist()
     return arch, kwargs
+
+
+def _phi3_rope(path: Path, header: GGUFHeader, metadata: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3/3.5/4-mini's RoPE as llama.cpp's converter stores it: rotary dimensions (Phi-4-mini turns 3/4 of each
+    head), and for LongRoPE the short and long factors as tensors beside the original context and attention factor.
+    transformers' GGUF reader keeps none of these (it would run plain RoPE), so they are read here into the
+    rope_parameters transformers gives the same model's HF config."""
+    head_dim = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", _DEFAULT_ROPE_THETA)}
+    rotary_dims = metadata.get("phi3.rope.dimension_count", head_dim)
+    if rotary_dims != head_dim:
+        rope["partial_rotary_factor"] = rotary_dims / head_dim
+    factors = {t.name: t for t in header.tensors if t.name.startswith("rope_factors_")}
+    out: dict[str, Any] = {}
+    if factors:
+        original = metadata.get("phi3.rope.scaling.original_context_length", kwargs.get("max_position_embeddings"))
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    short_factor=read_gguf_tensor(path, factors["rope_factors_short.weight"]).tolist(),
+                    long_factor=read_gguf_tensor(path, factors["rope_factors_long.weight"]).tolist())
+        if "phi3.rope.scaling.attn_factor" in metadata:
+            rope["attention_factor"] = metadata["phi3.rope.scaling.attn_factor"]
+        out["original_max_position_embeddings"] = original
+    out["rope_parameters"] = rope
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ GGUF header

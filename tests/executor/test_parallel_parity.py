@@ -89,3 +89,21 @@ def test_default_model_splits_and_gives_one_ranks_greedy_tokens(layout: dict) ->
     with LLM(**settings, **layout) as llm:
         assert llm.engine.executor.info.num_blocks > 0
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
+
+
+@pytest.mark.parametrize("model", ["tiny_phi3_q8_gguf", "tiny_gemma3_dir"])
+def test_phi3_and_gemma_split_across_tensor_parallel_ranks(request, model: str) -> None:
+    """Phi-3's fused q/k/v and gate/up (here a file's Q8_0 blocks) split so each rank holds its heads of q, of k and
+    of v and its columns of gate and of up; Gemma 3's local and global layers, q/k norms and sandwich norms split
+    by heads too: two ranks give one rank's greedy tokens."""
+    path = str(request.getfixturevalue(model))
+    # The tiny GGUF holds no vocabulary: the directory it was written from lends its tokenizer.
+    tokenizer = str(request.getfixturevalue("tiny_phi3_dir")) if model.endswith("gguf") else None
+    prompts = [list(range(100 + 9 * i, 140 + 13 * i)) for i in range(3)]  # 40 to 66 positions: past Gemma's window
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = {"dtype": "float32", "max_model_len": 256, "num_blocks": 32, "tokenizer": tokenizer}
+    with LLM(path, **options) as llm:
+        one = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    with LLM(path, **options, tensor_parallel_size=2) as llm:
+        two = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    assert two == one

@@ -45,9 +45,13 @@ def test_shipped_configs_give_published_parameter_counts(name, params):
     assert load_spec(name).num_params == pytest.approx(params, rel=0.01)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+                "tiny_phi3_dir"],
+)  # fmt: skip
 def test_parameter_count_equals_the_saved_checkpoint(fixture, request):
-    """Untied Llama, and Qwen2 with q/k/v biases and tied embeddings: the config implies exactly what is stored."""
+    """Untied Llama, Qwen2 with q/k/v biases and tied embeddings, Qwen3's and Gemma 3's q/k norms, Gemma's four
+    norms a layer, Phi-3's fused matrices: the config implies exactly what is stored."""
     from safetensors import safe_open
 
     directory: Path = request.getfixturevalue(fixture)

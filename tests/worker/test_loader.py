@@ -22,6 +22,7 @@ from lmserve.models import (
 )
 from lmserve.worker.loader import hf_name_from_gguf, load_weights
 from lmserve.worker.models.llama import RotaryEmbedding
+from lmserve.worker.quantization import StoredBlocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -356,3 +357,28 @@ def test_quantize_dequantize_close(qtype: gguf.GGMLQuantizationType) -> None:
     error = np.abs(restored - original).reshape(-1, 32)
     assert (error <= WORST_RELATIVE_ERROR[qtype] * blocks_max + 1e-7).all()
     assert error.mean() < WORST_RELATIVE_ERROR[qtype] * blocks_max.mean() / 2
+
+
+def test_phi3_fused_matrices_come_out_as_separate_weights_whole_and_as_blocks(tiny_phi3_dir, tiny_phi3_q8_gguf) -> None:
+    """Phi-3's qkv_proj and gate_up_proj (HF names; a GGUF's attn_qkv and ffn_up) come out as q/k/v and gate/up rows
+    with Llama's names, so the model fuses and shards them as it does any checkpoint's: from an HF directory, and
+    from a file's Q8_0 blocks kept as blocks, each part's rows being the fused matrix's."""
+    expected = load_file(str(tiny_phi3_dir / "model.safetensors"))
+    from_dir = dict(load_weights(resolve_model(str(tiny_phi3_dir)), torch.float32))
+    qkv = expected["model.layers.1.self_attn.qkv_proj.weight"]
+    assert "model.layers.1.self_attn.qkv_proj.weight" not in from_dir
+    parts = [from_dir[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert [t.shape[0] for t in parts] == [64, 32, 32]  # 4 heads of q, 2 of k and of v, 16 each
+    torch.testing.assert_close(torch.cat(parts), qkv, rtol=0, atol=0)
+    gate_up = expected["model.layers.0.mlp.gate_up_proj.weight"]
+    torch.testing.assert_close(from_dir["model.layers.0.mlp.gate_proj.weight"], gate_up[:128], rtol=0, atol=0)
+    torch.testing.assert_close(from_dir["model.layers.0.mlp.up_proj.weight"], gate_up[128:], rtol=0, atol=0)
+
+    source = resolve_model(str(tiny_phi3_q8_gguf))
+    as_floats = dict(load_weights(source, torch.float32))
+    as_blocks = dict(load_weights(source, None, blocks={"q8_0"}))
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        blocks = as_blocks[f"model.layers.0.{name}.weight"]
+        assert isinstance(blocks, StoredBlocks) and blocks.method == "q8_0"
+        torch.testing.assert_close(blocks.dequantize(), as_floats[f"model.layers.0.{name}.weight"], rtol=0, atol=0)
+    assert not any(name.startswith("rope_") for name in as_floats)  # LongRoPE's factors are the config's

@@ -66,12 +66,12 @@ KERNELS = {"cpp": ("paged-cpu", "cpu"), "torch": ("sdpa", "none")}
 TINY_MODELS = [
     "tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir", "tiny_llama_gguf", "tiny_qwen2_gguf", "tiny_kquant_gguf",
     "tiny_llama3_gguf", "tiny_qwen3_dir", "tiny_qwen3_gguf", "tiny_gemma2_dir", "tiny_gemma2_gguf", "tiny_gemma3_dir",
-    "tiny_gemma3_gguf",
+    "tiny_gemma3_gguf", "tiny_phi3_dir", "tiny_phi3_gguf",
 ]  # fmt: skip
 # GGUF fixture -> the HF directory transformers runs as its reference (for tiny_llama3_gguf: transformers' llama3 rope
 # scaling against lmserve applying the file's rope_freqs tensor).
 REFERENCE_DIRS = {"tiny_kquant_gguf": "tiny_kquant_dir", "tiny_llama3_gguf": "tiny_llama3_dir",
-                  "tiny_gemma2_gguf": "tiny_gemma2_dir"}
+                  "tiny_gemma2_gguf": "tiny_gemma2_dir", "tiny_phi3_gguf": "tiny_phi3_dir"}
 
 
 def hf_reference(source_path: Path | str, fp16_weights: bool = False) -> transformers.PreTrainedModel:
@@ -294,6 +294,22 @@ def test_tiny_gemma_parity_would_catch_a_missing_window_soft_cap_or_local_rope(r
         changed = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **changes)
         moved = (changed(tokens).logits - expected).abs().max().item()
     assert moved > 1000 * TINY_ATOL, (changes, moved)
+
+
+def test_tiny_phi3_past_its_original_context_turns_with_the_long_factors(tiny_phi3_dir, tiny_phi3_gguf) -> None:
+    """An engine whose max_model_len passes Phi-3's original context (256) runs LongRoPE's long factors, as
+    transformers does for a sequence that long: 300 positions in two chunks, then decodes, against transformers'
+    forward over all of them (the directory's and the file's factors alike)."""
+    for path in (tiny_phi3_dir, tiny_phi3_gguf):
+        p = Parity(path, max_model_len=512, num_blocks=32, atol=TINY_ATOL, reference=tiny_phi3_dir)
+        seq = p.sequence(306, 0)
+        error, scale = chunked_prefill_then_decode(p, seq, split=131, prompt_len=300, blocks=list(range(5, 25)))
+        print(f"\n{p.name}: 306 positions, long factors: max abs logit error {error:.3g} (max |logit| {scale:.3g})")
+    # The long factors are not the short ones: transformers' logits at the same positions move with them.
+    with torch.no_grad():
+        short = p.reference(torch.tensor([seq[:250]])).logits[0]
+        long = p.reference(torch.tensor([seq])).logits[0, :250]
+    assert (short - long).abs().max().item() > 100 * TINY_ATOL
 
 
 # --------------------------------------------------------------------------------------------- default model

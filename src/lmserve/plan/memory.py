@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from lmserve.config import SUPPORTED_MODEL_TYPES, SchedulerConfig
+from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MODEL_TYPES, SchedulerConfig
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 
 GiB = 1 << 30
@@ -64,7 +64,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
-    qk_norm: bool = False  # Qwen3 normalizes each head's q and k (one RMSNorm weight of head_dim each per layer)
+    qk_norm: bool = False  # Qwen3 and Gemma 3 normalize each head's q and k (one RMSNorm weight of head_dim each)
+    norms_per_layer: int = 2  # Gemma's sandwich: four
     # Bits a parameter as a GGUF stores its weights (a Q4_K_M file: ~5), which the engine keeps (worker/
     # stored_formats.py); None for float checkpoints, whose weights take the plan's dtype.
     stored_bits: float | None = None
@@ -101,7 +102,8 @@ class ModelSpec:
             # As the model code decides it (worker/models/llama.py): Qwen2 always has q/k/v biases.
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            norms_per_layer=4 if model_type in GEMMA_MODEL_TYPES else 2,
         )
 
     @property
@@ -208,7 +210,7 @@ def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> dict[str, int]:
     inter = blocks_needed(spec.intermediate_size, tp)
     attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0)
     qk_norms = 2 * spec.head_dim if spec.qk_norm else 0  # replicated on every rank, as the other norms
-    per_layer = attention + 3 * h * inter + 2 * h + qk_norms  # q/k/v/o, gate/up/down, two RMSNorms
+    per_layer = attention + 3 * h * inter + spec.norms_per_layer * h + qk_norms  # q/k/v/o, gate/up/down, norms
     embedding = blocks_needed(spec.vocab_size, tp) * h  # vocabulary-parallel under TP
     first, last = stage == 0, stage == layout.pp - 1
     # Tied embeddings under PP: the last stage keeps its own copy of the embedding to serve as the head.

@@ -46,6 +46,7 @@ def load_weights(
     # Gemma's RMSNorm scales by (1 + weight): the model's norm scales by its weight, so the 1 is added here, in
     # float32 as transformers adds it. llama.cpp's converter stored it added already.
     norms_plus_one = source.kind == "hf" and config.model_type in GEMMA_MODEL_TYPES
+    weights = (part for name, tensor in weights for part in split_fused(name, tensor, config))
     for name, tensor in weights:
         if norms_plus_one and name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0
@@ -152,9 +153,16 @@ _GGUF_GEMMA_PER_LAYER = {
 }
 
 
+# Phi-3 stores q, k and v as one matrix, and gate and up as one (llama.cpp names it ffn_up), as its HF checkpoints do.
+_GGUF_PHI3_PER_LAYER = {**_GGUF_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors a GGUF holds for the config, not the model: lmserve.models reads them into the RoPE parameters.
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def hf_name_from_gguf(name: str, arch: str = "llama") -> str:
     match = _GGUF_NAME.fullmatch(name)
-    per_layer = _GGUF_GEMMA_PER_LAYER if arch in GEMMA_MODEL_TYPES else _GGUF_PER_LAYER
+    per_layer = {"phi3": _GGUF_PHI3_PER_LAYER}.get(arch, _GGUF_GEMMA_PER_LAYER if arch in GEMMA_MODEL_TYPES
+                                                   else _GGUF_PER_LAYER)
     table = per_layer if match and match[1] is not None else _GGUF_TOP_LEVEL
     if not match or match[2] not in table:
         raise ValueError(f"unexpected GGUF tensor '{name}' for a {arch} model")
@@ -175,8 +183,8 @@ def _gguf_weights(
     # llama.cpp interleaves the two rotary halves of each Q/K head for its llama arch only (not qwen2).
     permuted = config.model_type in ("llama", "mistral")
     for info in tensors:
-        if info.name == "rope_freqs.weight":
-            continue  # read into the config by lmserve.models; the rotary embedding applies it
+        if info.name in _GGUF_ROPE_TENSORS:
+            continue  # read into the config by lmserve.models; the rotary embedding applies them
         name = hf_name_from_gguf(info.name, config.model_type)
         method = ggml_type_name(info.ggml_type).lower()
         as_blocks = method in blocks and len(info.shape) == 2
@@ -197,11 +205,47 @@ def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
         return None
     header = read_gguf_header(source.path)
     arch = header.metadata.get("general.architecture", "llama")
-    return {
+    types = {
         hf_name_from_gguf(info.name, arch): ggml_type_name(info.ggml_type).lower()
         for info in header.tensors
-        if len(info.shape) == 2 and info.name != "rope_freqs.weight"
+        if len(info.shape) == 2 and info.name not in _GGUF_ROPE_TENSORS
     }
+    return {part: stored for name, stored in types.items() for part in fused_parts(name)}
+
+
+# Checkpoints that store q/k/v or gate/up as one matrix (Phi-3): the parts, in their order of rows.
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_parts(name: str) -> list[str]:
+    """The separate weights a checkpoint's fused weight holds (itself if it is not fused)."""
+    module, _, kind = name.rpartition(".")
+    prefix, _, last = module.rpartition(".")
+    return [f"{prefix}.{part}.{kind}" for part in _FUSED_PARTS[last]] if last in _FUSED_PARTS else [name]
+
+
+def split_fused(
+    name: str, tensor: torch.Tensor | StoredBlocks, config: GGUFConfig
+) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
+    """A fused q/k/v or gate/up weight as its separate weights, each as a checkpoint of separate ones stores it: the
+    model fuses them again its own way, splitting each across tensor-parallel ranks first (each rank takes its
+    heads of q, of k and of v, which a split of the fused rows would not give it). Rows only, so a file's blocks
+    split as floats do."""
+    parts = fused_parts(name)
+    if len(parts) == 1:
+        yield name, tensor
+        return
+    data = tensor.data if isinstance(tensor, StoredBlocks) else tensor
+    if len(parts) == 3:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_rows = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        sizes = [config.num_attention_heads * head_dim, kv_rows, kv_rows]
+    else:
+        sizes = [data.shape[0] // 2] * 2
+    if sum(sizes) != data.shape[0]:
+        raise ValueError(f"{name!r} has {data.shape[0]} rows; the config's {' + '.join(map(str, sizes))} expected")
+    for part, rows in zip(parts, data.split(sizes), strict=True):
+        yield part, tensor.with_data(rows) if isinstance(tensor, StoredBlocks) else rows
 
 
 def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:

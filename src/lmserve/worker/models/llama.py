@@ -19,6 +19,7 @@ rank every split is the whole and every collective a no-op.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, default_layer_types
+from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MODEL_TYPES, default_layer_types
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
     from transformers import PretrainedConfig
 
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text")
 # Every activation an MLP here runs: transformers' names.
 MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
@@ -117,17 +117,20 @@ def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention"
 def _rope_tables(
     config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str = "full_attention"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin, [max_position, head_dim / 2], on the CPU."""
+    """float32 cos and sin, [max_position, rotary_dim(config, head_dim) / 2], on the CPU."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     cpu = torch.device("cpu")
-    if rope_type in ("default", "linear"):
-        # transformers' default and linear rope (the two a GGUF header can name), without importing transformers.
+    dim = rotary_dim(config, head_dim)
+    if rope_type in ("default", "linear", "longrope"):
+        # transformers' default, linear and LongRoPE (those a GGUF file can hold), without importing transformers.
         base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
+        scaling = 1.0
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
-        scaling = 1.0
+        elif rope_type == "longrope":
+            inv_freq, scaling = _longrope(config, params, inv_freq, max_position)
     else:
         # Other rope types come from an HF directory's config (a transformers config): transformers' functions.
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -145,6 +148,29 @@ def _rope_tables(
         inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float, device=cpu)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float, device=cpu), inv_freq.to(cpu, torch.float))
     return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+def rotary_dim(config: PretrainedConfig, head_dim: int, layer_type: str = "full_attention") -> int:
+    """How many of a head's dimensions RoPE turns: all, or the first partial_rotary_factor of them (Phi-4-mini)."""
+    return int(head_dim * rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0))
+
+
+def _longrope(
+    config: PretrainedConfig, params: dict, inv_freq: torch.Tensor, max_position: int
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per frequency, the long factors when the model runs past its original context (this
+    engine's max_model_len decides once, as llama.cpp's context size does; transformers switches per forward on the
+    sequence's length, the same choice for any sequence on the same side), else the short ones; cos and sin scaled
+    by the attention factor (transformers' _compute_longrope_parameters)."""
+    original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    factors = params["long_factor"] if max_position > original else params["short_factor"]
+    if len(factors) != inv_freq.numel():
+        raise ValueError(f"LongRoPE has {len(factors)} factors for {inv_freq.numel()} rotary frequencies")
+    return inv_freq / torch.tensor(factors, dtype=torch.float), attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -170,7 +196,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] in HF's rotate-half layout; q and k heads go through in one call."""
+    """x: [T, heads, D] in HF's rotate-half layout; q and k heads go through in one call. cos and sin narrower than
+    D/2 turn the first 2 * width dimensions only (partial rotary), the rest pass through."""
+    width = cos.shape[-1]
+    if 2 * width < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., : 2 * width], cos, sin), x[..., 2 * width :]), dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -209,6 +239,7 @@ class Attention(nn.Module):
         window = config.sliding_window if layer_type == "sliding_attention" else 0
         softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window or 0, softcap)
+        self.full_rotary = rotary_dim(config, self.head_dim, layer_type) == self.head_dim  # the fused op's case
         self.fused = None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
@@ -217,7 +248,7 @@ class Attention(nn.Module):
             q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
             q.copy_(self.q_norm(q)[0])
             k.copy_(self.k_norm(k)[0])
-        if self.fused is not None:
+        if self.fused is not None and self.full_rotary:
             self.fused.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads)  # q and k, in place
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         else:

@@ -1,6 +1,9 @@
-"""A Gemma 3 GGUF without a chat template (as the third-party files come) served end to end: chat gets Gemma's own
-turns with one <bos>, generation ends on <end_of_turn> (which llama.cpp ends on and the header does not name), and a
-doubled <bos>, which would change the output, never reaches the model."""
+"""Gemma 3 and Phi-3 served end to end.
+
+A Gemma 3 GGUF without a chat template (as the third-party files come): chat gets Gemma's own turns with one <bos>,
+generation ends on <end_of_turn> (which llama.cpp ends on and the header does not name), and a doubled <bos>, which
+would change the output, never reaches the model. A Phi-3 GGUF (fused matrices in Q8_0 blocks, LongRoPE) answers
+chat, streamed and not, with the same tokens."""
 
 from __future__ import annotations
 
@@ -72,3 +75,23 @@ def test_chat_computes_what_the_single_bos_prompt_computes_and_a_doubled_bos_wou
     chat_first = chat.choices[0].logprobs.content[0].logprob
     assert chat_first == pytest.approx(single.choices[0].logprobs.token_logprobs[0], abs=1e-5)
     assert abs(doubled.choices[0].logprobs.token_logprobs[0] - chat_first) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory: pytest.TempPathFactory, tiny_phi3_q8_gguf: Path, tiny_phi3_dir: Path) -> Iterator[Server]:
+    running = start_server(tmp_path_factory.mktemp("phi3-server"), "--model", str(tiny_phi3_q8_gguf),
+                           "--tokenizer", str(tiny_phi3_dir), "--served-model-name", "phi3",
+                           "--kv-cache-memory", "16MiB")
+    yield running
+    running.stop()
+
+
+def test_phi3_answers_chat_streamed_and_not_with_the_same_tokens(phi3: Server) -> None:
+    client = openai.OpenAI(base_url=f"{phi3.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = {"model": "phi3", "messages": HI, "max_tokens": 12, "temperature": 0,
+           "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**ask)
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    streamed = client.chat.completions.create(**ask, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == whole.choices[0].message.content and text
