@@ -67,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
         api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
-        tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser), allowed_origins=args.allowed_origins,
+        tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser),
+        allowed_origins=args.allowed_origins,
     ))
 
 
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help='let the model decide to call tools (tool_choice "auto"), parsed by --tool-call-parser')
     srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
                      help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+)")
+    srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                     help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
+                          "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
     srv.set_defaults(func=cmd_serve)
 
     # These parsers import only argparse; the load generator and the planners import the rest when they run.

@@ -23,8 +23,17 @@ from lmserve.api.protocol import (
     echo_logprobs,
     prompt_logprobs_out,
 )
+from lmserve.api.reasoning_parsers import ReasoningParser, ReasoningStream
 from lmserve.api.tool_output import ChoiceToolStream, ToolOutput
 from lmserve.outputs import CompletionOutput, Logprobs, RequestOutput
+
+
+@dataclass(frozen=True)
+class ReasoningOutput:
+    """How a chat request's thinking is split from its answer (--reasoning-parser)."""
+
+    parser: ReasoningParser
+    include: bool = True  # the request's include_reasoning
 
 
 @dataclass
@@ -200,12 +209,15 @@ class ChatChoices(Choices):
     def __init__(
         self, n: int, num_top_logprobs: int | None, decode_token: DecodeToken, num_prompt_logprobs: int | None = None,
         tool_output: ToolOutput | None = None, echoed: str | None = None,
+        reasoning: ReasoningOutput | None = None,
     ) -> None:
         super().__init__(n, num_prompt_logprobs, decode_token)
         self.num_top_logprobs = num_top_logprobs
         self.tool_output = tool_output  # None: the text is the answer
         self.echoed = echoed  # echo: the assistant's own last message, before each answer
+        self.reasoning = reasoning  # None: no thinking to split from the answer
         self.tool_streams: dict[int, ChoiceToolStream] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def response_fields(self) -> dict[str, Any]:
         # vLLM puts a chat request's prompt logprobs on the response: its one prompt is every choice's.
@@ -219,18 +231,25 @@ class ChatChoices(Choices):
     def stream_choices(self, prompt_index: int, out: RequestOutput) -> list[ChatCompletionStreamChoice]:
         choices = []
         for index, _, text, child in self.update(prompt_index, out):
-            delta = DeltaMessage(content=text)
+            thinking = None
+            if self.reasoning is not None:  # the thinking goes its own way; tools and content see the answer
+                stream = self.reasoning_streams.setdefault(index, self.reasoning.parser.streaming())
+                thinking, text = stream.feed(text, finished=child.finish_reason is not None)
+                thinking = (thinking or None) if self.reasoning.include else None
+            delta = DeltaMessage(content=text, reasoning_content=thinking)
             finish_reason = child.finish_reason
             if self.tool_output is not None:
                 stream = self.tool_streams.setdefault(index, self.tool_output.stream())
                 content, calls = stream.feed(text, finished=child.finish_reason is not None)
-                delta = DeltaMessage(content=content, tool_calls=calls or None)
+                delta = DeltaMessage(content=content, tool_calls=calls or None, reasoning_content=thinking)
                 if finish_reason is not None and stream.num_calls:
                     finish_reason = self.tool_output.calls_finish_reason
-                if not (content or calls or finish_reason or child.logprobs):
+                if not (content or calls or thinking or finish_reason or child.logprobs):
                     continue
-            elif not _worth_sending(text, child):
+            elif not (thinking or _worth_sending(text, child)):
                 continue
+            elif self.reasoning is not None and not text:
+                delta.content = None  # a thinking delta carries no content key
             choices.append(ChatCompletionStreamChoice(
                 index=index, delta=delta, logprobs=self._logprobs(child.logprobs or []),
                 finish_reason=finish_reason, stop_reason=child.stop_reason,
@@ -240,10 +259,14 @@ class ChatChoices(Choices):
     def final_choices(self) -> list[ChatCompletionChoice]:
         choices = []
         for index, state in self.sorted_states():
-            message, finish_reason = ChatMessageOut(content=state.text), state.finish_reason
+            answer, thinking = state.text, None
+            if self.reasoning is not None:
+                split = self.reasoning.parser.extract(state.text)
+                answer, thinking = split.content, split.reasoning if self.reasoning.include else None
+            message, finish_reason = ChatMessageOut(content=answer, reasoning_content=thinking), state.finish_reason
             if self.tool_output is not None:
-                content, calls = self.tool_output.final(state.text)
-                message = ChatMessageOut(content=content, tool_calls=calls or None)
+                content, calls = self.tool_output.final(answer or "")
+                message = ChatMessageOut(content=content, tool_calls=calls or None, reasoning_content=thinking)
                 if calls and finish_reason is not None:
                     finish_reason = self.tool_output.calls_finish_reason
             if self.echoed is not None:

@@ -353,6 +353,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: the answer starts with the last message's text when that message is the assistant's (a prefill the
     # model continued), so the client gets the whole turn back.
     echo: bool | None = False
+    # vLLM's: false leaves the thinking out of the answer (under --reasoning-parser); it is still generated.
+    include_reasoning: bool | None = True
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
@@ -545,12 +547,14 @@ class ChatMessageOut(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the model's thinking (DeepSeek's and vLLM's field)
 
     @model_serializer(mode="wrap")
     def _drop_unset_tool_calls(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -576,6 +580,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

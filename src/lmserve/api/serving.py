@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from lmserve.api.choices import ChatChoices, Choices, CompletionChoices
+from lmserve.api.choices import ChatChoices, Choices, CompletionChoices, ReasoningOutput
 from lmserve.api.errors import ModelNotFoundError
 from lmserve.api.middleware import arrival_time
 from lmserve.api.protocol import (
@@ -31,6 +31,7 @@ from lmserve.api.protocol import (
     TokenizeResponse,
     chat_template_options,
 )
+from lmserve.api.reasoning_parsers import get_reasoning_parser
 from lmserve.api.sse import (
     SSE_DONE,
     EventStreamResponse,
@@ -217,6 +218,14 @@ class OpenAIServing:
         params.structured_outputs = StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
         return ToolOutput(choice, max_calls=max_calls)
 
+    def _reasoning_output(self, req: ChatCompletionRequest, params: SamplingParams) -> ReasoningOutput | None:
+        """The thinking to split from the answer, under --reasoning-parser. Not where a grammar constrains the output
+        from its first token (response_format, structured_outputs, a forced tool call): the model cannot think
+        there, and what it writes is all answer. (vLLM starts the grammar after the thinking instead.)"""
+        if self.tools.reasoning_parser is None or params.structured_outputs is not None or req.echo:
+            return None
+        return ReasoningOutput(get_reasoning_parser(self.tools.reasoning_parser), req.include_reasoning is not False)
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params(self.client.default_sampling)
@@ -232,7 +241,7 @@ class OpenAIServing:
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         echoed = req.echoed_text()
         choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs, tool_output,
-                              echoed)
+                              echoed, self._reasoning_output(req, params))
         # OpenAI's first chunk of each choice carries the role; with echo, the next one the echoed text (as vLLM).
         prelude = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                    for i in range(choices.n)]

@@ -21,6 +21,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from lmserve.api.reasoning_parsers import REASONING_PARSERS
+
 # OpenAI's id shape (`call_` + 24 alphanumerics) rather than vLLM's `chatcmpl-tool-<hex>`: clients and agent
 # frameworks only echo it back, and some validate the prefix. Its own generator, so that code seeding the global
 # `random` (sampling seeds, tests) cannot make two requests' ids collide.
@@ -345,12 +347,16 @@ def get_tool_parser(name: str) -> ToolParser:
 
 @dataclass
 class ToolConfig:
-    """vLLM's --enable-auto-tool-choice and --tool-call-parser."""
+    """How chat output is parsed: vLLM's --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown --reasoning-parser {self.reasoning_parser!r}: use one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}: use one of "
                              f"{', '.join(TOOL_PARSERS)}")
