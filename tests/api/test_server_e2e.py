@@ -75,6 +75,23 @@ def test_chat_and_completions_answer(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in pieces) == done.choices[0].text
 
 
+def test_the_responses_api_answers_as_the_chat_does(client: openai.OpenAI) -> None:
+    """/v1/responses on the real model: the same greedy answer as the chat request it means, whole and streamed."""
+    question = "What is the capital of France?"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Answer briefly."},
+                                                                 {"role": "user", "content": question}],
+                                          temperature=0, max_tokens=24)
+    response = client.responses.create(model=MODEL, instructions="Answer briefly.", input=question, temperature=0,
+                                       max_output_tokens=24)
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    with client.responses.stream(model=MODEL, instructions="Answer briefly.", input=question, temperature=0,
+                                 max_output_tokens=24) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == response.output_text
+
+
 def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: Server) -> None:
     steps_before = engine(server)["num_steps"]
     results: dict[int, tuple[str, object]] = {}

@@ -37,6 +37,14 @@ ERROR_TYPES = {
 }
 
 
+class NotFoundError(LookupError):
+    """Something a request names that this server does not have (HTTP 404); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ModelNotFoundError(LookupError):
     pass
 
@@ -92,6 +100,8 @@ def exception_to_response(exc: Exception) -> Response:
         return response
     if isinstance(exc, ModelNotFoundError):
         return error_response(404, str(exc), "model")
+    if isinstance(exc, NotFoundError):
+        return error_response(404, str(exc), exc.param)
     if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
         return error_response(503, str(exc) or type(exc).__name__)
     if isinstance(exc, (ClientDisconnected, ClientDisconnect)):

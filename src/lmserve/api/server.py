@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmserve import __version__
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
-from lmserve.api.errors import ErrorMappingRoute, exception_to_response
+from lmserve.api.errors import ErrorMappingRoute, NotFoundError, exception_to_response
 from lmserve.api.middleware import ApiKeyMiddleware, ArrivalStampMiddleware
 from lmserve.api.protocol import (
     ChatCompletionRequest,
@@ -30,6 +30,7 @@ from lmserve.api.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from lmserve.api.responses import ResponsesRequest
 from lmserve.api.serving import OpenAIServing, ToolConfig
 from lmserve.api.sse import json_response
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -66,6 +67,18 @@ async def completions(raw: Request) -> Response:
 async def chat_completions(raw: Request) -> Response:
     req = await parse_body(raw, ChatCompletionRequest, raw.app.state.max_request_body_bytes)
     return await _serving(raw).create_chat_completion(req, raw)
+
+
+@v1.post("/responses")
+async def responses(raw: Request) -> Response:
+    req = await parse_body(raw, ResponsesRequest, raw.app.state.max_request_body_bytes)
+    return await _serving(raw).create_response(req, raw)
+
+
+@v1.get("/responses/{response_id}")
+async def get_response(response_id: str) -> Response:
+    # Nothing is stored (store: false semantics, api/responses.py): every id is unknown here, as OpenAI answers one.
+    raise NotFoundError(f"response {response_id[:100]!r} not found: this server keeps no responses", "response_id")
 
 
 @plain.post("/tokenize")

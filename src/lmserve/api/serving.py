@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from lmserve.api.choices import ChatChoices, Choices, CompletionChoices, ReasoningOutput
-from lmserve.api.errors import ModelNotFoundError
+from lmserve.api.errors import InvalidBodyError, ModelNotFoundError
 from lmserve.api.middleware import arrival_time
 from lmserve.api.protocol import (
     ChatCompletionRequest,
@@ -32,6 +32,15 @@ from lmserve.api.protocol import (
     chat_template_options,
 )
 from lmserve.api.reasoning_parsers import get_reasoning_parser
+from lmserve.api.responses import (
+    ResponseBody,
+    ResponseEvents,
+    ResponseShell,
+    ResponsesRequest,
+    output_items,
+    status_of,
+    typed_sse,
+)
 from lmserve.api.sse import (
     SSE_DONE,
     EventStreamResponse,
@@ -227,6 +236,18 @@ class OpenAIServing:
         return ReasoningOutput(get_reasoning_parser(self.tools.reasoning_parser), req.include_reasoning is not False)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        group, choices, response_id = self._chat(req, raw)
+        # OpenAI's first chunk of each choice carries the role; with echo, the next one the echoed text (as vLLM).
+        prelude = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
+                   for i in range(choices.n)]
+        if choices.echoed:
+            prelude += [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=choices.echoed))]
+                        for i in range(choices.n)]
+        return await self._serve(req, raw, group, choices, response_id, ChatCompletionResponse,
+                                 ChatCompletionStreamResponse, prelude=prelude)
+
+    def _chat(self, req: ChatCompletionRequest, raw: Request) -> tuple[RequestGroup, ChatChoices, str]:
+        """A chat request's engine requests (not started yet) and the choices their outputs fold into."""
         self.check_model(req.model)
         params = req.to_sampling_params(self.client.default_sampling)
         tool_output = self._tool_output(req, params)
@@ -242,11 +263,45 @@ class OpenAIServing:
         echoed = req.echoed_text()
         choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs, tool_output,
                               echoed, self._reasoning_output(req, params))
-        # OpenAI's first chunk of each choice carries the role; with echo, the next one the echoed text (as vLLM).
-        prelude = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
-                   for i in range(choices.n)]
-        if echoed:
-            prelude += [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echoed))]
-                        for i in range(choices.n)]
-        return await self._serve(req, raw, group, choices, response_id, ChatCompletionResponse,
-                                 ChatCompletionStreamResponse, prelude=prelude)
+        return group, choices, response_id
+
+    async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
+        """/v1/responses: the chat request it means (api/responses.py), its one choice as Responses output."""
+        try:
+            chat = ChatCompletionRequest.model_validate(req.to_chat())
+        except ValidationError as exc:
+            raise InvalidBodyError(exc) from None
+        group, choices, _ = self._chat(chat, raw)
+        shell = ResponseShell(req, self.model_name)
+        if not chat.stream:
+            try:
+                collected = await until_disconnect(self._collect(group), raw)
+            except BaseException:
+                group.record(delivered=False)
+                raise
+            for prompt_index, out in collected:
+                choices.add(prompt_index, out)
+            choice = choices.final_choices()[0]
+            body = shell.body(status_of(choice.finish_reason), output_items(choice), choices.usage())
+            return RecordedJSONResponse(ResponseBody(**body), group)
+        await self._start_streaming(group, raw)
+        translate = ResponseEvents(shell)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for event in translate.start():
+                    yield typed_sse(event)
+                finish_reason = None
+                async for prompt_index, out in group.outputs():
+                    for choice in choices.stream_choices(prompt_index, out):
+                        finish_reason = choice.finish_reason or finish_reason
+                        for event in translate.delta(choice):
+                            yield typed_sse(event)
+                for event in translate.finish(finish_reason, choices.usage()):
+                    yield typed_sse(event)
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
+                yield sse_error(exc)
+            finally:
+                await group.close()
+
+        return EventStreamResponse(events(), group)

@@ -1,0 +1,46 @@
+"""An agent framework pointed at the server as its users point it: LangChain's ChatOpenAI with `bind_tools`, through
+chat completions and through the Responses API, streamed and not. The fake engine answers with the last message's
+words, so the model "calls" the tool when the user message is a Hermes tool call, as Qwen2.5 writes one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from test_api_fake_engine import MODEL, ServerThread
+from test_responses import CALL, RenderingEngine
+
+from lmserve.api.server import build_app
+from lmserve.api.serving import ToolConfig
+
+langchain_openai = pytest.importorskip("langchain_openai")
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    tools = ToolConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with ServerThread(build_app(RenderingEngine(), tools=tools)) as running:
+        yield f"{running.url}/v1"
+
+
+@pytest.mark.parametrize("use_responses_api", [False, True], ids=["chat", "responses"])
+def test_langchain_bind_tools_gets_the_call_and_the_answer(url: str, use_responses_api: bool) -> None:
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=url, api_key="unused", max_retries=0, timeout=10,
+                                      use_responses_api=use_responses_api)
+    agent = llm.bind_tools([get_weather])
+    called = agent.invoke(CALL)
+    assert [(c["name"], c["args"]) for c in called.tool_calls] == [("get_weather", {"city": "Paris"})]
+    streamed = None
+    for chunk in agent.stream(CALL):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    # The tool's result goes back as the framework sends it, and the answer comes back as text.
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    answer = agent.invoke([HumanMessage(CALL), called, ToolMessage("sunny", tool_call_id=called.tool_calls[0]["id"])])
+    assert answer.text == "sunny" and not answer.tool_calls
