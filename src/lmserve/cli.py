@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide to call tools (tool_choice "auto"), parsed by --tool-call-parser')
-    srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
-                     help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+)")
+    srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral", "pythonic"),
+                     help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral "
+                          "(Mistral's [TOOL_CALLS]), pythonic (Llama 3.2 and 4's Python call lists)")
     srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
                           "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")

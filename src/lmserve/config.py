@@ -39,6 +39,15 @@ def default_layer_types(model_type: str, num_layers: int, sliding_window: int | 
     return ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
+def model_layer_types(config: Any) -> list[str]:
+    """Each layer's attention as a model config gives it ("full_attention" or "sliding_attention"), or its
+    architecture's pattern where it does not list them."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    return default_layer_types(config.model_type, config.num_hidden_layers, getattr(config, "sliding_window", None))
+
+
 # `lmserve serve --max-request-body-bytes`: a larger HTTP body gets 413 before it is read.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 # `--async-scheduling` (vLLM's): plan step N+1 while step N computes. Off until measured on these machines.
@@ -170,6 +179,9 @@ class CacheConfig:
         "left of it after the weights and the peak activations of a profiling step")
     num_blocks: int | None = setting(None, "KV blocks; overrides kv_cache_memory (tests use tiny pools)", flag=False)
     enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "vLLM's: keep one block table for every layer of a model with sliding-window layers (Gemma 2/3), so "
+        "the blocks out of every window stay held (by default a sliding layer holds only its window)")
     kv_cache_dtype: str = setting(
         "auto", "element type of the KV cache; float16 halves its bytes per token. auto: float16 for the paged-cpu "
         "kernel on a float32 model (CPUs with F16C), else the model's dtype", choices=("auto", "float32", "float16"))

@@ -13,12 +13,16 @@ from lmserve.api.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
     ToolParser,
     get_tool_parser,
 )
 
 hermes = HermesToolParser()
 llama = Llama3JsonToolParser()
+mistral = MistralToolParser()
+pythonic = PythonicToolParser()
 
 
 def hermes_block(name: str, arguments: dict) -> str:
@@ -124,11 +128,48 @@ def test_llama_malformed_or_prose_is_content(text: str) -> None:
     assert result.content == text and result.tool_calls == []
 
 
+def test_mistral_json_list_after_its_marker() -> None:
+    text = 'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    assert calls_of(mistral, text) == [("a", '{"x": 1}'), ("b", "{}")]
+    assert mistral.extract(text).content == "Sure. "
+
+
+def test_mistral_name_args_per_call() -> None:
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert calls_of(mistral, text) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert mistral.extract(text).content is None
+
+
+@pytest.mark.parametrize("text", ["no calls", "[TOOL_CALLS] [{oops}]", "[TOOL_CALLS]f[ARGS]not json",
+                                  "[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS] []", "[TOOL_CALLS] [1]"])
+def test_mistral_malformed_or_prose_is_content(text: str) -> None:
+    assert mistral.extract(text).content == text and not mistral.extract(text).tool_calls
+
+
+def test_pythonic_calls() -> None:
+    text = '[get_weather(city="Paris", days=2), get_time(tz=\'UTC\', exact=True, at=None, tags=["a", 1.5])]'
+    assert calls_of(pythonic, text) == [
+        ("get_weather", '{"city": "Paris", "days": 2}'),
+        ("get_time", '{"tz": "UTC", "exact": true, "at": null, "tags": ["a", 1.5]}'),
+    ]
+    assert calls_of(pythonic, "<|python_start|>[f()]<|python_end|>") == [("f", "{}")]
+
+
+@pytest.mark.parametrize("text", ["Paris is sunny.", "[f(1)]", "[f(**k)]", "[os.system('x')]", "[f(x=open('a'))]",
+                                  "[f(x={1, 2})]", "[f(x=1e999)]", "[]", "[f(x=", "[1, 2]", "[f(x=1)] and prose"])
+def test_pythonic_anything_but_literal_keyword_calls_is_content(text: str) -> None:
+    assert pythonic.extract(text).content == text and not pythonic.extract(text).tool_calls
+
+
+def test_mistral_keeps_special_tokens_in_the_text() -> None:
+    assert mistral.needs_special_tokens and not hermes.needs_special_tokens
+
+
 def test_registry() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ValueError, match="hermes, llama3_json"):
-        get_tool_parser("mistral")
+        get_tool_parser("granite")
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -147,6 +188,15 @@ EXAMPLES = [
     (llama, "<|python_tag|>print(1)"),
     (llama, "<|pyth not a tag"),
     (llama, "Just prose."),
+    (mistral, 'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": "[TOOL_CALLS]"}}]'),
+    (mistral, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]b[ARGS]{}'),
+    (mistral, "prose with [TOOL and [TOOL_CALL"),
+    (mistral, "[TOOL_CALLS] not json"),
+    (pythonic, '  [get_weather(city="Paris"), f()]'),
+    (pythonic, "<|python_start|>[f(x=[1, 2])]<|python_end|>"),
+    (pythonic, "<|python not a tag"),
+    (pythonic, "[not, a, call]"),
+    (pythonic, "Plain prose [with brackets]."),
 ]
 
 
@@ -189,7 +239,8 @@ def test_llama_generated_outputs(prefix: str, calls: list, points: list[int]) ->
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([hermes, llama]), st.text(alphabet='<tool_call>/{}"name:arguments;|python_tag ', max_size=60),
+@given(st.sampled_from([hermes, llama, mistral, pythonic]),
+       st.text(alphabet='<tool_call>/{}"name:arguments;|python_tag [TOOL_CALS]()=,', max_size=60),
        st.lists(st.integers(0, 60), max_size=8))
 def test_any_text_never_raises_and_agrees_unless_a_streamed_call_is_contradicted(
         parser: ToolParser, text: str, points: list[int]) -> None:

@@ -242,3 +242,60 @@ def test_reset_prefix_cache() -> None:
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make_request("b", range(9)))[1] == 0
     assert kv.num_cached_free_blocks == 0
+
+
+def chunked(kv: KVCacheManager, request: Request, chunk: int) -> None:
+    """Prefill in chunks of `chunk` positions, as the scheduler does under a token budget."""
+    while request.num_computed_tokens < request.num_tokens:
+        n = min(chunk, request.num_tokens - request.num_computed_tokens)
+        assert kv.allocate_slots(request, n)
+        request.num_computed_tokens += n
+
+
+def test_a_sliding_group_gives_back_what_falls_out_of_its_window_and_it_stays_hittable() -> None:
+    # Group 0 full attention, group 1 a window of 6 positions; blocks of 4; chunks of 8.
+    kv = KVCacheManager(num_blocks=40, block_size=4, windows=(0, 6), max_chunk_tokens=8)
+    a = make_request("a", range(30))
+    chunked(kv, a, 8)
+    # The last chunk computed from position 24: its first query sees keys from 19 on, in block 4.
+    assert len(kv.block_ids("a")) == 8 and kv_cache.NULL_BLOCK_ID not in kv.block_ids("a")[1:]
+    window_table = kv.tables["a"][1]
+    assert [b is None for b in window_table] == [True] * 4 + [False] * 4
+    assert kv.block_ids("a", 1)[:4] == [kv_cache.NULL_BLOCK_ID] * 4
+    assert kv.num_used_blocks == 8 + 4
+    # The blocks given back are free but keep their hashes: the same prompt hits every full block of both groups.
+    b = make_request("b", range(30))
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 28 and hits == kv.block_ids("a")[:7]
+    assert kv.allocate_slots(b, 2, hits, num_hit)
+    assert kv.block_ids("b", 1)[5:7] == kv.block_ids("a", 1)[5:7]  # the window before position 28, shared
+    assert kv.block_ids("b", 1)[:5] == [kv_cache.NULL_BLOCK_ID] * 5
+    kv.free(a)
+    kv.free(b)
+    assert set(kv.ref_counts()) == {0} and kv.num_free_blocks == 40
+
+
+def test_a_hit_needs_the_window_before_it_in_every_sliding_group() -> None:
+    kv = KVCacheManager(num_blocks=24, block_size=4, windows=(0, 6), max_chunk_tokens=8)
+    a = make_request("a", range(30))
+    chunked(kv, a, 8)
+    window_block_5 = kv.tables["a"][1][5]
+    kv.free(a)
+    kv.pool.uncache(window_block_5)  # evicted: group 0 still holds all 7 full blocks of the prompt
+    b = make_request("b", range(30))
+    hits, num_hit = kv.get_computed_blocks(b)
+    # A hit of 28 or 24 positions needs the window group's block 5 (keys from 23 or 19 on); one of 20 needs blocks
+    # 3 and 4 only, which it kept (given back while a ran, still cached).
+    assert num_hit == 20 and len(hits) == 5
+
+
+def test_admission_counts_a_sliding_group_at_its_window_and_a_chunk() -> None:
+    """A prompt much longer than the window is admitted when its full-attention blocks and one window fit: the
+    sliding group's earlier chunks give their blocks back before the later ones need more."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, windows=(0, 4), max_chunk_tokens=4)
+    long = make_request("long", range(40))  # 10 blocks of group 0; group 1 holds at most 4 + 4 positions: 3 blocks
+    assert kv.can_fit(long, long.num_tokens)
+    chunked(kv, long, 4)
+    assert kv.num_used_blocks <= 10 + 3
+    full = KVCacheManager(num_blocks=16, block_size=4, windows=(0, 0), max_chunk_tokens=4)
+    assert not full.can_fit(make_request("long", range(40)), 40)  # 20 blocks without the window

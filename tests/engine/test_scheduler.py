@@ -14,6 +14,7 @@ from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
+from lmserve.kv_groups import KVCacheGroups, kv_cache_groups
 from lmserve.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
@@ -30,6 +31,7 @@ def make_scheduler(
     caching: bool = True,
     grammar: GrammarManager | None = None,
     async_scheduling: bool = False,
+    kv_groups: KVCacheGroups | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(budget, max_num_seqs, threshold, policy, async_scheduling=async_scheduling),
@@ -37,6 +39,7 @@ def make_scheduler(
         num_blocks,
         max_model_len,
         grammar,
+        kv_groups=kv_groups,
     )
 
 
@@ -450,7 +453,8 @@ def check_invariants(sched: Scheduler) -> None:
     live = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
     assert set(sched.requests) == live
     assert set(kv.tables) <= {r.request_id for r in sched.running}
-    holders = Counter(b.block_id for table in kv.tables.values() for b in set(table))
+    holders = Counter(b.block_id for tables in kv.tables.values() for table in tables
+                      for b in set(table) if b is not None)
     assert kv.ref_counts() == [holders[i] for i in range(kv.num_blocks)]
     assert kv.num_used_blocks == len(holders)
     assert set(kv.pool.free_queue) == {i for i in range(kv.num_blocks) if holders[i] == 0}
@@ -458,7 +462,11 @@ def check_invariants(sched: Scheduler) -> None:
         assert block.block_hash is not None and block.cache_key is not None
     ahead = 1 if sched.config.async_scheduling else 0  # a position planned before its token is known
     for r in sched.running:
-        assert len(kv.tables.get(r.request_id, ())) * kv.block_size >= r.num_computed_tokens
+        for group, table in enumerate(kv.tables.get(r.request_id, [[]] * kv.num_groups)):
+            assert len(table) * kv.block_size >= r.num_computed_tokens
+            # A sliding group holds nothing wholly before the window of the next position it computes.
+            cap = kv._held_cap(group)  # a sliding group gives back what fell out of its window
+            assert cap is None or sum(b is not None for b in table) <= cap
         assert r.num_computed_tokens <= r.num_tokens + ahead
         assert r.status == RequestStatus.RUNNING
     assert len(sched.running) <= sched.config.max_num_seqs
@@ -468,9 +476,10 @@ class FakeKV:
     """Stands in for the paged KV tensors: each slot remembers which token prefix it was computed for, so a
     request attending over a block it shares (prefix hit) or got back after a preemption sees only its own tokens."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, windows: tuple[int, ...] = (0,)) -> None:
         self.block_size = block_size
-        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.windows = windows  # per KV-cache group: a group's slots are its own (group, block, offset)
+        self.slots: dict[tuple[int, int, int], tuple[int, ...]] = {}
 
     def run(self, out: SchedulerOutput, last_sampled: dict[str, int] | None = None) -> None:
         """`last_sampled`: the runner's last token per request, which fills in a placeholder (async scheduling)."""
@@ -485,22 +494,32 @@ class FakeKV:
             rows.append((s, tokens, token_ids))
         # A forward pass writes every new position's K/V before anyone attends (as a layer does).
         for s, tokens, _ in rows:
-            for pos in range(s.start_position, s.start_position + s.num_tokens):
-                self.slots[s.block_ids[pos // bs], pos % bs] = tuple(tokens[: pos + 1])
+            for group, table in enumerate(s.group_block_ids or [s.block_ids]):
+                for pos in range(s.start_position, s.start_position + s.num_tokens):
+                    self.slots[group, table[pos // bs], pos % bs] = tuple(tokens[: pos + 1])
         for s, tokens, token_ids in rows:
             assert token_ids == tokens[s.start_position : s.start_position + s.num_tokens]
-            for pos in range(s.start_position + s.num_tokens):
-                assert self.slots.get((s.block_ids[pos // bs], pos % bs)) == tuple(tokens[: pos + 1]), (
-                    f"{s.request_id} reads wrong KV at position {pos}"
-                )
+            assert len(s.group_block_ids or [s.block_ids]) == len(self.windows)
+            for group, table in enumerate(s.group_block_ids or [s.block_ids]):
+                window = self.windows[group]
+                # The keys the step's first query sees: all, or those of its window.
+                first = max(0, s.start_position - window + 1) if window else 0
+                for pos in range(first, s.start_position + s.num_tokens):
+                    assert self.slots.get((group, table[pos // bs], pos % bs)) == tuple(tokens[: pos + 1]), (
+                        f"{s.request_id} reads wrong KV at position {pos} in group {group}"
+                    )
 
 
-def run_random_workload(seed: int, async_scheduling: bool = False) -> Counter[str]:
+def run_random_workload(seed: int, async_scheduling: bool = False, hybrid: bool = False) -> Counter[str]:
     """Random adds, aborts (also during a step), front-end finishes and preemptions; returns how often the paths
     worth guarding were taken. With async scheduling two batches are in flight, as the engine keeps them: the next
     one is planned (and computed, by a runner that runs batches in order) before the previous one's update."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4])
+    kv_groups = None
+    if hybrid:  # Gemma-like (local and global layers in groups) or every layer sliding, windows of 3-9 positions
+        kinds = rng.choice([["sliding_attention", "full_attention"] * 2, ["sliding_attention"] * 3])
+        kv_groups = kv_cache_groups(kinds, rng.randint(3, 9))
     sched = make_scheduler(
         budget=rng.randint(3, 24),
         max_num_seqs=rng.randint(1, 6),
@@ -511,8 +530,9 @@ def run_random_workload(seed: int, async_scheduling: bool = False) -> Counter[st
         max_model_len=rng.randint(16, 40),
         caching=rng.random() < 0.8,
         async_scheduling=async_scheduling,
+        kv_groups=kv_groups,
     )
-    fake_kv = FakeKV(block_size)
+    fake_kv = FakeKV(block_size, kv_groups.windows if kv_groups else (0,))
     last_sampled: dict[str, int] = {}
     in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     seen: Counter[str] = Counter()
@@ -558,6 +578,8 @@ def run_random_workload(seed: int, async_scheduling: bool = False) -> Counter[st
         seen["preemptions"] += len(out.preempted_request_ids)
         seen["preempted_in_flight"] += len(out.preempted_request_ids & flying)
         seen["placeholders"] += sum(s.uses_previous_token for s in out.scheduled)
+        seen["windows_dropped"] += sum(b is None for tables in sched.kv_cache_manager.tables.values()
+                                       for table in tables for b in table)
         seen["prefill_ahead"] += sum(s.request_id in flying and not s.uses_previous_token for s in out.scheduled)
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
@@ -589,6 +611,7 @@ def run_random_workload(seed: int, async_scheduling: bool = False) -> Counter[st
         assert r.sampling_params.max_tokens is None or r.num_output_tokens <= r.sampling_params.max_tokens
         assert r.num_tokens <= max(sched.max_model_len, r.num_prompt_tokens + 1)
     assert sched._in_flight == Counter()
+    seen["prefix_hits"] = sched.kv_cache_manager.prefix_cache_hits
     return seen
 
 
@@ -596,6 +619,22 @@ def run_random_workload(seed: int, async_scheduling: bool = False) -> Counter[st
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workload_keeps_block_accounting(seed: int, async_scheduling: bool) -> None:
     run_random_workload(seed, async_scheduling)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workload_with_sliding_window_groups_keeps_block_accounting_and_every_window(
+    seed: int, async_scheduling: bool
+) -> None:
+    """Sliding groups give blocks back as requests advance: no block is held twice or lost, prefix hits, preemptions
+    and aborts keep their meaning, and every key a step's queries see in each group is the request's own."""
+    run_random_workload(seed, async_scheduling, hybrid=True)
+
+
+def test_sliding_window_random_workloads_drop_blocks_and_hit_the_prefix_cache() -> None:
+    # Guards the randomized test above against never giving a block back, or never hitting across groups.
+    seen = sum((run_random_workload(seed, hybrid=True) for seed in range(12)), Counter())
+    assert seen["windows_dropped"] > 0 and seen["prefix_hits"] > 0 and seen["preemptions"] > 0, seen
 
 
 def test_random_workloads_reach_preemption() -> None:

@@ -176,3 +176,21 @@ def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_g
         without = layout_memory(spec, EngineConfig(model=ModelConfig(model=str(path), batched_weights="none")))
         assert with_copy - without.ranks[0].weights == 2 * layers
         assert without.ranks[0].weights == plan.devices[0].weights
+
+
+def test_sliding_window_layers_are_planned_at_their_window(tiny_gemma3_dir):
+    """Gemma 3's local layers hold a window and a chunk, not the context: the plan counts the engine's blocks (one
+    layer each here: 1 global + 5 local layers) and so fits more requests than the same model without windows."""
+    from dataclasses import replace
+
+    spec = load_spec(str(tiny_gemma3_dir))
+    assert spec.sliding_window == 8 and spec.layer_types.count("sliding_attention") == 5
+    settings = PlanSettings(device_memory=1 * GiB, overhead=0, context=512, max_num_batched_tokens=64)
+    windowed, full = make_plan(spec, settings), make_plan(replace(spec, sliding_window=None), settings)
+    one_layer = windowed.devices[0].kv_bytes_per_token
+    assert full.devices[0].kv_bytes_per_token == 6 * one_layer  # a block of every layer against one of one
+    # A 512-token request: 32 blocks of the global layer + 5 × (8 + 64 positions: 6 blocks) against 32 of all six.
+    assert windowed.max_concurrency == windowed.devices[0].kv_blocks // (32 + 5 * 6)
+    assert full.max_concurrency == full.devices[0].kv_blocks // 32
+    assert windowed.max_concurrency > 2 * full.max_concurrency
+    assert any("sliding-window layers" in note for note in windowed.notes)

@@ -34,8 +34,10 @@ import torch
 import transformers
 
 from lmserve.config import GEMMA_MODEL_TYPES, CacheConfig, ModelConfig
+from lmserve.engine.kv_cache import NULL_BLOCK_ID
 from lmserve.engine.outputs import ScheduledRequest
-from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
+from lmserve.kv_groups import model_kv_groups
+from lmserve.models import DEFAULT_MODEL, load_hf_config, load_model_config, resolve_model
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker import quantization
 from lmserve.worker.loader import load_weights
@@ -125,6 +127,12 @@ class Parity:
     ) -> None:
         attention_backend, fused_ops = KERNELS[kernels]
         self.name = f"{Path(str(path)).name} ({kernels})"
+        # Sliding layers in KV-cache groups of their own (Gemma): each group gets its own copy of the block ids
+        # (shifted by num_blocks per group), and a sliding group's blocks before its window are NULL_BLOCK_ID, as
+        # the KV manager leaves them: block 0 holds other layers' K/V, so a kernel reading it would fail the check.
+        self.kv_groups = model_kv_groups(load_model_config(resolve_model(str(path))))
+        self.blocks_per_group = num_blocks
+        num_blocks *= self.kv_groups.num_groups
         self.runner = ModelRunner(
             ModelConfig(
                 model=str(path), dtype="float32", device="cpu", max_model_len=max_model_len,
@@ -160,6 +168,8 @@ class Parity:
         Rows are attributed to requests through the slot mapping (each request owns distinct blocks), so the test
         does not rely on the order in which prepare_inputs lays the batch out.
         """
+        for s in scheduled:
+            s.group_block_ids = self.group_tables(s) if self.kv_groups.num_groups > 1 else []
         batch = self.runner.prepare_inputs(scheduled)
         num_rows = batch.input_ids.shape[0]
         assert num_rows == sum(s.num_tokens for s in scheduled)
@@ -184,6 +194,16 @@ class Parity:
             out[s.request_id] = ([positions[i] for i in rows], logits[rows])
         assert len(last_rows) == len(sampling_ids)
         return out
+
+    def group_tables(self, s: ScheduledRequest) -> list[list[int]]:
+        tables = []
+        for group, window in enumerate(self.kv_groups.windows):
+            table = [b + group * self.blocks_per_group for b in s.block_ids]
+            if window:
+                first = max(0, s.start_position - window + 1) // BLOCK_SIZE
+                table[:first] = [NULL_BLOCK_ID] * first
+            tables.append(table)
+        return tables
 
     def check(self, got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
         error = (got - expected).abs().max().item()

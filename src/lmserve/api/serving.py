@@ -219,7 +219,10 @@ class OpenAIServing:
             return None
         max_calls = 1 if req.parallel_tool_calls is False else None
         if choice == "auto":
-            return ToolOutput(choice, get_tool_parser(self.tools.tool_call_parser or ""), max_calls)
+            parser = get_tool_parser(self.tools.tool_call_parser or "")
+            if parser.needs_special_tokens:  # as vLLM: Mistral's [TOOL_CALLS] must reach the parser
+                params.skip_special_tokens = False
+            return ToolOutput(choice, parser, max_calls)
         if params.structured_outputs is not None:
             raise RequestError("a forced tool call cannot be combined with response_format or structured_outputs",
                                "tool_choice")

@@ -15,6 +15,7 @@ arguments are not streamed piecemeal.
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import string
@@ -133,6 +134,7 @@ class ObjectScanner:
 
 class ToolParser:
     name: ClassVar[str]
+    needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens, which detokenizing would drop
 
     def extract(self, text: str) -> ExtractedToolCalls:
         raise NotImplementedError
@@ -333,9 +335,160 @@ class _Llama3JsonStream(ToolCallStream):
             self.pending.pop(0)
 
 
+class _CallsAtFinishStream(ToolCallStream):
+    """Content until the output turns into calls (`tools_start` says where), then everything held to finish(),
+    which sends the calls whole: for formats whose calls cannot be told complete before the output ends."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        super().__init__(parser)
+        self.tools = False
+
+    def tools_start(self) -> int | None:
+        """Where the calls begin (None: not yet seen); may set self.plain when the output cannot hold any."""
+        raise NotImplementedError
+
+    def hold(self) -> int:
+        """Trailing characters that could still begin the calls."""
+        return 0
+
+    def _advance(self, out: StreamDelta) -> None:
+        if self.tools:
+            return
+        start = self.tools_start()
+        if self.plain:
+            self._release(out, len(self.text))
+        elif start is not None:
+            self._release(out, start)
+            self.tools = True
+        else:
+            self._release(out, len(self.text) - self.hold())
+
+
+class MistralToolParser(ToolParser):
+    """Mistral's `[TOOL_CALLS]` (a control token: the request keeps special tokens in its text): followed by a JSON
+    list of `{"name", "arguments"}` (Mistral 7B v0.3, Nemo), or by `name[ARGS]{...}`, once per call (the tokenizers
+    of Mistral Small 3.2, Magistral, Devstral). Text before it is content."""
+
+    name = "mistral"
+    needs_special_tokens = True
+    MARKER = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        first = text.find(self.MARKER)
+        if first < 0:
+            return ExtractedToolCalls(text, [])
+        calls = self._calls(text[first:])
+        if calls is None:
+            return ExtractedToolCalls(text, [])
+        return ExtractedToolCalls(text[:first] or None, calls)
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        segments = [segment.strip(JSON_WHITESPACE) for segment in text.split(self.MARKER)[1:]]
+        if len(segments) == 1 and segments[0][:1] in ("[", "{"):  # one JSON list (or object) of calls
+            try:
+                parsed = json.loads(segments[0])
+            except (ValueError, RecursionError):
+                return None
+            objects = parsed if isinstance(parsed, list) else [parsed]
+            calls = [call_from_object(obj) for obj in objects]
+        else:  # name[ARGS]{...} per call
+            calls = []
+            for segment in segments:
+                name, found, arguments = segment.partition(self.ARGS)
+                try:
+                    parsed = json.loads(arguments) if found and name.strip() else None
+                except (ValueError, RecursionError):
+                    parsed = None
+                calls.append(call_from_object({"name": name.strip(), "arguments": parsed}))
+        if not calls or any(call is None for call in calls):
+            return None
+        return calls
+
+    def streaming(self) -> ToolCallStream:
+        return _MistralStream(self)
+
+
+class _MistralStream(_CallsAtFinishStream):
+    def tools_start(self) -> int | None:
+        start = self.text.find(MistralToolParser.MARKER, self.sent)
+        return None if start < 0 else start
+
+    def hold(self) -> int:
+        return held_back(self.text, self.sent, MistralToolParser.MARKER)
+
+
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 and Llama 4's Python-call lists: the whole output is `[get_weather(city="Paris"), f(x=1)]`
+    (Llama 4 may wrap it in `<|python_start|>` ... `<|python_end|>`), keyword arguments of Python literals.
+    Anything else is content."""
+
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def _body(self, text: str) -> str:
+        body = text.strip()
+        if body.startswith(self.START):
+            body = body[len(self.START):].removesuffix(self.END).strip()
+        return body
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        body = self._body(text)
+        if not (body.startswith("[") and body.endswith("]")):
+            return ExtractedToolCalls(text, [])
+        calls = self._calls(body)
+        return ExtractedToolCalls(text, []) if calls is None else ExtractedToolCalls(None, calls)
+
+    @staticmethod
+    def _calls(body: str) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+                return None
+            arguments = {}
+            for keyword in node.keywords:
+                if keyword.arg is None:  # **kwargs
+                    return None
+                try:
+                    arguments[keyword.arg] = ast.literal_eval(keyword.value)
+                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                    return None
+            try:
+                arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError):  # a set, bytes or a complex number: not JSON
+                return None
+            calls.append(ToolCall(make_tool_call_id(), node.func.id, arguments_json))
+        return calls
+
+    def streaming(self) -> ToolCallStream:
+        return _PythonicStream(self)
+
+
+class _PythonicStream(_CallsAtFinishStream):
+    def tools_start(self) -> int | None:
+        body = self.text.lstrip()
+        if not body or PythonicToolParser.START.startswith(body):
+            return None  # whitespace or part of the tag: undecided (nothing released: hold() is everything)
+        if body.startswith(("[", PythonicToolParser.START)):
+            return 0
+        self.plain = True
+        return None
+
+    def hold(self) -> int:
+        return len(self.text) - self.sent  # nothing is content until the first character decides
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
+    MistralToolParser.name: MistralToolParser,
+    PythonicToolParser.name: PythonicToolParser,
 }
 
 
@@ -361,4 +514,4 @@ class ToolConfig:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}: use one of "
                              f"{', '.join(TOOL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")

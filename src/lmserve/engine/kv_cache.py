@@ -122,32 +122,64 @@ class BlockPool:
         return True
 
 
+# What a block table holds where a sliding-window group gave a block back (or never needed it): the kernels skip
+# blocks before a window, and the sdpa path masks them, so any valid id does.
+NULL_BLOCK_ID = 0
+
+
 class KVCacheManager:
-    """Block tables per request on top of a BlockPool, plus prefix-cache lookups and statistics."""
+    """Block tables per request on top of a BlockPool, plus prefix-cache lookups and statistics.
+
+    With sliding-window layers in their own groups (lmserve.kv_groups), a request has one table per group; a sliding
+    group's table gives back the blocks that fell out of its window as the request advances. Group 0 is always a
+    full-attention group unless every layer slides (then it is the one, windowed, group)."""
 
     def __init__(
         self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-        key_generated_blocks: bool = False,
+        key_generated_blocks: bool = False, windows: Sequence[int] = (0,), max_chunk_tokens: int | None = None,
     ) -> None:
         """key_generated_blocks: the model computes prompt tokens and generated ones with different arithmetic
         (`--batched-weights prompt-bf16`), so a block holding generated tokens is keyed by where the prompt ends in it.
         A later request whose prompt repeats those tokens (a chat's next turn) computes them as prompt tokens, and must
-        not take K/V that differ from what it would compute itself: a hit then would change its tokens."""
+        not take K/V that differ from what it would compute itself: a hit then would change its tokens.
+        windows: per KV-cache group, 0 (full attention) or its sliding window. max_chunk_tokens: the most positions
+        a step computes for one request (the scheduler's token budget), which bounds what a sliding group holds."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.key_generated_blocks = key_generated_blocks
+        self.windows = tuple(windows) or (0,)
+        self.max_chunk_tokens = max_chunk_tokens
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.tables: dict[str, list[Block]] = {}
+        # Per request, per group: block i holds positions [i * block_size, (i + 1) * block_size); None where a
+        # sliding group holds nothing (out of its window).
+        self.tables: dict[str, list[list[Block | None]]] = {}
         # Chained hashes of each request's full blocks: they depend only on its tokens, which never change once
         # known, so they are computed once per request.
         self._hashes: dict[str, list[BlockHash]] = {}
-        # How many leading blocks of a table have been offered to the prefix cache.
-        self._num_cached_blocks: dict[str, int] = {}
+        # Per request and group, how many leading blocks of its table have been offered to the prefix cache.
+        self._num_cached_blocks: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def _first_needed(self, group: int, position: int) -> int:
+        """The first block a group needs for computing from `position` on: 0 for full attention; for a sliding
+        window, the block of the earliest key the query at `position` sees, (position - window, position]."""
+        window = self.windows[group]
+        return max(0, position - window + 1) // self.block_size if window else 0
+
+    def _held_cap(self, group: int) -> int | None:
+        """The most blocks a sliding group holds for one request at once: a window and a step's chunk."""
+        window = self.windows[group]
+        if not window or self.max_chunk_tokens is None:
+            return None
+        return blocks_needed(window + self.max_chunk_tokens, self.block_size) + 1
 
     # ---- queries -------------------------------------------------------------------------------------------
 
@@ -167,8 +199,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """One group's block table (NULL_BLOCK_ID where a sliding group holds nothing)."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return []
+        return [NULL_BLOCK_ID if b is None else b.block_id for b in tables[group]]
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Every group's block table, group 0's first."""
+        return [self.block_ids(request_id, g) for g in range(self.num_groups)]
 
     def ref_counts(self) -> list[int]:
         return [b.ref_count for b in self.pool.blocks]
@@ -227,10 +267,39 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block.block_id)
+        # Every other group must hold the hit's blocks too: all of them for full attention, the window before the
+        # hit's end for a sliding group. The longest hit they all have.
+        while hits and self._group_hits(request, len(hits)) is None:
+            hits.pop()
         num_hit_tokens = len(hits) * self.block_size
         if record_stats:
             self.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         return hits, num_hit_tokens
+
+    def _group_key(self, group: int, block_hash: BlockHash, key: CacheKey) -> tuple[BlockHash, CacheKey]:
+        """A block's prefix-cache hash and key in its group: group 0's own, the others' told apart by the group."""
+        if group == 0:
+            return block_hash, key
+        return block_hash + group.to_bytes(2, "little"), (key[0], key[1], (key[2], ("kv group", group)))
+
+    def _group_hits(self, request: Request, num_blocks: int) -> list[list[Block | None]] | None:
+        """Groups 1..: their cached blocks for a hit of num_blocks blocks (None where a sliding group needs none);
+        None if one of them is missing."""
+        all_tokens = request.all_token_ids
+        hashes = self._block_hashes(request, all_tokens)
+        out: list[list[Block | None]] = []
+        for group in range(1, self.num_groups):
+            first = self._first_needed(group, num_blocks * self.block_size)
+            blocks: list[Block | None] = [None] * first
+            for i in range(first, num_blocks):
+                block = self.pool.get_cached_block(
+                    *self._group_key(group, hashes[i], self._cache_key(request, hashes, all_tokens, i))
+                )
+                if block is None:
+                    return None
+                blocks.append(block)
+            out.append(blocks)
+        return out
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
@@ -243,14 +312,32 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------------------
 
+    def _new_blocks(self, group: int, table_len: int, num_hits: int, position: int, num_total_tokens: int) -> int:
+        """Blocks a group takes from the pool to hold positions up to num_total_tokens, computing from `position`:
+        a table of table_len blocks, then num_hits hit blocks; a sliding group skips blocks before its window."""
+        first = max(table_len + num_hits, self._first_needed(group, position))
+        return max(0, blocks_needed(num_total_tokens, self.block_size) - first)
+
     def _blocks_to_take(
         self, request: Request, num_total_tokens: int, new_computed_blocks: Sequence[int]
     ) -> int:
         """Free-queue blocks an allocation would consume: new blocks plus hits that sit in the free queue."""
-        have = len(self.tables.get(request.request_id, ())) + len(new_computed_blocks)
-        num_new = max(0, blocks_needed(num_total_tokens, self.block_size) - have)
-        num_free_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_count == 0)
-        return num_new + num_free_hits
+        tables = self.tables.get(request.request_id)
+        num_hits = len(new_computed_blocks)
+        position = request.num_computed_tokens + num_hits * self.block_size
+        hit_blocks = [[self.pool.blocks[b] for b in new_computed_blocks]]
+        if num_hits and self.num_groups > 1:
+            hit_blocks += self._group_hits(request, num_hits) or []
+        needed = 0
+        for group in range(self.num_groups):
+            table_len = len(tables[group]) if tables else 0
+            new = self._new_blocks(group, table_len, num_hits, position, num_total_tokens)
+            cap = self._held_cap(group)
+            if cap is not None:  # a long prompt's earlier chunks give their blocks back before later ones need more
+                new = min(new, cap)
+            hits = hit_blocks[group] if group < len(hit_blocks) else []
+            needed += new + sum(1 for b in hits if b is not None and b.ref_count == 0)
+        return needed
 
     def can_fit(
         self, request: Request, num_total_tokens: int, new_computed_blocks: Sequence[int] = (), reserved: int = 0,
@@ -262,8 +349,7 @@ class KVCacheManager:
 
     def num_blocks_to_finish(self, request: Request) -> int:
         """Blocks the request still needs to hold all of its known tokens."""
-        have = len(self.tables.get(request.request_id, ()))
-        return max(0, blocks_needed(request.num_tokens, self.block_size) - have)
+        return self._blocks_to_take(request, request.num_tokens, ())
 
     def allocate_slots(
         self,
@@ -272,7 +358,8 @@ class KVCacheManager:
         new_computed_blocks: Sequence[int] = (),
         num_new_computed_tokens: int = 0,
     ) -> bool:
-        """Grows the request's table to hold num_computed + num_new_computed + num_new_tokens positions.
+        """Grows the request's tables to hold num_computed + num_new_computed + num_new_tokens positions, and gives
+        back what sliding groups no longer need (blocks wholly before the window of this step's first position).
 
         Returns False and changes nothing when the free queue is too short. Blocks that this makes full are put in
         the prefix cache at once, before the step that writes their K/V runs (as in vLLM V1): a request admitted
@@ -284,24 +371,43 @@ class KVCacheManager:
         if not self.can_fit(request, num_total, new_computed_blocks):
             return False
         rid = request.request_id
-        table = self.tables.setdefault(rid, [])
-        hits = [self.pool.blocks[b] for b in new_computed_blocks]
-        self.pool.touch(hits)
-        table.extend(hits)
-        table.extend(self.pool.get_new_blocks(max(0, blocks_needed(num_total, self.block_size) - len(table))))
+        tables = self.tables.setdefault(rid, [[] for _ in self.windows])
+        position = request.num_computed_tokens + num_new_computed_tokens  # this step's first position
+        hits: list[list[Block | None]] = [[self.pool.blocks[b] for b in new_computed_blocks]]
+        if new_computed_blocks and self.num_groups > 1:
+            hits += self._group_hits(request, len(new_computed_blocks)) or []
+        for group, table in enumerate(tables):
+            if new_computed_blocks:
+                group_hits = hits[group]
+                self.pool.touch([b for b in group_hits if b is not None])
+                table.extend(group_hits)
+            first = self._first_needed(group, position)
+            if len(table) < first:
+                table.extend([None] * (first - len(table)))
+            table.extend(self.pool.get_new_blocks(max(0, blocks_needed(num_total, self.block_size) - len(table))))
+            # Out of the window for this step and every later one: back to the pool (cached blocks stay hittable).
+            dropped = [b for b in table[:first] if b is not None]
+            if dropped:
+                table[:first] = [None] * first
+                self.pool.free_blocks(dropped[::-1])
 
         if self.enable_prefix_caching:
             num_full = min(num_total, request.num_tokens) // self.block_size
-            start = self._num_cached_blocks.get(rid, 0)
-            if num_full > start:
+            cached = self._num_cached_blocks.setdefault(rid, [0] * self.num_groups)
+            if num_full > min(cached):
                 all_tokens = request.all_token_ids
                 hashes = self._block_hashes(request, all_tokens)
-                for i in range(start, num_full):
-                    if table[i].block_hash != hashes[i]:
-                        self.pool.cache_block(
-                            table[i], hashes[i], self._cache_key(request, hashes, all_tokens, i)
+                for group, table in enumerate(tables):
+                    for i in range(cached[group], num_full):
+                        block = table[i]
+                        if block is None:
+                            continue
+                        block_hash, key = self._group_key(
+                            group, hashes[i], self._cache_key(request, hashes, all_tokens, i)
                         )
-                self._num_cached_blocks[rid] = num_full
+                        if block.block_hash != block_hash:
+                            self.pool.cache_block(block, block_hash, key)
+                    cached[group] = max(cached[group], num_full)
         return True
 
     def free(self, request: Request) -> None:
@@ -311,13 +417,14 @@ class KVCacheManager:
         scheduler took back a step it had just planned) leaves the prefix cache, so no one can hit unwritten KV.
         """
         rid = request.request_id
-        table = self.tables.pop(rid, None)
+        tables = self.tables.pop(rid, None)
         self._hashes.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
-        if table is None:
+        if tables is None:
             return
         num_computed_blocks = request.num_computed_tokens // self.block_size
-        for i in range(num_computed_blocks, len(table)):
-            if table[i].ref_count == 1:
-                self.pool.uncache(table[i])
-        self.pool.free_blocks(table[::-1])
+        for table in tables:
+            for block in table[num_computed_blocks:]:
+                if block is not None and block.ref_count == 1:
+                    self.pool.uncache(block)
+            self.pool.free_blocks([b for b in table[::-1] if b is not None])

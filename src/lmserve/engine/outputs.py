@@ -19,7 +19,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # tokens of the scheduled positions
     start_position: int  # == the request's num_computed_tokens before this step
-    block_ids: list[int]  # the request's whole block table
+    block_ids: list[int]  # the request's whole block table (KV-cache group 0's: lmserve.kv_groups)
     samples: bool  # True when the last scheduled position is the request's last known token
     sampling_params: SamplingParams
     # For penalties; references, not copies: the runner only reads them.
@@ -34,6 +34,8 @@ class ScheduledRequest:
     # Async scheduling: planned while the batch that samples this position's token is still in flight, so token_ids
     # is [PLACEHOLDER_TOKEN_ID] and output_token_ids lacks that token; the runner uses the one it sampled last.
     uses_previous_token: bool = False
+    # With sliding-window layers in groups of their own: every group's table, group 0's first (empty otherwise).
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,7 @@ from lmserve.engine.outputs import (
     SchedulerOutput,
 )
 from lmserve.engine.request import Request, RequestStatus
+from lmserve.kv_groups import KVCacheGroups, kv_capacity_tokens
 
 
 class Scheduler:
@@ -45,20 +46,26 @@ class Scheduler:
         max_model_len: int,
         grammar: GrammarManager | None = None,
         key_generated_blocks: bool = False,
+        kv_groups: KVCacheGroups | None = None,
     ) -> None:
         """`grammar`: compiles and advances constrained requests' grammars (None: no structured output).
-        `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager)."""
+        `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager).
+        `kv_groups`: the model's KV-cache groups (None: one, full attention)."""
         self.config = scheduler_config
         self.grammar = grammar
         # Outputs made outside a step's update (a grammar that failed to compile): returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.cache_config = cache_config
+        self.kv_groups = kv_groups
+        windows = kv_groups.windows if kv_groups is not None else (0,)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, key_generated_blocks
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, key_generated_blocks,
+            windows=windows, max_chunk_tokens=scheduler_config.max_num_batched_tokens,
         )
         # A request longer than the whole pool could never be admitted again once preempted, so the pool caps
         # the usable context: such a request finishes with "length" instead of waiting forever.
-        self.kv_capacity = num_blocks * cache_config.block_size
+        self.kv_capacity = kv_capacity_tokens(num_blocks, cache_config.block_size, max_model_len, kv_groups,
+                                              scheduler_config.max_num_batched_tokens)
         self.configured_max_model_len = max_model_len
         self.max_model_len = min(max_model_len, self.kv_capacity)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
@@ -247,6 +254,8 @@ class Scheduler:
             token_ids=token_ids,
             start_position=start,
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
+            group_block_ids=(self.kv_cache_manager.group_block_ids(request.request_id)
+                             if self.kv_cache_manager.num_groups > 1 else []),
             samples=placeholder or start + num_new_tokens == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,

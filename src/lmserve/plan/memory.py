@@ -14,7 +14,14 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MODEL_TYPES, SchedulerConfig
+from lmserve.config import (
+    GEMMA_MODEL_TYPES,
+    QK_NORM_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    SchedulerConfig,
+    default_layer_types,
+)
+from lmserve.kv_groups import KVCacheGroups, kv_cache_groups, kv_capacity_tokens
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 
 GiB = 1 << 30
@@ -66,6 +73,13 @@ class ModelSpec:
     max_position_embeddings: int
     qk_norm: bool = False  # Qwen3 and Gemma 3 normalize each head's q and k (one RMSNorm weight of head_dim each)
     norms_per_layer: int = 2  # Gemma's sandwich: four
+    # Each layer's attention ("full_attention" / "sliding_attention") and the window: a sliding layer's KV holds
+    # its window, not the whole context (lmserve.kv_groups, as the engine groups them).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def kv_groups(self, hybrid: bool = True) -> KVCacheGroups:
+        return kv_cache_groups(self.layer_types or ("full_attention",) * self.num_layers, self.sliding_window, hybrid)
     # Bits a parameter as a GGUF stores its weights (a Q4_K_M file: ~5), which the engine keeps (worker/
     # stored_formats.py); None for float checkpoints, whose weights take the plan's dtype.
     stored_bits: float | None = None
@@ -104,6 +118,9 @@ class ModelSpec:
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
             qk_norm=model_type in QK_NORM_MODEL_TYPES,
             norms_per_layer=4 if model_type in GEMMA_MODEL_TYPES else 2,
+            layer_types=tuple(cfg.get("layer_types") or default_layer_types(
+                model_type, int(cfg["num_hidden_layers"]), cfg.get("sliding_window"))),
+            sliding_window=cfg.get("sliding_window"),
         )
 
     @property
@@ -353,15 +370,26 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
                      "engine also keeps a 2-byte copy of the decoder layers for prompt rows unless "
                      "--batched-weights none")
 
+    groups = spec.kv_groups()
+    if groups.is_hybrid or groups.windows[0]:
+        notes.append(f"sliding-window layers hold at most their window ({spec.sliding_window} positions) and a "
+                     f"step's chunk; a {context}-token request holds "
+                     f"{groups.request_blocks(context, bs, settings.max_num_batched_tokens)} blocks of "
+                     f"{groups.slots if groups.is_hybrid else spec.num_layers} layers")
+
+    def request_blocks(tokens: int) -> int:
+        return groups.request_blocks(tokens, bs, settings.max_num_batched_tokens)
+
     devices = []
     for stage in range(layout.pp):
         layers = layers_in_stage(spec.num_layers, layout.pp, stage)
+        block_layers = groups.slots if groups.is_hybrid else layers  # a hybrid block holds `slots` layers
         heads = kv_heads_per_rank(spec, layout.tp)
         weights = spec.weight_bytes(sum(stage_params(spec, layout, stage).values()), nbytes)
         activations = activation_bytes(spec, layout.tp, settings.max_num_batched_tokens, nbytes)
         logits = logits_bytes(spec, settings) if stage == layout.pp - 1 else 0
         kv_bytes = memory - weights - activations - logits - settings.overhead
-        per_block = kv_bytes_per_block(layers, heads, spec.head_dim, bs, kv_nbytes)
+        per_block = kv_bytes_per_block(block_layers, heads, spec.head_dim, bs, kv_nbytes)
         blocks = max(0, kv_bytes // per_block)
         devices.append(DeviceBudget(
             stage, memory, weights, activations, logits, settings.overhead, layers, heads,
@@ -369,9 +397,11 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         ))
 
     min_blocks = min(d.kv_blocks for d in devices)
-    # The engine hands out whole blocks, so a request of `context` tokens costs ceil(context / bs) of them.
-    max_concurrency = min_blocks // blocks_needed(context, bs)
-    max_context = min(max_model_len, min_blocks // settings.concurrency * bs)
+    # The engine hands out whole blocks, so a request of `context` tokens costs ceil(context / bs) of them (per
+    # KV-cache group: a sliding one holds its window).
+    max_concurrency = min_blocks // request_blocks(context)
+    max_context = min(max_model_len, kv_capacity_tokens(min_blocks // settings.concurrency, bs, max_model_len,
+                                                        groups, settings.max_num_batched_tokens))
     return Plan(
         model=spec.name,
         num_params=spec.num_params,
@@ -390,7 +420,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         devices=devices,
         max_concurrency=max_concurrency,
         max_context=max_context,
-        shortage=_shortage(devices, settings.concurrency * blocks_needed(context, bs), context, settings),
+        shortage=_shortage(devices, settings.concurrency * request_blocks(context), context, settings),
         notes=notes,
     )
 

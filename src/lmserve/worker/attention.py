@@ -126,6 +126,8 @@ class AttentionMetadata:
     backend: str  # the attention backend this metadata was built for
     # sdpa only: int64 [num_decodes], each decode's context length (its position + 1), for sliding-window masks.
     decode_context: torch.Tensor | None = None
+    # With sliding layers in KV-cache groups of their own: every group's metadata (this one is group 0's).
+    groups: list[AttentionMetadata] | None = field(default=None, repr=False)
     _cache_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _window_masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
 

@@ -16,6 +16,7 @@ from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerC
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
 from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.heap import release_freed_heap
+from lmserve.kv_groups import model_kv_groups
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.models import load_model_config, resolve_model
 from lmserve.outputs import Logprobs
@@ -197,28 +198,38 @@ class ModelRunner:
         )
         self.kv_cache_dtype = check_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.attention_backend)
         logger.info("attention backend: %s, KV cache in %s", self.attention_backend, self.kv_cache_dtype)
+        # Sliding-window layers in groups of their own (lmserve.kv_groups): then a block holds `slots` layers.
+        self.kv_groups = model_kv_groups(self.hf_config, hybrid=not cache_config.disable_hybrid_kv_cache_manager)
+        model.kv_layer_groups = self.kv_groups.layer_groups
         # Every rank holds as many blocks (one block table serves them all): size them for the largest stage.
         largest_stage = len(stage_layers(self.hf_config.num_hidden_layers, self.layout.pp_size, 0))
+        layers_per_block = self.kv_groups.slots if self.kv_groups.is_hybrid else largest_stage
         per_block = kv_bytes_per_block(
-            largest_stage, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
+            layers_per_block, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
         )
         scheduler_config = scheduler_config or SchedulerConfig()
+        blocks_per_request = self.kv_groups.request_blocks(
+            self.max_model_len, self.block_size, scheduler_config.max_num_batched_tokens
+        )
         self.num_blocks = num_kv_blocks(cache_config, per_block, self.device, lambda: measure_cuda_memory(
             self.device, lambda: profiling_step(
                 model, scheduler_config.max_num_batched_tokens, self.max_model_len, scheduler_config.max_num_seqs,
                 self.block_size, self.attention_backend, self.kv_cache_dtype,
             ),
-        ), most_blocks_usable=scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size))
+        ), most_blocks_usable=scheduler_config.max_num_seqs * blocks_per_request)
         k_shape, v_shape = kv_cache_shapes(
             self.attention_backend, self.num_blocks, num_kv_heads, self.block_size, head_dim
         )
-        self.kv_caches = [
+        tensors = [
             (
                 zeroed_lazily(k_shape, self.kv_cache_dtype, self.device),
                 zeroed_lazily(v_shape, self.kv_cache_dtype, self.device),
             )
-            for _ in range(model.num_layers)
+            for _ in range(layers_per_block if self.kv_groups.is_hybrid else model.num_layers)
         ]
+        # Layer i's K/V: its slot's tensors at its group's block ids (hybrid), else its own tensors.
+        self.kv_caches = ([tensors[self.kv_groups.layer_slots[i]] for i in model.stage_layers]
+                          if self.kv_groups.is_hybrid else tensors)
         tokens = self.num_blocks * self.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at %d tokens per request: %.1f",
@@ -256,12 +267,21 @@ class ModelRunner:
                 sampling.append(r)
         positions = np.concatenate([np.arange(r.start_position, r.start_position + r.num_tokens) for r in order])
         prompt_ends = np.repeat([len(r.prompt_token_ids) for r in order], [r.num_tokens for r in order])
-        chunks = [ScheduledChunk(r.start_position, r.num_tokens, r.block_ids) for r in order]
         dev = self.device
+        attn = [
+            build_metadata(
+                [ScheduledChunk(r.start_position, r.num_tokens, r.group_block_ids[group] if r.group_block_ids
+                                else r.block_ids) for r in order],
+                self.block_size, self.attention_backend, dev, self.dtype,
+            )
+            for group in range(self.kv_groups.num_groups)
+        ]
+        if len(attn) > 1:
+            attn[0].groups = attn  # each layer reads its group's tables (LlamaForCausalLM.forward)
         return BatchInputs(
             input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.as_tensor(positions, device=dev),
-            attn=build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype),
+            attn=attn[0],
             logits_indices=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
             sampling=sampling,
             prompt_scoring=prompt_scoring,

@@ -16,6 +16,7 @@ import torch
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout, destroy_parallel_groups, init_parallel_groups
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from lmserve.kv_groups import KVCacheGroups
 from lmserve.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class WorkerInfo:
     # Prompt tokens and generated ones go through different arithmetic (prompt-bf16), so a block's K/V depends on
     # which of its tokens were prompt tokens: the prefix cache keys such blocks apart (engine/kv_cache.py).
     prompt_rows_computed_apart: bool = False
+    kv_groups: KVCacheGroups | None = None  # the layers' KV-cache groups (sliding windows in tables of their own)
 
 
 class Worker:
@@ -57,7 +59,7 @@ class Worker:
     def info(self) -> WorkerInfo:
         runner = self.runner
         return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
-                          prompt_rows_computed_apart=runner.prompt_copies)
+                          prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)

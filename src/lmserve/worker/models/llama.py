@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MODEL_TYPES, default_layer_types
+from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MODEL_TYPES, model_layer_types
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
@@ -96,10 +96,7 @@ class RMSNorm(nn.Module):
 def layer_types(config: PretrainedConfig) -> list[str]:
     """Each layer's attention, as transformers names it: "full_attention", or "sliding_attention" (a window of
     config.sliding_window positions); the architecture's pattern where a config does not list them."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return list(types)
-    return default_layer_types(config.model_type, config.num_hidden_layers, getattr(config, "sliding_window", None))
+    return model_layer_types(config)
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention") -> dict:
@@ -396,6 +393,8 @@ class LlamaForCausalLM(nn.Module):
         self.final_logit_softcap = getattr(config, "final_logit_softcapping", None) or 0.0
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.stage_layers = layout.stage_layers(config.num_hidden_layers)
+        # Each layer's KV-cache group (lmserve.kv_groups), set by the runner when sliding layers have their own.
+        self.kv_layer_groups: Sequence[int] = (0,) * config.num_hidden_layers
         # The embedding lives on the first stage, and on the last too when it is also the output layer.
         needs_embedding = layout.is_first_stage or (layout.is_last_stage and self.tie_word_embeddings)
         self.embed_tokens = (
@@ -434,9 +433,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = intermediate
         rope = {kind: rotary.tables(positions) for kind, rotary in self.rotary.items()}
-        layers = [self.layers[i] for i in self.stage_layers]
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x, residual = layer(rope[layer.self_attn.layer_type], x, residual, kv_cache, md)
+        groups = getattr(md, "groups", None)  # per KV-cache group, where sliding layers have tables of their own
+        for index, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
+            layer = self.layers[index]
+            layer_md = groups[self.kv_layer_groups[index]] if groups else md
+            x, residual = layer(rope[layer.self_attn.layer_type], x, residual, kv_cache, layer_md)
         if self.norm is None:
             return x, x if residual is None else residual
         return self.norm(x, residual)[0]
