@@ -176,3 +176,36 @@ def test_five_bit_blocks_run_at_their_stored_size_with_the_files_values(stored_t
     for i in range(9):  # each row's bits its own
         assert torch.equal(layer(x[i : i + 1]), got[i : i + 1]), i
     assert stored_type in kernel_formats() and exact_kernel_format([stored_type], kernel_formats()) == stored_type
+
+
+@pytest.mark.parametrize("activations", ["float32", "int16"])
+def test_q8_0_rows_read_back_out_of_either_kernel_layout(activations: str) -> None:
+    """The panels of 8 rows (float activations) and the int16 kernel's groups of 16 give back the file's blocks of any
+    row, bit for bit: what lets a tied embedding look its rows up in the output layer."""
+    if activations == "int16" and not int16_kernel_loads():
+        pytest.skip("the int16 kernels did not build")
+    blocks = random_stored_blocks("q8_0", 48, 3, seed=5)
+    layer = Q8_0Linear(StoredBlocks("q8_0", torch.from_numpy(blocks.copy())), None, activations=activations)
+    assert layer.activations == activations
+    rows = np.array([0, 7, 8, 15, 16, 31, 47, 3])
+    assert np.array_equal(layer.stored_rows(rows), blocks[rows])
+
+
+def test_a_tied_q8_0_embedding_is_held_once_and_looks_up_the_files_rows(default_source) -> None:
+    """The default model ties its Q8_0 embedding to the output layer: the embedding drops its copy and reads its rows
+    out of the output layer's kernel layout, which gives exactly the file's values for every token."""
+    from lmserve.models import read_gguf_header, read_gguf_tensor
+
+    config = load_hf_config(default_source)
+    formats = kernel_formats()
+    stored = stored_matrix_types(default_source)
+    model = build_model(config, 64, CPU, torch.float32, block_method="q4_1",
+                        stored_types=runnable_types(stored, formats), formats=formats)
+    model.load_weights(load_weights(default_source, torch.float32, blocks=STORED_BLOCK_TYPES))
+    embedding = model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and embedding.rows_source is model.lm_head
+    assert embedding.blocks.numel() == 0
+    info = next(t for t in read_gguf_header(default_source.path).tensors if t.name == "token_embd.weight")
+    expected = torch.from_numpy(read_gguf_tensor(default_source.path, info))
+    every_token = torch.arange(config.vocab_size).view(96, -1)
+    assert torch.equal(embedding(every_token).view(config.vocab_size, -1), expected)

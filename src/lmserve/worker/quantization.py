@@ -515,6 +515,31 @@ class BlockQuantizedLinear(nn.Module):
                     setattr(self, attribute, copy)
         return copy
 
+    def stored_rows(self, rows: np.ndarray) -> np.ndarray | None:
+        """The file's blocks of some output rows, [len(rows), in_features / 32, bytes] in llama.cpp's layout, read
+        back out of the kernel's layout (a tied embedding looks its rows up here instead of keeping its own copy);
+        None where the layout is not one this reads (q8_0's panels of 8 rows and its int16 groups of 16 are)."""
+        if self.method != "q8_0":
+            return None
+        num_blocks, rows = self.in_features // BLOCK_SIZE, np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), num_blocks, BLOCK_BYTES["q8_0"]), np.uint8)
+        if self.activations == "int16":  # per 16 rows and block: 16 d's, then q[n][4j + e] + 128 at 64j + 4n + e
+            source = self.blocks.numpy().reshape(-1, num_blocks, 32 + 512)
+            group, n = rows // 16, rows % 16
+            k = np.arange(32)
+            quants = source[group[:, None, None], np.arange(num_blocks)[None, :, None],
+                            (32 + 64 * (k // 4) + k % 4)[None, None, :] + 4 * n[:, None, None]]
+            out[:, :, 2:] = quants ^ 0x80  # q + 128 back to int8's bytes
+        else:  # pack_blocks: per 8 rows and block, 8 d's, then q[r][c] at 8c + r
+            source = self.blocks.numpy().reshape(-1, num_blocks, PANEL_ROWS * BLOCK_BYTES["q8_0"])
+            group, n = rows // PANEL_ROWS, rows % PANEL_ROWS
+            quants = source[group[:, None, None], np.arange(num_blocks)[None, :, None],
+                            (2 * PANEL_ROWS + PANEL_ROWS * np.arange(32))[None, None, :] + n[:, None, None]]
+            out[:, :, 2:] = quants
+        scales = source[group[:, None, None], np.arange(num_blocks)[None, :, None], 2 * n[:, None, None] + np.arange(2)]
+        out[:, :, :2] = scales
+        return out
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weights these blocks hold."""
         out = torch.empty(self.out_features, self.in_features)

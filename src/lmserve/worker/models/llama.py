@@ -639,6 +639,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
         finish_block_linears(self)
+        if self.tie_word_embeddings and isinstance(self.embed_tokens, BlockEmbedding) and self.lm_head is not None:
+            self.embed_tokens.share_rows_of(self.lm_head)  # the tied blocks held once, where the layouts allow
 
     def _shard_rows(self, fused_name: str, shard: int, layer: nn.Module | None = None) -> tuple[int, int]:
         """Where this tensor rank's rows of q, k, v, gate or up go in the fused matrix: (first row, rows)."""
