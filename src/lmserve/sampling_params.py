@@ -45,6 +45,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like)
     json_object: bool | None = None  # any JSON object
+    # The grammar starts after this token (a reasoning model's end of thinking, `</think>`): the thinking before it
+    # is free, the answer after it constrained. Set by the server under --reasoning-parser, not by clients.
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -198,6 +201,8 @@ class SamplingParams:
             "stop_token_ids": self.stop_token_ids,
             "allowed_token_ids": self.allowed_token_ids or [],
             "logit_bias": list(self.logit_bias or ()),
+            "structured_outputs": [t for t in [getattr(self.structured_outputs, "after_token_id", None)]
+                                   if t is not None],
         }
 
     @property

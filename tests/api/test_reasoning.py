@@ -155,3 +155,28 @@ def test_a_grammar_from_the_first_token_means_no_thinking_to_split(oai: openai.O
 def test_an_unknown_reasoning_parser_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="--reasoning-parser"):
         ToolConfig(reasoning_parser="o1")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "deferred"),
+    [
+        ("user: hi assistant:", True),  # Qwen3 thinking: the model opens <think> itself
+        ("user: hi assistant: <think>", True),  # DeepSeek-R1's template opens it
+        ("user: hi assistant: <think> </think>", False),  # Qwen3 with enable_thinking false: closed in the prompt
+        ("<think> old </think> user: hi assistant: <think>", True),  # an earlier turn's thinking, then a new one
+    ],
+)
+def test_a_grammar_starts_after_the_thinking_unless_the_prompt_closed_it(prompt: str, deferred: bool) -> None:
+    from lmserve.api.protocol import ChatCompletionRequest
+    from lmserve.api.serving import OpenAIServing
+    from lmserve.metrics.recorder import StatsRecorder
+
+    engine = LastMessageEngine()
+    serving = OpenAIServing(engine, MODEL, StatsRecorder(MODEL), ToolConfig(reasoning_parser="qwen3"))
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                "response_format": {"type": "json_object"}})
+    params = req.to_sampling_params({})
+    reasoning = serving._reasoning_output(req, params, engine.tokenize(prompt))
+    end = engine.tokenize("</think>")[0]
+    assert (reasoning is not None) == deferred
+    assert params.structured_outputs.after_token_id == (end if deferred else None)

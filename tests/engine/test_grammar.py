@@ -121,3 +121,20 @@ def test_a_compiling_grammar_waits_alone_and_a_failed_one_ends_its_request(monke
     assert list(out.grammar.matchers) == ["constrained"] and out.grammar.fill(["constrained"]).shape == (1, 2)
     failed = [o for o in outputs if o.request_id == "failing"]
     assert failed and failed[0].finish_reason == "abort"
+
+
+def test_a_grammar_that_starts_after_a_token_leaves_the_thinking_before_it_free(llm: LLM) -> None:
+    """A reasoning model's grammar starts after its `</think>` (StructuredOutputsParams.after_token_id, set by the
+    server under --reasoning-parser): a token the grammar would refuse is sampled freely until that token, and the
+    grammar holds from the next one on. Here a logit bias forces a stand-in token, which the choice refuses."""
+    stand_in = llm.tokenizer.encode(" Hmm", add_special_tokens=False)[0]
+    bias = {stand_in: 100.0}
+    deferred = StructuredOutputsParams(choice=["yes", "no"], after_token_id=stand_in)
+    out = llm.generate("Is water wet?", SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias,
+                                                      structured_outputs=deferred))[0].outputs[0]
+    assert out.token_ids[0] == stand_in and out.finish_reason == "stop"
+    assert llm.tokenizer.decode(out.token_ids[1:], skip_special_tokens=True) in ("yes", "no")  # the grammar
+    at_once = StructuredOutputsParams(choice=["yes", "no"])
+    out = llm.generate("Is water wet?", SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias,
+                                                      structured_outputs=at_once))[0].outputs[0]
+    assert stand_in not in out.token_ids and out.text in ("yes", "no")

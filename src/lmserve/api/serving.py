@@ -31,7 +31,7 @@ from lmserve.api.protocol import (
     TokenizeResponse,
     chat_template_options,
 )
-from lmserve.api.reasoning_parsers import get_reasoning_parser
+from lmserve.api.reasoning_parsers import THINK_END, THINK_START, get_reasoning_parser
 from lmserve.api.responses import (
     ResponseBody,
     ResponseEvents,
@@ -230,13 +230,33 @@ class OpenAIServing:
         params.structured_outputs = StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
         return ToolOutput(choice, max_calls=max_calls)
 
-    def _reasoning_output(self, req: ChatCompletionRequest, params: SamplingParams) -> ReasoningOutput | None:
-        """The thinking to split from the answer, under --reasoning-parser. Not where a grammar constrains the output
-        from its first token (response_format, structured_outputs, a forced tool call): the model cannot think
-        there, and what it writes is all answer. (vLLM starts the grammar after the thinking instead.)"""
-        if self.tools.reasoning_parser is None or params.structured_outputs is not None or req.echo:
+    def _reasoning_output(
+        self, req: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> ReasoningOutput | None:
+        """The thinking to split from the answer, under --reasoning-parser. A grammar (response_format,
+        structured_outputs, a forced tool call) then constrains the answer only: it starts after `</think>`, as
+        vLLM's does, so the model thinks freely first. Where the prompt already closed the thinking (Qwen3's
+        enable_thinking false) or the vocabulary has no single `</think>` token, the grammar runs from the first
+        token and the whole output is the answer."""
+        if self.tools.reasoning_parser is None or req.echo:
             return None
+        spec = params.structured_outputs
+        if spec is not None:
+            end, start = self._single_token(THINK_END), self._single_token(THINK_START)
+            if end is None:
+                return None
+            last = {token: i for i, token in enumerate(prompt_token_ids) if token in (start, end)}
+            if end in last and last[end] > last.get(start, -1):
+                return None  # the template closed the thinking: no reasoning to split
+            spec.after_token_id = end
         return ReasoningOutput(get_reasoning_parser(self.tools.reasoning_parser), req.include_reasoning is not False)
+
+    def _single_token(self, text: str) -> int | None:
+        try:
+            ids = self.client.tokenize(text, add_special_tokens=False)
+        except ValueError:
+            return None
+        return ids[0] if len(ids) == 1 else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         group, choices, response_id = self._chat(req, raw)
@@ -261,11 +281,12 @@ class OpenAIServing:
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        reasoning = self._reasoning_output(req, params, prompt_token_ids)  # may defer the grammar: before the group
         group = self._group(req, [prompt_token_ids], params, [response_id], raw)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         echoed = req.echoed_text()
         choices = ChatChoices(req.num_choices, num_top, self.client.decode_token, req.prompt_logprobs, tool_output,
-                              echoed, self._reasoning_output(req, params))
+                              echoed, reasoning)
         return group, choices, response_id
 
     async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:

@@ -27,6 +27,8 @@ class GrammarState:
     compiled: Future
     matcher: Any = None  # xgrammar.GrammarMatcher once compiled
     error: str | None = None
+    # The token the grammar starts after (StructuredOutputsParams.after_token_id) until the request samples it.
+    waiting_for: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -45,7 +47,10 @@ class GrammarManager:
     def add(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs
         if spec is not None:
-            request.grammar = GrammarState(self._executor.submit(self._compile, *spec.key))
+            request.grammar = GrammarState(self._executor.submit(self._compile, *spec.key),
+                                           waiting_for=spec.after_token_id)
+            if spec.after_token_id is not None and spec.after_token_id in request.output_token_ids:
+                request.grammar.waiting_for = None  # resumed after a preemption past the thinking
 
     def _compile(self, kind: str, text: str) -> Any:
         xgr = xgrammar()
@@ -72,7 +77,8 @@ class GrammarManager:
 
     def batch(self, requests: list[Request]) -> GrammarBatch | None:
         """The grammars of the constrained requests among this step's sampling ones (None when there are none)."""
-        constrained = [r for r in requests if r.grammar is not None and r.grammar.matcher is not None]
+        constrained = [r for r in requests if r.grammar is not None and r.grammar.matcher is not None
+                       and r.grammar.waiting_for is None]
         if not constrained:
             return None
         if self._batch_matcher is None:
@@ -88,6 +94,10 @@ class GrammarManager:
         """Advances the request's matcher; True when the grammar has ended (the request is complete)."""
         state = request.grammar
         if state is None or state.matcher is None:
+            return False
+        if state.waiting_for is not None:  # still thinking: the grammar starts after this token
+            if token_id == state.waiting_for:
+                state.waiting_for = None
             return False
         if not state.matcher.accept_token(token_id):
             logger.warning("request %s sampled token %d outside its grammar", request.request_id, token_id)
