@@ -114,11 +114,8 @@ class OpenAIServing:
         finally:
             await group.close()
 
-    async def _respond(
-        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str,
-        return_timeline: bool,
-    ) -> Response:
-        """The non-streamed answer: every output collected (aborted if the client leaves), then one JSON body."""
+    async def _collect_into(self, group: RequestGroup, choices: Choices, raw: Request) -> None:
+        """Every output of the group folded into the choices (aborted if the client leaves first)."""
         try:
             collected = await until_disconnect(self._collect(group), raw)
         except BaseException:
@@ -126,6 +123,13 @@ class OpenAIServing:
             raise
         for prompt_index, out in collected:
             choices.add(prompt_index, out)
+
+    async def _respond(
+        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str,
+        return_timeline: bool,
+    ) -> Response:
+        """The non-streamed answer: every output collected (aborted if the client leaves), then one JSON body."""
+        await self._collect_into(group, choices, raw)
         response = response_type(
             id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage(),
             timelines=group.timeline_dicts() if return_timeline else None, **choices.response_fields(),
@@ -298,13 +302,7 @@ class OpenAIServing:
         group, choices, _ = self._chat(chat, raw)
         shell = ResponseShell(req, self.model_name)
         if not chat.stream:
-            try:
-                collected = await until_disconnect(self._collect(group), raw)
-            except BaseException:
-                group.record(delivered=False)
-                raise
-            for prompt_index, out in collected:
-                choices.add(prompt_index, out)
+            await self._collect_into(group, choices, raw)
             choice = choices.final_choices()[0]
             body = shell.body(status_of(choice.finish_reason), output_items(choice), choices.usage())
             return RecordedJSONResponse(ResponseBody(**body), group)
