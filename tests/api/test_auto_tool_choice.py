@@ -102,3 +102,14 @@ def test_tools_without_tool_choice_mean_auto_which_needs_a_parser(no_parser: ope
     assert answer.message.tool_calls is None and answer.message.content == "user: hi assistant:"
     plain = no_parser.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert plain.choices[0].message.content == "user: hi assistant:"
+
+
+def test_a_streamed_call_comes_as_vllm_sends_it_name_first_then_its_arguments(oai: openai.OpenAI) -> None:
+    pieces = [c.choices[0].delta.tool_calls for c in ask(oai, CALLING, stream=True) if c.choices]
+    pieces = [p for p in pieces if p]
+    head, *fragments = [call for piece in pieces for call in piece]
+    assert head.id and head.type == "function" and head.function.name == "get_weather"
+    assert not head.function.arguments
+    assert fragments and all(f.id is None and f.function.name is None for f in fragments)
+    assert json.loads("".join(f.function.arguments for f in fragments)) == {"city": "Paris"}
+    assert len(pieces) >= 2  # the name and the arguments in chunks of their own

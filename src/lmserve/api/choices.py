@@ -14,7 +14,9 @@ from lmserve.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     DecodeToken,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     Prompt,
     PromptLogprobs,
     UsageInfo,
@@ -205,6 +207,18 @@ class CompletionChoices(Choices):
         return choices
 
 
+def split_call_heads(calls: list[DeltaToolCall]) -> tuple[list[DeltaToolCall], list[DeltaToolCall]]:
+    """The calls' first deltas without their arguments (id, type, name), and then every argument fragment."""
+    heads = [DeltaToolCall(index=c.index, id=c.id, type=c.type, function=DeltaFunctionCall(name=c.function.name,
+                                                                                             arguments=""))
+             for c in calls if c.id is not None]
+    if not heads:
+        return [], calls
+    rest = [DeltaToolCall(index=c.index, function=DeltaFunctionCall(arguments=c.function.arguments))
+            for c in calls if c.function.arguments]
+    return heads, rest
+
+
 class ChatChoices(Choices):
     def __init__(
         self, n: int, num_top_logprobs: int | None, decode_token: DecodeToken, num_prompt_logprobs: int | None = None,
@@ -241,11 +255,19 @@ class ChatChoices(Choices):
             if self.tool_output is not None:
                 stream = self.tool_streams.setdefault(index, self.tool_output.stream())
                 content, calls = stream.feed(text, finished=child.finish_reason is not None)
-                delta = DeltaMessage(content=content, tool_calls=calls or None, reasoning_content=thinking)
                 if finish_reason is not None and stream.num_calls:
                     finish_reason = self.tool_output.calls_finish_reason
                 if not (content or calls or thinking or finish_reason or child.logprobs):
                     continue
+                heads, calls = split_call_heads(calls)
+                if heads:  # vLLM's shape: a call's id, type and name in one chunk, its arguments in the next
+                    choices.append(ChatCompletionStreamChoice(
+                        index=index, delta=DeltaMessage(content=content, tool_calls=heads, reasoning_content=thinking),
+                    ))
+                    content = thinking = None
+                    if not (calls or finish_reason or child.logprobs):
+                        continue  # nothing left for a second chunk (the arguments were empty)
+                delta = DeltaMessage(content=content, tool_calls=calls or None, reasoning_content=thinking)
             elif not (thinking or _worth_sending(text, child)):
                 continue
             elif self.reasoning is not None and not text:
