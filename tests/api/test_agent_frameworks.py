@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import langchain_openai  # a test dependency (pyproject's test extras): missing, this file fails rather than skips
 import pytest
 from test_api_fake_engine import MODEL, ServerThread
 from test_responses import CALL, RenderingEngine
 
 from lmserve.api.server import build_app
 from lmserve.api.serving import ToolConfig
-
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 def get_weather(city: str) -> str:
