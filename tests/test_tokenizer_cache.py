@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from lmserve.models import ModelSource, load_tokenizer
+from lmserve.models import ModelSource, _saved_tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -39,6 +39,8 @@ def assert_same_tokenizer(got, expected) -> None:
             assert got.encode(text, add_special_tokens=special) == ids, text
             assert got.decode(ids, skip_special_tokens=special) == expected.decode(ids, skip_special_tokens=special)
             assert got.convert_ids_to_tokens(ids) == expected.convert_ids_to_tokens(ids)
+    if expected.chat_template is None:
+        return
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     assert got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         expected.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -62,13 +64,15 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
 
     monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", classmethod(from_pretrained))
     cached = load_tokenizer(default_source)
-    assert calls == [None]  # read from the cache's folder, not converted from the GGUF again
+    assert calls == []  # read from the cache's folder by the constructor, not converted from the GGUF again
     assert_same_tokenizer(cached, converted)
+    assert_same_tokenizer(_saved_tokenizer(entry), transformers.PreTrainedTokenizerFast.from_pretrained(entry))
+    calls.clear()
 
     # A damaged entry is rebuilt, never fatal.
     (entry / "tokenizer.json").write_text("{not json")
     assert_same_tokenizer(load_tokenizer(default_source), converted)
-    assert calls[1:] == [None, default_source.path.name]
+    assert calls == [default_source.path.name]
     assert list((tmp_path / "tokenizers").iterdir()) == [entry] and (entry / "tokenizer.json").stat().st_size > 1000
 
 
@@ -86,3 +90,19 @@ def test_a_changed_file_gets_its_own_entry(
     os.utime(copy, (later, later))
     load_tokenizer(ModelSource("gguf", copy, "copy"))
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+def test_a_cached_gemma_tokenizer_reads_back_as_from_pretrained_builds_it(
+    tiny_gemma3_chat_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is read by the tokenizer's constructor over tokenizer.json (from_pretrained parses the file three
+    more times in Python: a second of start-up for Gemma's vocabulary); a vocabulary with its own added tokens and
+    chat template comes back as from_pretrained reads it."""
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    source = ModelSource("gguf", tiny_gemma3_chat_gguf, "gemma")
+    converted = load_tokenizer(source)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    cached = load_tokenizer(source)
+    assert cached.chat_template and "<start_of_turn>" in cached.chat_template
+    assert_same_tokenizer(cached, converted)
+    assert_same_tokenizer(_saved_tokenizer(entry), transformers.PreTrainedTokenizerFast.from_pretrained(entry))

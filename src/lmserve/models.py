@@ -605,6 +605,30 @@ def end_of_generation_ids(source: ModelSource, tokenizer: transformers.PreTraine
     return ids
 
 
+# What save_pretrained writes into tokenizer_config.json that is not a constructor argument, or that the constructor
+# below cannot take as the file has it (added_tokens_decoder: dicts that from_pretrained turns into AddedTokens).
+_SAVED_CONFIG_NOT_ARGUMENTS = {"tokenizer_class", "is_local", "local_files_only", "auto_map"}
+_SAVED_CONFIG_NEEDS_FROM_PRETRAINED = {"added_tokens_decoder", "extra_special_tokens"}
+
+
+def _saved_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
+    """A tokenizer that _gguf_tokenizer saved. from_pretrained parses tokenizer.json three more times in Python and
+    deep-copies every added token (1.0 s of Gemma 3's 262,144-token vocabulary, 0.4 s of Qwen2.5's, on top of the
+    Rust parse); the constructor over the file builds the same tokenizer (tests/test_models.py holds them equal)."""
+    import transformers
+
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    if config.keys() & _SAVED_CONFIG_NEEDS_FROM_PRETRAINED:
+        return transformers.PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+    arguments = {key: value for key, value in config.items() if key not in _SAVED_CONFIG_NOT_ARGUMENTS}
+    template = directory / "chat_template.jinja"
+    if template.is_file():
+        arguments["chat_template"] = template.read_text()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), name_or_path=str(directory), **arguments
+    )
+
+
 def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges, through its GGUF reader
     (which imports torch): ~3 s of the default model's start-up. What it builds is kept under lmserve's cache
@@ -618,7 +642,7 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     cached = cache_directory() / "tokenizers" / f"{path.stem[:60]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
     if cached.is_dir():
         try:
-            return transformers.PreTrainedTokenizerFast.from_pretrained(cached, local_files_only=True)
+            return _saved_tokenizer(cached)
         except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
             logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
