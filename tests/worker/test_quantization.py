@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 import numpy as np
@@ -306,9 +307,11 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
+    monkeypatch.setattr(quantization, "int16_vnni_kernel_runs", lambda: False)
     monkeypatch.delenv(kernels.DISABLED_FEATURES_VARIABLE, raising=False)  # the CPU is what the patches above say
-    # Without lmserve's AMX kernel, auto keeps float32 activations and fixes each row's path by what the row is: prompt
-    # rows on the float16 copy, generated rows on the block kernel (a request's tokens independent of its batch).
+    # Without lmserve's AMX kernel or the VNNI build of the int16 kernels, auto keeps float32 activations and fixes
+    # each row's path by what the row is: prompt rows on the float16 copy, generated rows on the block kernel (a
+    # request's tokens independent of its batch).
     prompt_fp16 = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
     assert batched_path("auto") == batched_path(None) == batched_path("prompt-fp16") == prompt_fp16
     assert batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)
@@ -318,6 +321,20 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
         batched_path("int4")
     with pytest.raises(ValueError, match="prompt-bf16 needs a CPU with AMX"):
         batched_path("prompt-bf16")
+
+
+def test_auto_keeps_every_row_on_the_blocks_where_the_vnni_int16_kernels_run(monkeypatch) -> None:
+    """There the int16 kernels multiply prompts faster than fbgemm's float16 copy would: no copy is made (the file's
+    size in memory), unless the layers were asked to take float32 activations, whose kernels are slower there."""
+    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
+    monkeypatch.setattr(quantization, "int16_vnni_kernel_runs", lambda: True)
+    assert batched_path("auto") == batched_path("auto", "int16") == batched_path("none")
+    assert batched_path("none") == BatchedPath("none", sys.maxsize)
+    prompt_fp16 = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
+    assert batched_path("auto", "float32") == prompt_fp16
+    assert batched_path("prompt-fp16") == prompt_fp16  # still there when asked for
+    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: True)  # AMX's bfloat16 prompt kernel first
+    assert batched_path("auto") == batched_path("prompt-bf16")
 
 
 def test_auto_sends_prompt_rows_to_the_amx_kernel_where_it_runs(monkeypatch) -> None:

@@ -161,11 +161,11 @@ class ModelRunner:
         self.prompt_copies = False
         self.block_activations = "float32"
         if self.quantization in LAYER_METHODS:
-            self.batched_path = batched_path(model_config.batched_weights)
+            self.block_activations = block_activations(model_config.block_activations)
+            self.batched_path = batched_path(model_config.batched_weights, self.block_activations)
             use_batched_path(model, self.batched_path)
             if self.batched_path.prompt_copies:
                 self.prompt_copies = use_prompt_copies(model.layers) > 0
-            self.block_activations = block_activations(model_config.block_activations)
             if use_block_activations(model, self.block_activations) == 0:
                 self.block_activations = "float32"
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)

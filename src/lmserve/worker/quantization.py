@@ -20,7 +20,8 @@ weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benc
 Where the CPU has AMX, `auto` (`prompt-bf16`) sends the prompt tokens of the decoder layers through lmserve's own AMX
 kernel on a bfloat16 copy (kernels/amx_linear.cpp), 2-10x faster prefill, and keeps every generated token on the
 block kernel: each row's result depends only on the row (prompt or generated), never on the batch or the chunking.
-Elsewhere `auto` (`prompt-fp16`) does the same with fbgemm's float16 copy for the prompt tokens.
+On AVX-512 VNNI without AMX, `auto` (`none`) makes no copy: the int16 block kernels below beat fbgemm's float16 GEMM
+at prompt sizes there. Elsewhere `auto` (`prompt-fp16`) does the same with fbgemm's float16 copy for the prompt tokens.
 Where the kernels build (AVX-512 VNNI or AVX2), `--block-activations auto` (int16) runs the block kernels with the
 activations as 16-bit integers per block of 32 inputs (kernels/int16_activations.cpp): exact integer dot products, so a row's result
 still does not depend on the batch, 1.2-2.7x faster at 1-64 rows, and a next-token KL below 1e-5 from the float32
@@ -87,12 +88,17 @@ class BatchedPath:
     prompt_weights: str = "bf16"
 
 
-def batched_path(setting: str | None = "auto") -> BatchedPath:
+def batched_path(setting: str | None = "auto", activations: str = "int16") -> BatchedPath:
     """Each row's path fixed by what the row is, never by the batch: prompt-bf16 (auto where the CPU has AMX): prompt
-    rows through the AMX kernel on a bfloat16 copy, 2-10x faster prefill; prompt-fp16 (auto elsewhere): prompt rows
-    through fbgemm on a float16 copy, float32 activations. Generated rows go through the block kernel in both, at any
-    batch size. A row's result then depends only on the row (fbgemm's, like the AMX kernel's, does not depend on the
-    other rows of its call).
+    rows through the AMX kernel on a bfloat16 copy, 2-10x faster prefill; none (auto where the block kernels take
+    int16 activations on AVX-512 VNNI: `activations`, the layers' resolved --block-activations): every row on the
+    block kernels, no copy, the file's size in memory; prompt-fp16 (auto elsewhere): prompt rows through fbgemm on a
+    float16 copy, float32 activations. Generated rows go through the block kernel in all three, at any batch size. A
+    row's result then depends only on the row (fbgemm's, like the AMX kernel's, does not depend on the other rows of
+    its call). On VNNI the int16 kernels multiply a 512-row prompt 1.2-1.4x faster than fbgemm's float16 GEMM (q4_1,
+    q8_0, q5_0, q4_k; q6_k 0.75x), so the copy (2 bytes a weight beside the file's ~0.6) bought no speed there
+    (docs/benchmarks.md, "Prompt rows on the stored blocks"); the AVX2 build's kernels are ~2x slower than fbgemm
+    at prompt sizes and keep it.
     fp16: the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the float16 copy above, for prompt and generated rows
     alike: a row's result then depends on its batch's size, by the float16 rounding of the blocks' weights (on an AVX2
     build a seeded request drew another first token in a batch of 16 than alone; logprobs moved by 3e-4). bf16: the bfloat16 copy through oneDNN above a few
@@ -102,7 +108,12 @@ def batched_path(setting: str | None = "auto") -> BatchedPath:
     if setting not in BATCHED_WEIGHTS:
         raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
     if setting == "auto":
-        setting = "prompt-bf16" if amx_kernel_loads() else "prompt-fp16"
+        if amx_kernel_loads():
+            setting = "prompt-bf16"
+        elif activations == "int16" and int16_vnni_kernel_runs():
+            setting = "none"
+        else:
+            setting = "prompt-fp16"
     if setting == "prompt-bf16":
         if not amx_kernel_loads():
             raise ValueError("--batched-weights prompt-bf16 needs a CPU with AMX (amx_tile, amx_bf16, avx512_bf16)")
@@ -150,6 +161,11 @@ def int16_kernel_loads() -> bool:
     if not hasattr(ops, "q4_1_int16_linear"):
         return False
     return not (ops.int16_uses_vnni() and "vnni" in disabled_features())
+
+
+def int16_vnni_kernel_runs() -> bool:
+    """Whether the int16-activation kernels run here in their AVX-512 VNNI build (not the AVX2 one)."""
+    return int16_kernel_loads() and cpu_kernels().int16_uses_vnni()
 
 
 def amx_kernel_loads() -> bool:
