@@ -191,6 +191,58 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
+# Bounds of --speculative-config: drafts a step verifies per request, and the n-gram lengths looked up.
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 64
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config. method ngram (prompt lookup): the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are proposed as
+    the next num_speculative_tokens, and one forward pass verifies them."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's keys and defaults (both lookup bounds 5 when neither is given, one from the other otherwise)."""
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator") or value.get("model"):
+            raise ValueError("speculative_config: a draft model is not supported yet; use {\"method\": \"ngram\", ...}")
+        if method != "ngram":
+            raise ValueError(f"speculative_config: unknown method {method!r}; use one of {', '.join(SPECULATIVE_METHODS)}")
+        k = value.get("num_speculative_tokens")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = 5
+        low = high if low is None else low
+        high = low if high is None else high
+        for name, number, top in (("num_speculative_tokens", k, MAX_SPECULATIVE_TOKENS),
+                                  ("prompt_lookup_min", low, MAX_PROMPT_LOOKUP),
+                                  ("prompt_lookup_max", high, MAX_PROMPT_LOOKUP)):
+            if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= top:
+                raise ValueError(f"speculative_config: {name} must be an integer in [1, {top}], got {number!r}")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) > prompt_lookup_max ({high})")
+        return cls(method, k, low, high)
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    parsed = parse_json_object(value)
+    return None if parsed is None else SpeculativeConfig.from_json(parsed)
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = setting(2048, "positions one engine step computes at most (the token budget)")
@@ -201,6 +253,10 @@ class SchedulerConfig:
     async_scheduling: bool = setting(
         DEFAULT_ASYNC_SCHEDULING, "as vLLM: plan the next step while the current one computes (one rank per engine); "
         "a decoding request is planned before its previous token is known, except with a grammar or prompt logprobs")
+    speculative_config: SpeculativeConfig | None = setting(  # noqa: RUF009 - a dataclasses.field
+        None, 'as vLLM: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (prompt lookup: drafts copied from earlier in the '
+        'sequence, verified in one forward pass; output unchanged)', parse=parse_speculative_config)
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

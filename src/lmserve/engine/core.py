@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from typing import Any
 
 from lmserve.config import EngineConfig
 from lmserve.engine.grammar import GrammarManager
@@ -149,6 +150,8 @@ class EngineCore:
             self.positions_computed.popitem(last=False)
         self.last_step = self._step_record(scheduler_output, started, forward_s)
         self.last_step.num_sampled = len(runner_output.sampled_token_ids)
+        self.last_step.draft_tokens = sum(len(s.draft_token_ids) for s in scheduler_output.scheduled)
+        self.last_step.accepted_tokens = sum(len(t) for t in runner_output.accepted_draft_token_ids.values())
         return outputs
 
     def _step_record(self, scheduler_output: SchedulerOutput, started: float, forward_s: float) -> StepRecord:
@@ -161,6 +164,18 @@ class EngineCore:
             preempted=sorted(scheduler_output.preempted_request_ids),
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
         )
+
+    def _speculation_stats(self) -> dict[str, Any]:
+        speculator = self.scheduler.speculator
+        if speculator is None:
+            return {}
+        stats = speculator.stats
+        return {
+            "spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_position),
+        }
 
     def stats(self, request_ids: Iterable[str] = ()) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
@@ -183,6 +198,7 @@ class EngineCore:
             num_preemptions=self.num_preemptions,
             num_requests_aborted=self.num_aborted,
             num_steps=self.num_steps,
+            **self._speculation_stats(),
             request_positions=positions,
             request_status=status,
         )

@@ -410,6 +410,16 @@ class KVCacheManager:
                     cached[group] = max(cached[group], num_full)
         return True
 
+    def free_beyond(self, request: Request, num_tokens: int) -> None:
+        """Gives back the blocks of the request's tables past the first num_tokens positions (drafts a step
+        rejected). They hold no known token, so none of them is in the prefix cache."""
+        keep = blocks_needed(num_tokens, self.block_size)
+        for table in self.tables.get(request.request_id, ()):
+            surplus = [b for b in table[keep:] if b is not None]
+            del table[keep:]
+            if surplus:
+                self.pool.free_blocks(surplus[::-1])
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first so that its prefix outlives its suffix. Idempotent.
 

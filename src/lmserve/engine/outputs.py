@@ -36,6 +36,9 @@ class ScheduledRequest:
     uses_previous_token: bool = False
     # With sliding-window layers in groups of their own: every group's table, group 0's first (empty otherwise).
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # Speculative decoding: the guesses for the tokens after this step's first one (its last len(...) positions);
+    # every position samples, and the runner keeps the drafts up to the first one its own samples refuse.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +68,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # Per request that asked for them: the prompt logprobs its chunk scored, in prompt order.
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # Per request that verified drafts: the drafts kept, which come before its sampled_token_ids entry (and their
+    # logprobs where the request asked for them).
+    accepted_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_draft_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from lmserve.engine.outputs import (
     SchedulerOutput,
 )
 from lmserve.engine.request import Request, RequestStatus
+from lmserve.engine.speculation import Speculator
 from lmserve.kv_groups import KVCacheGroups, kv_capacity_tokens
 
 
@@ -76,6 +77,8 @@ class Scheduler:
         # Request id -> batches in flight that hold it (their output has not come back). Such a request waits for
         # its output before it is scheduled again, unless async scheduling lets it go ahead (_ahead).
         self._in_flight: Counter[str] = Counter()
+        spec = scheduler_config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
 
     # ---- queue management ----------------------------------------------------------------------------------
 
@@ -176,6 +179,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.speculator is not None:
+            self.speculator.drop(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
@@ -239,12 +244,24 @@ class Scheduler:
             return 0, False
         return 1, True
 
-    def _schedule_one(self, request: Request, num_new_tokens: int, placeholder: bool = False) -> ScheduledRequest:
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """How many drafts a decoding request may verify this step: what the budget leaves beyond its own position,
+        no position at or past max_model_len, and no more tokens than max_tokens still allows."""
+        room = min(budget - 1, self.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return room
+
+    def _schedule_one(self, request: Request, num_new_tokens: int, placeholder: bool = False,
+                      drafts: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new_tokens
         # A decode needs one token; token_slice past the prompt would copy prompt + outputs every step.
         if placeholder:
             token_ids = [PLACEHOLDER_TOKEN_ID]
+        elif drafts:
+            token_ids = [request.token_at(start), *drafts]
         elif num_new_tokens == 1:
             token_ids = [request.token_at(start)]
         else:
@@ -256,12 +273,13 @@ class Scheduler:
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
             group_block_ids=(self.kv_cache_manager.group_block_ids(request.request_id)
                              if self.kv_cache_manager.num_groups > 1 else []),
-            samples=placeholder or start + num_new_tokens == request.num_tokens,
+            samples=placeholder or bool(drafts) or start + num_new_tokens == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             uses_previous_token=placeholder,
+            draft_token_ids=drafts or [],
         )
         if request.num_prompt_logprobs_missing:
             # Position p's logits score prompt token p + 1; positions scored before a preemption are not redone.
@@ -311,6 +329,13 @@ class Scheduler:
             num_new = self._cap(num_new, budget)
             if num_new <= 0:
                 continue
+            if num_new == 1 and not placeholder and self.speculator is not None:
+                drafts = self.speculator.drafts(request, self._draft_room(request, budget))
+                # Drafts never preempt anyone: without the blocks for them, the request decodes plainly.
+                if drafts and kv.allocate_slots(request, 1 + len(drafts)):
+                    scheduled[request.request_id] = self._schedule_one(request, 1 + len(drafts), drafts=drafts)
+                    budget -= 1 + len(drafts)
+                    continue
             while not kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, scheduled)
@@ -384,6 +409,9 @@ class Scheduler:
             token = runner_output.sampled_token_ids.get(planned.request_id)
             if not planned.samples or token is None:
                 continue
+            if planned.draft_token_ids:
+                outputs.append(self._update_drafted(request, planned, runner_output, token))
+                continue
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
             if request.grammar is not None and self.grammar is not None and self.grammar.accept(request, token):
@@ -396,6 +424,37 @@ class Scheduler:
                 output.prompt_logprobs = request.prompt_logprobs
             outputs.append(output)
         return outputs
+
+    def _update_drafted(self, request: Request, planned: ScheduledRequest, runner_output: ModelRunnerOutput,
+                        token: int) -> EngineCoreOutput:
+        """A step that verified drafts: the accepted drafts and the runner's own next token, each checked for a stop
+        as if it had been decoded alone (what follows a stop is dropped); then the positions of the rejected drafts
+        are given back (their K/V is overwritten by later steps; blocks wholly past the request's tokens are freed,
+        and none of them was ever put in the prefix cache, which keys only blocks of known tokens)."""
+        rid = request.request_id
+        accepted = runner_output.accepted_draft_token_ids.get(rid, [])
+        assert self.speculator is not None
+        self.speculator.record(request, len(planned.draft_token_ids), len(accepted))
+        final_logprobs = runner_output.logprobs.get(rid)
+        all_logprobs: list = [None] * (len(accepted) + 1)
+        if final_logprobs is not None:  # the request asked for them: every kept draft has its own too
+            all_logprobs = [*runner_output.accepted_draft_logprobs[rid], final_logprobs]
+        new_tokens, new_logprobs = [], []
+        status = None
+        for new_token, logprobs in zip([*accepted, token], all_logprobs, strict=True):
+            request.output_token_ids.append(new_token)
+            new_tokens.append(new_token)
+            if logprobs is not None:
+                new_logprobs.append(logprobs)
+            status = self._check_stop(request, new_token)
+            if status is not None:
+                break
+        if status is not None:
+            self._finish(request, status)
+        elif request.status == RequestStatus.RUNNING:  # a request preempted meanwhile recomputes from 0 anyway
+            request.num_computed_tokens = request.num_tokens - 1
+            self.kv_cache_manager.free_beyond(request, request.num_tokens)
+        return self._output(request, new_tokens, new_logprobs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -28,7 +28,12 @@ ENGINE_COUNTERS = {
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions": "Requests preempted to free KV cache blocks.",
     "num_requests_aborted": "Requests aborted before they finished.",
+    "spec_decode_num_drafts": "Speculative decoding: steps in which a request verified drafts.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
 }
+PER_POSITION_COUNTER = ("spec_decode_num_accepted_tokens_per_pos",
+                        "Speculative decoding: draft tokens accepted, by their position among a step's drafts.")
 
 # vLLM's buckets, so that histogram_quantile over both servers compares like with like.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -68,6 +73,14 @@ class EngineStatsCollector:
                 for replica in present:
                     metric.add_metric([self.model_name, str(replica.get("engine", "0"))], float(replica[name]))
                 yield metric
+        name, documentation = PER_POSITION_COUNTER
+        present = [r for r in replicas if r.get(name)]
+        if present:
+            metric = CounterMetricFamily(f"lmserve:{name}", documentation, labels=["model_name", "engine", "position"])
+            for replica in present:
+                for position, count in enumerate(replica[name]):
+                    metric.add_metric([self.model_name, str(replica.get("engine", "0")), str(position)], float(count))
+            yield metric
 
 
 class PrometheusMetrics:

@@ -162,6 +162,12 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     num_requests_aborted: int = 0
     num_steps: int = 0
+    # Speculative decoding (vLLM's spec_decode_* counters): steps that verified drafts, drafts proposed and kept,
+    # and how often the draft at each position (0 = the first) was kept.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
     # Only for the request ids a GetStats asked about: positions computed so far, and status.
     request_positions: dict[str, int] = {}
     request_status: dict[str, str] = {}
@@ -172,13 +178,17 @@ class EngineStats(msgspec.Struct):
 # Counts that add up across data-parallel replicas (kv_cache_usage_perc is recomputed from the block counts).
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
                 "kv_blocks_cached_free", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-                "num_requests_aborted", "num_steps")
+                "num_requests_aborted", "num_steps", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens")
 
 
 def sum_engine_stats(replicas: list[EngineStats]) -> EngineStats:
     """One view of several replicas: the counts summed, each replica's own stats under `engines`."""
     total = EngineStats(**{name: sum(getattr(r, name) for r in replicas) for name in SUMMED_STATS})
     total.kv_cache_usage_perc = total.kv_blocks_used / total.kv_blocks_total if total.kv_blocks_total else 0.0
+    per_position = [r.spec_decode_num_accepted_tokens_per_pos for r in replicas]
+    total.spec_decode_num_accepted_tokens_per_pos = [sum(c) for c in zip(*per_position, strict=True)] \
+        if all(per_position) else []
     for replica in replicas:
         # A request lives on one replica; the others report it "gone" with no positions.
         for request_id, positions in replica.request_positions.items():
@@ -203,6 +213,8 @@ class StepRecord(msgspec.Struct):
     num_running: int
     num_waiting: int
     num_sampled: int = 0  # tokens sampled (one per request whose last scheduled position was its newest token)
+    draft_tokens: int = 0  # speculative decoding: drafts this step verified (among the decode positions)
+    accepted_tokens: int = 0  # and those it kept (each one a token beyond num_sampled)
     engine: int = 0  # the data-parallel replica that ran it (set by the front-end's client, not the engine)
 
     @property

@@ -6,7 +6,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -93,7 +93,7 @@ class BatchInputs:
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling: list[ScheduledRequest]  # the requests that sample, in logits order
+    sampling: list[ScheduledRequest]  # the requests that sample, in logits order (a drafted one once per row)
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
     prompt_rows: PromptRows | None = None
 
@@ -262,7 +262,10 @@ class ModelRunner:
                     r.request_id, row + r.prompt_logprobs_row, r.prompt_logprob_targets, r.num_prompt_logprobs
                 ))
             row += r.num_tokens
-            if r.samples:
+            if r.draft_token_ids:
+                logits_rows.extend(range(row - 1 - len(r.draft_token_ids), row))
+                sampling.extend(self._draft_rows(r))
+            elif r.samples:
                 logits_rows.append(row - 1)
                 sampling.append(r)
         positions = np.concatenate([np.arange(r.start_position, r.start_position + r.num_tokens) for r in order])
@@ -350,13 +353,38 @@ class ModelRunner:
         if not self.layout.is_driver:
             return None
         token_ids, logprobs = self._sample(logits, batch.sampling, scheduler_output.grammar)
-        ids = [r.request_id for r in batch.sampling]
-        self.last_sampled.update(zip(ids, token_ids, strict=True))
-        return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
-            logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
-            prompt_logprobs=prompt_logprobs,
-        )
+        output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
+        row = 0
+        while row < len(batch.sampling):
+            r = batch.sampling[row]
+            rid, drafts = r.request_id, r.draft_token_ids
+            if drafts:
+                # The drafts up to the first that this row's own sample differs from, then that sample (or the
+                # sample after the last draft): rejection sampling for a draft that is one fixed guess.
+                kept = 0
+                while kept < len(drafts) and token_ids[row + kept] == drafts[kept]:
+                    kept += 1
+                output.accepted_draft_token_ids[rid] = drafts[:kept]
+                if logprobs[row] is not None:
+                    output.accepted_draft_logprobs[rid] = logprobs[row : row + kept]
+                row += kept
+            output.sampled_token_ids[rid] = token_ids[row]
+            if logprobs[row] is not None:
+                output.logprobs[rid] = logprobs[row]
+            row += 1 + (len(drafts) - kept if drafts else 0)
+        self.last_sampled.update(output.sampled_token_ids)
+        return output
+
+    def _draft_rows(self, r: ScheduledRequest) -> list[ScheduledRequest]:
+        """A drafted request's sampling rows: row i follows the drafts before it, so the penalties and min_tokens
+        that read the output so far see them as tokens already generated."""
+        rows = [r]
+        for i in range(1, len(r.draft_token_ids) + 1):
+            if reads_output_token_ids(r.sampling_params):
+                rows.append(replace(r, output_token_ids=[*r.output_token_ids, *r.draft_token_ids[:i]]))
+            else:
+                rows.append(r)
+        return rows
 
     def _metadata(self, rows: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
         return SamplingMetadata.build(

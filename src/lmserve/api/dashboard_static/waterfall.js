@@ -247,6 +247,7 @@ export function describeStep(step) {
   return `${engine}step ${step.index}: ${prefill + decode} positions (prefill ${prefill} over ${Object.keys(step.prefill).length}` +
     ` requests, decode ${decode}), ${fmtMs(step.duration_s, 1)} (forward ${fmtMs(step.forward_s, 1)}), ` +
     `${step.num_running} running, ${step.num_waiting} waiting` +
+    (step.draft_tokens ? `, drafts ${step.draft_tokens} verified, ${step.accepted_tokens} accepted` : "") +
     (step.preempted.length ? `, preempted ${step.preempted.join(", ")}` : "");
 }
 

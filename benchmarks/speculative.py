@@ -1,0 +1,130 @@
+"""Speculative decoding by prompt lookup (issue 38): one stream, the same server build with and without
+`--speculative-config`, one server at a time, alternating rounds.
+
+Workloads (streamed, temperature 0, one request at a time):
+  editing: a chat request holding a source file of this repository and asking for it back with one rename (the
+    answer repeats the prompt: what prompt lookup is for); --max-tokens output tokens;
+  random: random token-id prompts of 128 tokens, 64 output tokens with ignore_eos (nothing to look up; the target is
+    >= 0.95x plain decoding).
+Reported per setting, medians over rounds: decode tokens/s of one stream ((completion tokens - 1) / time from the
+first to the last token) and time to first token.
+
+    .venv/bin/python benchmarks/speculative.py MODEL.gguf [--rounds 2] [--spec '{"method": "ngram", ...}']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from gguf_peers import free_port, start, wait_ready
+
+ROOT = Path(__file__).resolve().parent.parent
+EDITS = [
+    ("src/lmserve/engine/ngram_proposer.py", "NgramProposer", "PromptLookupProposer"),
+    ("src/lmserve/engine/request.py", "RequestStatus", "RequestState"),
+    ("src/lmserve/engine/dp_router.py", "replica", "engine"),
+]
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+
+
+def stream(url: str, body: dict) -> tuple[float, float, int]:
+    """(time to first token, decode tokens/s, completion tokens) of one streamed request."""
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    assert first is not None and last is not None and tokens > 1
+    return first - started, (tokens - 1) / (last - first), tokens
+
+
+def editing_requests(max_tokens: int) -> list[dict]:
+    requests = []
+    for path, old, new in EDITS:
+        code = (ROOT / path).read_text()[:3000]
+        prompt = (f"Here is a Python file:\n\n```python\n{code}\n```\n\nRename `{old}` to `{new}` everywhere and "
+                  "return the complete file, unchanged otherwise.")
+        requests.append({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                         "temperature": 0})
+    return requests
+
+
+def random_requests(vocab: int, count: int = 4) -> list[dict]:
+    rng = random.Random(0)
+    return [{"prompt": [rng.randrange(100, vocab) for _ in range(128)], "max_tokens": 64, "temperature": 0,
+             "ignore_eos": True} for _ in range(count)]
+
+
+def run_once(model: str, extra: list[str], max_tokens: int) -> dict:
+    port = free_port()
+    proc = start("lmserve", model, port, extra)
+    try:
+        wait_ready(port, proc, time.perf_counter())
+        base = f"http://127.0.0.1:{port}/v1"
+        served = httpx.get(f"{base}/models").json()["data"][0]
+        vocab = 32000  # ids below it are tokens of every vocabulary here (SmolLM2 49k, Qwen2.5 151k, Gemma 262k)
+        stream(f"{base}/completions", {"model": served["id"], "prompt": "Hello", "max_tokens": 4})  # warm-up
+        result: dict = {}
+        for name, url, bodies in (("editing", f"{base}/chat/completions", editing_requests(max_tokens)),
+                                  ("random", f"{base}/completions", random_requests(vocab))):
+            runs = [stream(url, {"model": served["id"], **body}) for body in bodies]
+            result[f"{name}_ttft_s"] = statistics.median(r[0] for r in runs)
+            result[f"{name}_tok_s"] = statistics.median(r[1] for r in runs)
+            result[f"{name}_tokens"] = sum(r[2] for r in runs)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        for line in metrics.splitlines():
+            for counter in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+                if line.startswith(f"lmserve:{counter}{{"):
+                    result[counter] = float(line.split()[-1])
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--spec", default=DEFAULT_SPEC)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    args = parser.parse_args()
+    settings = {"plain": [], "ngram": ["--speculative-config", args.spec]}
+    results: dict[str, list[dict]] = {name: [] for name in settings}
+    for _ in range(args.rounds):
+        for name, extra in settings.items():
+            results[name].append(run_once(args.model, extra, args.max_tokens))
+            print(name, json.dumps(results[name][-1]), flush=True)
+    keys = ["editing_tok_s", "editing_ttft_s", "random_tok_s", "random_ttft_s"]
+    print(f"\n{'':10}" + "".join(f"{k:>16}" for k in keys))
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in results.items()}
+    for name, m in medians.items():
+        print(f"{name:10}" + "".join(f"{m[k]:>16.3f}" for k in keys))
+    print(f"{'ngram/plain':10}" + "".join(f"{medians['ngram'][k] / medians['plain'][k]:>16.2f}" for k in keys))
+    spec = results["ngram"][-1]
+    if spec.get("spec_decode_num_draft_tokens_total"):
+        print(f"acceptance (last round): {spec['spec_decode_num_accepted_tokens_total']:.0f} of "
+              f"{spec['spec_decode_num_draft_tokens_total']:.0f} draft tokens")
+
+
+if __name__ == "__main__":
+    main()

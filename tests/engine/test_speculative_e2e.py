@@ -1,0 +1,155 @@
+"""Speculative decoding (prompt lookup) end to end on the default model: greedy tokens equal plain decoding's, the
+target distribution is kept at temperature > 0, seeded requests do not depend on their batch, logprobs come with the
+kept drafts, and the counters reach the engine's stats and /metrics' collector."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+from lmserve.metrics.prometheus import EngineStatsCollector
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+'''
+# Prompts whose answers copy from them (what lookup is for), and one that does not.
+PROMPTS = [
+    "Here is a function:\n\n" + CODE + "\nThe same function again, unchanged:\n\n",
+    "one two three four five six seven eight nine ten, one two three four five six seven eight nine ten, one two",
+    "The capital of France is",
+]
+
+
+def assert_idle(llm: LLM) -> None:
+    kv = llm.engine.scheduler.kv_cache_manager
+    assert not llm.engine.has_unfinished_requests()
+    assert set(kv.ref_counts()) == {0} and kv.num_free_blocks == kv.num_blocks and not kv.tables
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[LLM]:
+    llm = LLM(dtype="float32", num_blocks=200, max_num_seqs=64)
+    yield llm
+    assert_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def spec() -> Iterator[LLM]:
+    llm = LLM(dtype="float32", num_blocks=200, max_num_seqs=64, speculative_config=SPEC)
+    yield llm
+    assert_idle(llm)
+
+
+def test_greedy_tokens_equal_plain_decoding_alone_and_batched(plain: LLM, spec: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy)]
+    before = spec.engine.stats()
+    batched = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy)]
+    alone = [spec.generate(p, greedy)[0].outputs[0].token_ids for p in PROMPTS]
+    assert batched == expected and alone == expected
+    stats = spec.engine.stats()
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    drafted = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    assert 0 < accepted <= drafted
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
+    assert len(stats.spec_decode_num_accepted_tokens_per_pos) == SPEC["num_speculative_tokens"]
+    assert spec.engine.last_step is not None
+    # The copying prompt took fewer steps than tokens: several tokens came out of one forward pass.
+    steps_before = spec.engine.num_steps
+    spec.generate(PROMPTS[0], greedy)
+    assert spec.engine.num_steps - steps_before < 48 * 0.7
+
+
+def test_stop_strings_max_tokens_and_logprobs_keep_their_meaning(plain: LLM, spec: LLM) -> None:
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=30, stop=["range"]),
+        SamplingParams(temperature=0.0, max_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=20, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3, min_tokens=5),
+    ):
+        expected = plain.generate(PROMPTS[0], params)[0].outputs[0]
+        got = spec.generate(PROMPTS[0], params)[0].outputs[0]
+        assert got.token_ids == expected.token_ids and got.text == expected.text, params
+        assert got.finish_reason == expected.finish_reason
+        if params.logprobs:
+            assert len(got.logprobs) == len(got.token_ids)
+            for a, b in zip(got.logprobs, expected.logprobs, strict=True):
+                assert (a.token_id, a.rank) == (b.token_id, b.rank)
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 3
+
+
+def test_a_seeded_request_draws_the_same_alone_or_in_a_batch(spec: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=32)
+    alone = spec.generate(PROMPTS[0], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=24)
+    outputs = spec.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, seeded, others])
+    assert outputs[1].outputs[0].token_ids == alone
+
+
+def top5_distribution(llm: LLM, prompt_ids: list[int], temperature: float) -> dict[int, float]:
+    """The sampler's distribution with top_k=5 at `temperature`, from the model's raw top-5 logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    top = llm.generate([prompt_ids], params)[0].outputs[0].logprobs[0].top
+    weights = {token: math.exp(logprob / temperature) for token, logprob in top}
+    assert len(weights) == 5
+    return {token: w / sum(weights.values()) for token, w in weights.items()}
+
+
+def chi_square_ok(counts: Counter, expected: dict[int, float]) -> bool:
+    """Counts against a distribution at p = 0.001, rare tokens pooled so every cell expects >= 5 draws."""
+    draws = sum(counts.values())
+    assert set(counts) <= set(expected)
+    cells: dict[str, tuple[float, int]] = {}
+    for token, p in expected.items():
+        key = str(token) if p * draws >= 5 else "rare"
+        e, c = cells.get(key, (0.0, 0))
+        cells[key] = (e + p * draws, c + counts.get(token, 0))
+    chi2 = sum((c - e) ** 2 / e for e, c in cells.values())
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[max(1, len(cells) - 1)]
+    return chi2 < critical
+
+
+def test_the_target_distribution_is_kept_at_temperature_above_zero(plain: LLM, spec: LLM) -> None:
+    """The second generated token is the first one a draft can stand for (the first comes from the prompt's own
+    step). 800 seeded requests (temperature 2, top_k 5: drafts are refused often): their first tokens follow the
+    model's distribution, and the second tokens of those whose first was the most frequent follow the model's
+    distribution after it, each by a chi-square test at p = 0.001 (the seeds make the test deterministic)."""
+    temperature = 2.0
+    prompt_ids = spec.tokenizer.encode(PROMPTS[1])
+    before = spec.engine.stats()
+    draws = 800
+    params = [SamplingParams(temperature=temperature, top_k=5, seed=seed, max_tokens=3) for seed in range(draws)]
+    outputs = [o.outputs[0].token_ids for o in spec.generate([prompt_ids] * draws, params)]
+    first = Counter(ids[0] for ids in outputs)
+    assert chi_square_ok(first, top5_distribution(plain, prompt_ids, temperature)), first
+    likely = first.most_common(1)[0][0]
+    second = Counter(ids[1] for ids in outputs if ids[0] == likely)
+    assert chi_square_ok(second, top5_distribution(plain, [*prompt_ids, likely], temperature)), second
+    stats = spec.engine.stats()
+    drafted = stats.spec_decode_num_drafts - before.spec_decode_num_drafts
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafted >= first[likely]  # the second token was drafted for (the first ends a phrase seen before)
+    assert 0 < accepted < stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+
+
+def test_the_counters_reach_prometheus(spec: LLM) -> None:
+    spec.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=16))
+    collector = EngineStatsCollector("m")
+    stats = spec.engine.stats()
+    collector.stats = {name: getattr(stats, name) for name in stats.__struct_fields__}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in collector.collect() for s in m.samples}
+    labels = (("engine", "0"), ("model_name", "m"))
+    assert samples[("lmserve:spec_decode_num_drafts_total", labels)] == stats.spec_decode_num_drafts > 0
+    assert samples[("lmserve:spec_decode_num_accepted_tokens_total", labels)] == stats.spec_decode_num_accepted_tokens
+    first = ("lmserve:spec_decode_num_accepted_tokens_per_pos_total", (*labels, ("position", "0")))
+    assert samples[first] == stats.spec_decode_num_accepted_tokens_per_pos[0] > 0
