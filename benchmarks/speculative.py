@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup (issue 38): one stream, the same server build with and without
-`--speculative-config`, one server at a time, alternating rounds.
+`--speculative-config`, and llama.cpp's server with and without its own n-gram speculation (`--spec-type
+ngram-simple`) on the same file; one server at a time, alternating rounds.
 
 Workloads (streamed, temperature 0, one request at a time):
   editing: a chat request holding a source file of this repository and asking for it back with one rename (the
@@ -10,6 +11,7 @@ Reported per setting, medians over rounds: decode tokens/s of one stream ((compl
 first to the last token) and time to first token.
 
     .venv/bin/python benchmarks/speculative.py MODEL.gguf [--rounds 2] [--spec '{"method": "ngram", ...}']
+        [--servers lmserve,llama]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
-from gguf_peers import free_port, start, wait_ready
+from gguf_peers import LLAMA_SERVER, free_port, start, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 EDITS = [
@@ -33,6 +35,9 @@ EDITS = [
     ("src/lmserve/engine/dp_router.py", "replica", "engine"),
 ]
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+# llama.cpp's closest method: the last size_n tokens looked up, size_m drafted (its defaults are 12 and 48).
+LLAMA_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8",
+               "--spec-draft-n-max", "8"]
 
 
 def stream(url: str, body: dict) -> tuple[float, float, int]:
@@ -49,6 +54,8 @@ def stream(url: str, body: dict) -> tuple[float, float, int]:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            elif chunk.get("timings"):  # llama-server's own count
+                tokens = chunk["timings"]["predicted_n"]
             if chunk.get("choices"):
                 now = time.perf_counter()
                 first = first or now
@@ -74,9 +81,17 @@ def random_requests(vocab: int, count: int = 4) -> list[dict]:
              "ignore_eos": True} for _ in range(count)]
 
 
-def run_once(model: str, extra: list[str], max_tokens: int) -> dict:
+def start_llama(model: str, port: int, extra: list[str]):
+    import subprocess
+
+    command = [str(LLAMA_SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "8192",
+               "--parallel", "1", *extra]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def run_once(server: str, model: str, extra: list[str], max_tokens: int) -> dict:
     port = free_port()
-    proc = start("lmserve", model, port, extra)
+    proc = start("lmserve", model, port, extra) if server == "lmserve" else start_llama(model, port, extra)
     try:
         wait_ready(port, proc, time.perf_counter())
         base = f"http://127.0.0.1:{port}/v1"
@@ -107,19 +122,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--servers", default="lmserve")
     args = parser.parse_args()
-    settings = {"plain": [], "ngram": ["--speculative-config", args.spec]}
+    settings = {"plain": ("lmserve", []), "ngram": ("lmserve", ["--speculative-config", args.spec])}
+    if "llama" in args.servers.split(","):
+        settings |= {"llama plain": ("llama", []), "llama ngram": ("llama", LLAMA_NGRAM)}
     results: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(args.rounds):
-        for name, extra in settings.items():
-            results[name].append(run_once(args.model, extra, args.max_tokens))
+        for name, (server, extra) in settings.items():
+            results[name].append(run_once(server, args.model, extra, args.max_tokens))
             print(name, json.dumps(results[name][-1]), flush=True)
     keys = ["editing_tok_s", "editing_ttft_s", "random_tok_s", "random_ttft_s"]
-    print(f"\n{'':10}" + "".join(f"{k:>16}" for k in keys))
+    print(f"\n{'':26}" + "".join(f"{k:>16}" for k in keys))
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in results.items()}
     for name, m in medians.items():
-        print(f"{name:10}" + "".join(f"{m[k]:>16.3f}" for k in keys))
-    print(f"{'ngram/plain':10}" + "".join(f"{medians['ngram'][k] / medians['plain'][k]:>16.2f}" for k in keys))
+        print(f"{name:26}" + "".join(f"{m[k]:>16.3f}" for k in keys))
+    pairs = [("ngram", "plain")] + ([("llama ngram", "llama plain"), ("ngram", "llama ngram")] if "llama ngram" in medians else [])
+    for a, b in pairs:
+        print(f"{a + ' / ' + b:26}" + "".join(f"{medians[a][k] / medians[b][k]:>16.2f}" for k in keys))
     spec = results["ngram"][-1]
     if spec.get("spec_decode_num_draft_tokens_total"):
         print(f"acceptance (last round): {spec['spec_decode_num_accepted_tokens_total']:.0f} of "
