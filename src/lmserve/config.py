@@ -276,6 +276,23 @@ class PlacementConfig:
         parse=lambda v: parse_cpus(v) if isinstance(v, str) else v)
 
 
+def cuda_device_index(data_parallel_rank: int, world_size: int, rank: int, device_count: int) -> int:
+    """The GPU of a rank: each data-parallel replica's ranks on GPUs of their own (replica r's world_size ranks on
+    GPUs r * world_size ...), wrapping around when the replicas need more GPUs than the machine has."""
+    return (data_parallel_rank * world_size + rank) % device_count
+
+
+def cpu_share(cpus: list[int], parts: int, index: int) -> list[int]:
+    """Part `index` of `parts` disjoint, contiguous shares of the CPUs (data-parallel replicas, then each replica's
+    ranks), so that no two of them run their compute threads on one core. With fewer CPUs than parts, parts take the
+    CPUs in turn, one each."""
+    cpus = sorted(cpus)
+    if len(cpus) < parts:
+        return [cpus[index % len(cpus)]]
+    size = len(cpus) // parts
+    return cpus[index * size : (index + 1) * size]
+
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -289,6 +306,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = setting(1, "stages that each run consecutive layers", short="-pp")
     data_parallel_size: int = setting(1, "engine replicas behind one front-end, each with its own KV cache",
                                       short="-dp")
+    # Which replica this engine is (set per replica by the front-end, never a flag): its ranks' GPUs follow the
+    # other replicas' (cuda_device_index).
+    data_parallel_rank: int = setting(0, flag=False)
     distributed_executor_backend: str | None = setting(
         None, "how an engine runs its ranks: uni (in the engine process, one rank), mp (one process per rank), "
         "ray (Ray actors, possibly on several machines); default: uni for one rank, mp for more",

@@ -81,10 +81,12 @@ def test_two_replicas_serve_the_openai_client(server: Server, client: openai.Ope
 
 
 def test_concurrent_requests_spread_over_both_replicas(server: Server, client: openai.OpenAI, model: str) -> None:
+    """Chats without a system message all start with the template's default one (more than a block, so the router
+    sees a shared prefix): they must still spread, not all follow the prefix to one replica."""
     steps_before = [r["num_steps"] for r in replicas(server)]
-    threads = [threading.Thread(target=client.completions.create, kwargs={
-        "model": model, "prompt": f"Story {i}", "max_tokens": 24, "extra_body": {"ignore_eos": True}})
-        for i in range(4)]
+    threads = [threading.Thread(target=client.chat.completions.create, kwargs={
+        "model": model, "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 24,
+        "extra_body": {"ignore_eos": True}}) for i in range(6)]
     for thread in threads:
         thread.start()
     for thread in threads:

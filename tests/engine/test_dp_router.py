@@ -4,14 +4,15 @@ fake replicas (what it sends where, what it passes on, how it merges)."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import pytest
 
 from lmserve.config import make_engine_config
+from lmserve.distributed.parallel_state import RankLayout
 from lmserve.engine.dp_client import DataParallelClient, replica_config
-from lmserve.engine.dp_router import DataParallelRouter, prompt_block_hashes
+from lmserve.engine.dp_router import LOAD_SLACK, DataParallelRouter, prompt_block_hashes
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.messages import (
     AbortRequests,
@@ -58,6 +59,21 @@ def test_routing_rules() -> None:
     router.release(["a", "d", "e", "e"])  # idempotent
     assert router.in_flight == [0, 2, 1]
     assert router.route("g", [9] * 40) == 0
+
+
+def test_a_shared_system_prompt_spreads_over_the_replicas() -> None:
+    """Every chat without a system message starts with the template's default one (more than a block): followed
+    alone, the prefix sent all of them to one replica. Within LOAD_SLACK requests of the least loaded a prefix still
+    wins; past it the least loaded replica takes the request (and then holds the prefix too)."""
+    router = DataParallelRouter(2, BS)
+    replicas = [router.route(f"chat{i}", SHARED + [100 + i] * 5) for i in range(32)]
+    assert set(replicas) == {0, 1} and min(Counter(replicas).values()) >= 16 - LOAD_SLACK
+    assert max(router.in_flight) - min(router.in_flight) <= LOAD_SLACK
+    assert replicas[: LOAD_SLACK + 1] == [0] * (LOAD_SLACK + 1)  # the prefix holds while the slack allows
+    # With the load even, the prefix decides again: its latest holder takes a follower.
+    router.release([f"chat{i}" for i in range(32)])
+    owner = router.longest_prefix_owner(prompt_block_hashes(SHARED, BS))
+    assert router.route("later", SHARED + [7]) == owner
 
 
 def test_the_deepest_remembered_block_wins() -> None:
@@ -112,11 +128,34 @@ def test_by_replica_groups_in_flight_ids_only() -> None:
     assert router.by_replica(["a", "b", "gone"]) == {0: ["a"], 1: ["b"]}
 
 
-@pytest.mark.parametrize(("cpus", "dp", "threads", "expected"), [(8, 2, None, 4), (2, 4, None, 1), (8, 2, 3, 3)])
-def test_each_replica_gets_a_share_of_the_cpus(cpus: int, dp: int, threads: int | None, expected: int) -> None:
+@pytest.mark.parametrize(("cpus", "dp", "threads", "expected"), [
+    (8, 2, None, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (2, 4, None, [[0], [1], [0], [1]]),  # fewer CPUs than replicas: one each, in turn
+    (8, 2, 3, [list(range(8))] * 2),  # --engine-threads given: as the user said
+])
+def test_each_replica_gets_its_own_share_of_the_cpus(cpus: int, dp: int, threads: int | None,
+                                                     expected: list[list[int]]) -> None:
     config = make_engine_config(data_parallel_size=dp, engine_threads=threads, engine_cpus=f"0-{cpus - 1}")
-    assert replica_config(config).placement.engine_threads == expected
+    placements = [replica_config(config, i).placement for i in range(dp)]
+    assert [p.engine_cpus for p in placements] == expected
+    assert all(p.engine_threads == threads for p in placements)
     assert config.placement.engine_threads == threads  # the server's own config is left as it was
+
+
+def test_the_ranks_of_a_replica_split_its_share() -> None:
+    """-dp 2 -tp 2 on 8 CPUs: each rank pinned to 2 CPUs of its own with 2 threads, 8 threads in all (each rank took
+    cpus / dp = 4 threads on every CPU before: 16 threads on 8 cores)."""
+    from lmserve.worker.worker import Worker
+
+    config = make_engine_config(data_parallel_size=2, tensor_parallel_size=2, engine_cpus="0-7")
+    seen = []
+    for replica in range(2):
+        for rank in range(2):
+            worker = Worker.__new__(Worker)
+            worker.layout = RankLayout(rank, 2, 1)
+            placement = worker._placement(replica_config(config, replica))
+            seen.append((placement.engine_cpus, placement.engine_threads))
+    assert seen == [([0, 1], 2), ([2, 3], 2), ([4, 5], 2), ([6, 7], 2)]
 
 
 # ------------------------------------------------------------------------------------------------ the client
@@ -234,3 +273,16 @@ def test_offline_llm_refuses_data_parallel() -> None:
 
     with pytest.raises(ValueError, match=r"server feature.*lmserve serve -dp 2"):
         LLM(data_parallel_size=2)
+
+
+def test_each_replica_gets_gpus_of_its_own() -> None:
+    """-dp 2 -tp 2 on 4 GPUs: replica 0's ranks on GPUs 0-1, replica 1's on 2-3 (every replica took GPUs 0-1 before:
+    `rank % device_count`); more replicas than the GPUs allow wrap around."""
+    from lmserve.config import cuda_device_index
+
+    config = make_engine_config(data_parallel_size=2, tensor_parallel_size=2)
+    replicas = [replica_config(config, i).parallel for i in range(2)]
+    assert [p.data_parallel_rank for p in replicas] == [0, 1] and config.parallel.data_parallel_rank == 0
+    gpus = [cuda_device_index(p.data_parallel_rank, p.world_size, rank, 4) for p in replicas for rank in range(2)]
+    assert gpus == [0, 1, 2, 3]
+    assert [cuda_device_index(r, 1, 0, 2) for r in range(4)] == [0, 1, 0, 1]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, cpu_share
 from lmserve.engine.client import EngineCoreClient
 from lmserve.engine.dp_router import DataParallelRouter
 from lmserve.engine.messages import (
@@ -49,14 +49,16 @@ def make_engine_client(config: EngineConfig, log_level: str = "INFO") -> EngineC
     return DataParallelClient(config, log_level)
 
 
-def replica_config(config: EngineConfig) -> EngineConfig:
-    """Each replica's config: without an explicit --engine-threads, an equal share of the CPUs, so that N replicas
-    do not each start one compute thread per CPU and fight over them."""
+def replica_config(config: EngineConfig, index: int = 0) -> EngineConfig:
+    """Replica `index`'s config: its data_parallel_rank (its ranks' GPUs follow the other replicas'), and without an explicit --engine-threads, its own share of the CPUs (--engine-cpus, else
+    the process's), so that N replicas do not each start a compute thread per CPU and fight over them; the replica's
+    ranks then split that share between them (worker.Worker), never all of it each."""
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=index))
     if config.placement.engine_threads is not None:
         return config
-    num_cpus = len(config.placement.engine_cpus or os.sched_getaffinity(0))
-    threads = max(1, num_cpus // config.parallel.data_parallel_size)
-    return dataclasses.replace(config, placement=dataclasses.replace(config.placement, engine_threads=threads))
+    cpus = cpu_share(config.placement.engine_cpus or sorted(os.sched_getaffinity(0)),
+                     config.parallel.data_parallel_size, index)
+    return dataclasses.replace(config, placement=dataclasses.replace(config.placement, engine_cpus=cpus))
 
 
 class DataParallelClient:
@@ -64,15 +66,16 @@ class DataParallelClient:
         num_replicas = config.parallel.data_parallel_size
         self.router = DataParallelRouter(num_replicas, config.cache.block_size, config.cache.enable_prefix_caching)
         self.replicas: list[EngineCoreClient] = []
-        per_replica = replica_config(config)
         try:
             for index in range(num_replicas):
+                per_replica = replica_config(config, index)
                 self.replicas.append(EngineCoreClient(per_replica, log_level, name=f"lmserve-engine-{index}"))
         except BaseException:
             self.shutdown()  # no replica outlives a failed start
             raise
-        logger.info("data parallel: %d engine replicas, %s compute thread(s) each", num_replicas,
-                    per_replica.placement.engine_threads)
+        logger.info("data parallel: %d engine replicas, CPUs %s", num_replicas,
+                    " | ".join(",".join(map(str, replica_config(config, i).placement.engine_cpus or ["all"]))
+                               for i in range(num_replicas)))
         self._ready: list[Ready | None] = [None] * num_replicas
         self._stats: dict[int, list[EngineStats | None]] = {}  # call id -> each replica's reply so far
         self._receiving: dict[int, asyncio.Future] = {}  # replica -> its socket's receive in flight

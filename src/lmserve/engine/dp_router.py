@@ -1,4 +1,5 @@
-"""Which data-parallel replica takes a request: the one that holds its prompt's prefix, else the least loaded.
+"""Which data-parallel replica takes a request: the one that holds its prompt's prefix unless it is busier than the
+least loaded by more than `load_slack` requests, else the least loaded.
 
 Each replica has its own KV cache, so a prompt that shares a prefix with an earlier one only hits the prefix cache
 on the replica that computed it. The router remembers, per block hash (the engine's own chained hash of a full
@@ -6,7 +7,11 @@ block, salt included), which replica last received a prompt with that block; it 
 block the replica has since evicted still attracts its followers, which then recompute it there (no worse than
 anywhere else).
 
-Load is what the front-end sent and has not seen end: requests running or waiting in each replica.
+Load is what the front-end sent and has not seen end: requests running or waiting in each replica. A prefix is worth
+a little load, not any: a chat template's default system prompt puts the same first blocks into every request, and
+following the prefix alone sent every such request to one replica. As SGLang's cache-aware router does (with an
+absolute threshold sized for GPU batches), a replica busier than the least loaded by more than the slack loses the
+request to it, which then holds that prefix too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from lmserve.engine.kv_cache import BlockHash, hash_block_tokens
 
 # Block hashes remembered; at 16 positions a block, 1.6M prompt positions of distinct prefixes (~10 MB).
 MAX_REMEMBERED_BLOCKS = 100_000
+# Requests in flight that a prefix hit may cost over the least loaded replica: a few, since a CPU replica's batch is
+# a handful of requests and one more of them slows every other.
+LOAD_SLACK = 2
 
 
 def prompt_block_hashes(
@@ -35,7 +43,7 @@ def prompt_block_hashes(
 class DataParallelRouter:
     def __init__(
         self, num_replicas: int, block_size: int, enable_prefix_caching: bool = True,
-        max_remembered_blocks: int = MAX_REMEMBERED_BLOCKS,
+        max_remembered_blocks: int = MAX_REMEMBERED_BLOCKS, load_slack: int = LOAD_SLACK,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -43,6 +51,7 @@ class DataParallelRouter:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.max_remembered_blocks = max_remembered_blocks
+        self.load_slack = load_slack
         self.block_owner: OrderedDict[BlockHash, int] = OrderedDict()  # LRU order: oldest first
         self.owner: dict[str, int] = {}  # in-flight engine request id -> its replica
         self.in_flight = [0] * num_replicas
@@ -75,8 +84,9 @@ class DataParallelRouter:
             return self.least_loaded()
         hashes = prompt_block_hashes(prompt_token_ids, self.block_size, cache_salt)
         replica = self.longest_prefix_owner(hashes)
-        if replica is None:
-            replica = self.least_loaded()
+        least = self.least_loaded()
+        if replica is None or self.in_flight[replica] - self.in_flight[least] > self.load_slack:
+            replica = least
         self._remember(hashes, replica)
         return replica
 

@@ -4,12 +4,20 @@ every rank and gives back the driver rank's output. Which executor runs the rank
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from lmserve.config import EngineConfig
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.worker import WorkerInfo
+
+
+def reconciled_info(infos: list[WorkerInfo], driver_rank: int) -> WorkerInfo:
+    """The driver rank's info with the fewest KV blocks any rank sized (vLLM takes the minimum too): each rank sizes
+    its cache from its own free memory, and a block id the engine hands out must exist on every rank. A rank with
+    more keeps its extra blocks unused."""
+    return dataclasses.replace(infos[driver_rank], num_blocks=min(info.num_blocks for info in infos))
 
 
 class RankFailedError(RuntimeError):

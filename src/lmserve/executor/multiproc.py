@@ -30,7 +30,7 @@ import zmq
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from lmserve.executor.base import Executor, RankFailedError, batches_in_flight
+from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self.info = self._ready[self.driver_rank]
+        self.info = reconciled_info([self._ready[rank] for rank in range(self.world_size)], self.driver_rank)
         logger.info("%d ranks ready (pids %s)", self.world_size, ", ".join(str(p.pid) for p in self.procs))
 
     def _broadcast(self, message: tuple) -> None:

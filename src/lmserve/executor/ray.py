@@ -19,12 +19,28 @@ from typing import Any
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from lmserve.executor.base import Executor, RankFailedError, batches_in_flight
+from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60
 POLL_S = 0.1
+# How long a health check waits for every actor: a busy control store on a real cluster answers in seconds, not ms.
+HEALTH_TIMEOUT_S = float(os.environ.get("LMSERVE_RAY_HEALTH_TIMEOUT_S", "60"))
+# Environment that must reach the ranks on other machines (Ray starts actors with the node's, not the driver's).
+FORWARDED_ENV_PREFIXES = ("LMSERVE_", "NCCL_", "GLOO_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "OMP_")
+
+
+def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
+    """The driver's variables that the ranks need as the driver has them (lmserve's settings, NCCL's and gloo's
+    interfaces, the Hugging Face cache), for the actors' runtime_env."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+
+
+def ranks_by_node(node_ids: list[str], first_node: str) -> list[int]:
+    """Actor indices in rank order: the driver's node first, then node by node, so that consecutive ranks (a
+    tensor-parallel group) share a machine wherever the placement group put them."""
+    return sorted(range(len(node_ids)), key=lambda i: (node_ids[i] != first_node, node_ids[i], i))
 
 
 class RankActor:
@@ -102,7 +118,9 @@ class RayExecutor(Executor):
         if self._started_ray:
             # Joins the cluster of `ray start` (RAY_ADDRESS or this machine's), else starts a local one.
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
-        cuda = config.model.device == "cuda" or (config.model.device == "auto" and _cuda_available())
+        # auto: what the cluster has, not what this (head) process sees: a CPU-only head must not hide the GPUs.
+        cuda = config.model.device == "cuda" or (
+            config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) >= self.world_size)
         bundle = {"GPU": 1} if cuda else {"CPU": 1}
         self._placement = placement_group([bundle] * self.world_size, strategy="PACK")
         self._remove_placement_group = remove_placement_group
@@ -113,19 +131,24 @@ class RayExecutor(Executor):
                 f"(resources: {ray.cluster_resources()})"
             )
         actor_class = ray.remote(num_cpus=0 if cuda else 1, num_gpus=1 if cuda else 0)(RankActor)
-        self.actors = [
+        runtime_env = {"env_vars": forwarded_env(dict(os.environ))}
+        actors = [
             actor_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self._placement, placement_group_bundle_index=rank)).remote()
-            for rank in range(self.world_size)
+                self._placement, placement_group_bundle_index=bundle), runtime_env=runtime_env).remote()
+            for bundle in range(self.world_size)
         ]
+        self.actors = actors
         try:
+            nodes = ray.get([a.node_id.remote() for a in actors])
+            head = ray.get_runtime_context().get_node_id()
+            self.actors = [actors[i] for i in ranks_by_node(nodes, head if head in nodes else nodes[0])]
             host, port = ray.get(self.actors[0].node_address.remote())
             init_method = f"tcp://{host}:{port}"
             infos = ray.get([a.start.remote(config, rank, init_method) for rank, a in enumerate(self.actors)])
         except Exception:
             self.shutdown()
             raise
-        self.info = infos[self.driver_rank]
+        self.info = reconciled_info(infos, self.driver_rank)
         logger.info("%d Ray ranks ready (rendezvous %s)", self.world_size, init_method)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
@@ -138,7 +161,7 @@ class RayExecutor(Executor):
         import ray
 
         try:
-            ray.get([a.node_id.remote() for a in self.actors], timeout=10)
+            ray.get([a.node_id.remote() for a in self.actors], timeout=HEALTH_TIMEOUT_S)
         except Exception as exc:
             raise RankFailedError(f"a Ray rank is gone: {exc}") from exc
 
@@ -166,9 +189,3 @@ class RayExecutor(Executor):
             self._placement = None
         if self._started_ray:
             ray.shutdown()
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, cpu_share, cuda_device_index
 from lmserve.distributed.parallel_state import RankLayout, destroy_parallel_groups, init_parallel_groups
 from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.kv_groups import KVCacheGroups
@@ -41,19 +41,22 @@ class Worker:
         parallel_config = config.parallel
         self.layout = RankLayout(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
         device = resolve_device(config.model.device)
-        if device.type == "cuda" and self.layout.world_size > 1:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if device.type == "cuda" and (self.layout.world_size > 1 or parallel_config.data_parallel_size > 1):
+            torch.cuda.set_device(cuda_device_index(parallel_config.data_parallel_rank, self.layout.world_size, rank,
+                                                    torch.cuda.device_count()))
         self.parallel = init_parallel_groups(self.layout, init_method, device)
         self.runner = ModelRunner(config.model, config.cache, self._placement(config), self.parallel,
                                   scheduler_config=config.scheduler)
 
     def _placement(self, config: EngineConfig):
-        """Ranks on one machine share its CPUs: by default each gets its share of threads, not all of them."""
+        """Ranks on one machine share its CPUs: by default each gets its own share of them (pinned there, a thread
+        per CPU of it), not all of them."""
         placement = config.placement
         if self.layout.world_size == 1 or placement.engine_threads:
             return placement
-        cpus = len(placement.engine_cpus or os.sched_getaffinity(0))
-        return dataclasses.replace(placement, engine_threads=max(1, cpus // self.layout.world_size))
+        cpus = cpu_share(placement.engine_cpus or sorted(os.sched_getaffinity(0)), self.layout.world_size,
+                         self.layout.rank)
+        return dataclasses.replace(placement, engine_cpus=cpus, engine_threads=len(cpus))
 
     @property
     def info(self) -> WorkerInfo:
