@@ -308,7 +308,8 @@ class ParallelConfig:
                                       short="-dp")
     # Which replica this engine is (set per replica by the front-end, never a flag): its ranks' GPUs follow the
     # other replicas' (cuda_device_index).
-    data_parallel_rank: int = setting(0, flag=False)
+    data_parallel_rank: int = setting(0, "this engine's index among the data-parallel replicas (set by the front-end)",
+                                      flag=False)
     distributed_executor_backend: str | None = setting(
         None, "how an engine runs its ranks: uni (in the engine process, one rank), mp (one process per rank), "
         "ray (Ray actors, possibly on several machines); default: uni for one rank, mp for more",
