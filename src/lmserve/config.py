@@ -194,19 +194,21 @@ class CacheConfig:
 # Bounds of --speculative-config: drafts a step verifies per request, and the n-gram lengths looked up.
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 64
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config. method ngram (prompt lookup): the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are proposed as
-    the next num_speculative_tokens, and one forward pass verifies them."""
+    the next num_speculative_tokens, and one forward pass verifies them. method draft_model (implied by `model`): a
+    smaller model of the same vocabulary guesses them (worker/draft_model.py)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    model: str | None = None
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> SpeculativeConfig:
@@ -215,12 +217,22 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        method = value.get("method") or ("draft_model" if value.get("model") else None)
-        if method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator") or value.get("model"):
-            raise ValueError("speculative_config: a draft model is not supported yet; use {\"method\": \"ngram\", ...}")
-        if method != "ngram":
+        model = value.get("model")
+        method = value.get("method") or ("draft_model" if model else None)
+        if method in ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp"):
+            raise ValueError(f"speculative_config: method {method} is not supported; use ngram or a draft model")
+        if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; use one of {', '.join(SPECULATIVE_METHODS)}")
         k = value.get("num_speculative_tokens")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: method draft_model needs \"model\": the draft's path")
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            return cls(method, k, model=model)
+        if model is not None:
+            raise ValueError("speculative_config: method ngram takes no model")
         low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = 5
@@ -353,6 +365,12 @@ class EngineConfig:
                 f"async_scheduling needs one rank per engine, got tensor_parallel_size="
                 f"{self.parallel.tensor_parallel_size} x pipeline_parallel_size={self.parallel.pipeline_parallel_size}"
                 " (data parallel replicas may each schedule asynchronously)")
+        spec = self.scheduler.speculative_config
+        if spec is not None and spec.model is not None and self.parallel.world_size > 1:
+            # The draft fills its guesses in on the rank that samples; the others could not know them.
+            raise ValueError("speculative decoding with a draft model runs on one rank per engine, got "
+                             f"tensor_parallel_size={self.parallel.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{self.parallel.pipeline_parallel_size}")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

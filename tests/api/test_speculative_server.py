@@ -47,7 +47,8 @@ def test_streamed_chat_with_drafts_gives_the_plain_text(server: Server) -> None:
 
 def test_a_bad_speculative_config_is_refused_at_start_up() -> None:
     for value, message in (('{"method": "ngram"}', "num_speculative_tokens must be"),
-                           ('{"model": "/draft", "num_speculative_tokens": 3}', "draft model is not supported"),
+                           ('{"method": "medusa", "num_speculative_tokens": 3}', "medusa is not supported"),
+                           ('{"model": "/no/such/draft", "num_speculative_tokens": 3}', "/no/such/draft"),
                            ("{not json", "not valid JSON")):
         done = subprocess.run([str(LMSERVE), "serve", "--speculative-config", value], capture_output=True, check=False,
                               text=True, timeout=120)

@@ -92,6 +92,10 @@ def test_speculative_config_takes_vllms_json_and_bounds_it() -> None:
     only_max = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     assert make_engine_config().scheduler.speculative_config is None
+    draft = SpeculativeConfig.from_json({"model": "/some/draft", "num_speculative_tokens": 3})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/some/draft", 3)
+    with pytest.raises(ValueError, match="draft model runs on one rank"):
+        make_engine_config(speculative_config={"model": "/d", "num_speculative_tokens": 2}, tensor_parallel_size=2)
     bad = [
         ({"method": "ngram"}, "num_speculative_tokens must be an integer in"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
@@ -100,7 +104,10 @@ def test_speculative_config_takes_vllms_json_and_bounds_it() -> None:
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 10**6}, "prompt_lookup_m.. must"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must"),
         ({"method": "medusa2", "num_speculative_tokens": 2}, "unknown method"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft model is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+        ({"model": "/some/draft", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "ngram takes no model"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "eagle is not supported"),
         ({"method": "ngram", "num_speculative_tokens": 2, "speed": "fast"}, "unknown key"),
     ]
     for value, message in bad:

@@ -153,3 +153,30 @@ def test_the_counters_reach_prometheus(spec: LLM) -> None:
     assert samples[("lmserve:spec_decode_num_accepted_tokens_total", labels)] == stats.spec_decode_num_accepted_tokens
     first = ("lmserve:spec_decode_num_accepted_tokens_per_pos_total", (*labels, ("position", "0")))
     assert samples[first] == stats.spec_decode_num_accepted_tokens_per_pos[0] > 0
+
+
+def test_a_draft_model_gives_the_plain_greedy_tokens(plain: LLM) -> None:
+    """The default model drafting for itself: every guess is the target's own greedy choice (up to the float
+    differences of a one-row pass and a verifying pass), so nearly all are kept; the output equals plain decoding,
+    alone and batched, and no block is held after."""
+    from lmserve.models import DEFAULT_MODEL, resolve_model
+
+    draft = {"model": str(resolve_model(DEFAULT_MODEL).path), "num_speculative_tokens": 3}
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy)]
+    with LLM(dtype="float32", num_blocks=200, max_num_seqs=64, speculative_config=draft) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == expected
+        assert llm.generate(PROMPTS[2], greedy)[0].outputs[0].token_ids == expected[2]
+        stats = llm.engine.stats()
+        assert stats.spec_decode_num_accepted_tokens >= 0.8 * stats.spec_decode_num_draft_tokens > 0
+        seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=16)
+        alone = llm.generate(PROMPTS[0], seeded)[0].outputs[0].token_ids
+        batch = llm.generate([PROMPTS[1], PROMPTS[0]], [greedy, seeded])
+        assert batch[1].outputs[0].token_ids == alone
+        assert_idle(llm)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_gemma3_chat_gguf) -> None:
+    with pytest.raises(ValueError, match="its vocabulary has"):
+        LLM(dtype="float32", num_blocks=64,
+            speculative_config={"model": str(tiny_gemma3_chat_gguf), "num_speculative_tokens": 2})

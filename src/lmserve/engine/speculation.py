@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from lmserve.config import SpeculativeConfig
 from lmserve.engine.ngram_proposer import NgramProposer
+from lmserve.engine.outputs import PLACEHOLDER_TOKEN_ID
 from lmserve.engine.request import Request
 
 PAUSE_BELOW = 0.25
@@ -62,6 +63,8 @@ class Speculator:
         gate = self.gates.get(request.request_id)
         if gate is not None and request.num_output_tokens < gate.paused_until:
             return []
+        if self.config.model is not None:  # the draft model fills these positions in, in the worker
+            return [PLACEHOLDER_TOKEN_ID] * min(room, self.config.num_speculative_tokens)
         return self.proposer.propose(request, room)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:

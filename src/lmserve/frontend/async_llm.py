@@ -104,6 +104,9 @@ class AsyncLLM:
         QueueFullError (None: no limit)."""
         self.config = config
         check_layout(config)  # the model splits as asked and the ranks fit: before the engine starts
+        speculative = config.scheduler.speculative_config
+        if speculative is not None and speculative.model is not None:
+            resolve_model(speculative.model)  # a missing draft fails here, as a missing model does
         self.max_queued_requests = max_queued_requests
         # Engine requests sent but not yet in any step: what --max-queued-requests counts.
         self.queued: set[str] = set()

@@ -134,9 +134,10 @@ class ModelRunner:
                 logger.warning("no kernel here holds these matrices at their stored size: %s; they run as float16 "
                                "weights (2 bytes a weight)", fallbacks)
         self.block_size = cache_config.block_size
+        self.numpy_matmuls = False
         if self.device.type == "cpu":
-            numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
-            apply_placement(placement or PlacementConfig(), blas_does_matmuls=numpy_matmuls)
+            self.numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
+            apply_placement(placement or PlacementConfig(), blas_does_matmuls=self.numpy_matmuls)
         self.hf_config = load_model_config(source)
         native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = model_config.max_model_len or native_len
@@ -243,6 +244,12 @@ class ModelRunner:
         # (async scheduling: ScheduledRequest.uses_previous_token). Ints: the step already waits for its tokens
         # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
         self.last_sampled: dict[str, int] = {}
+        spec = scheduler_config.speculative_config
+        self.drafter = None
+        if spec is not None and spec.model is not None:
+            from lmserve.worker.draft_model import DraftModel
+
+            self.drafter = DraftModel(spec.model, model_config, cache_config, placement, self)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         # Decodes first so their queries form one contiguous, batched attention call.
@@ -340,8 +347,12 @@ class ModelRunner:
                 self.generators.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
+        if self.drafter is not None:
+            self.drafter.fill(scheduler_output.scheduled)
         batch = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self._stage_forward(batch)
+        if self.drafter is not None:
+            self.drafter.mirror(batch.input_ids, batch.positions, batch.attn, batch.prompt_rows)
         if hidden is None:
             return None
         # Every tensor rank of the last stage computes logits (their all-gather needs each); the driver samples.
