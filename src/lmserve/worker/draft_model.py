@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig
-from lmserve.engine.outputs import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from lmserve.worker.attention import ScheduledChunk, build_metadata
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
-
-
-def needs_drafts(scheduled: ScheduledRequest) -> bool:
-    return bool(scheduled.draft_token_ids) and scheduled.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID
 
 
 class DraftModel:
@@ -71,10 +68,10 @@ class DraftModel:
         logger.info("draft model %s drafts for speculative decoding", draft)
 
     @torch.inference_mode()
-    def fill(self, scheduled: list[ScheduledRequest]) -> None:
-        """Replaces the placeholders of the requests that the scheduler gave draft positions by the draft's greedy
-        guesses: k single-position passes over those requests together, the first at each one's newest token."""
-        drafting = [s for s in scheduled if needs_drafts(s)]
+    def fill(self, drafting: Sequence[Any]) -> None:
+        """Replaces the placeholders of the requests that the scheduler gave draft positions (engine.outputs'
+        ScheduledRequest: token_ids, draft_token_ids, start_position, block_ids) by the draft's greedy guesses: k
+        single-position passes over those requests together, the first at each one's newest token."""
         if not drafting:
             return
         tokens = [s.token_ids[0] for s in drafting]

@@ -14,7 +14,7 @@ import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
-from lmserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.heap import release_freed_heap
 from lmserve.kv_groups import model_kv_groups
 from lmserve.kv_sizing import kv_bytes_per_block
@@ -348,7 +348,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
         if self.drafter is not None:
-            self.drafter.fill(scheduler_output.scheduled)
+            self.drafter.fill([s for s in scheduler_output.scheduled
+                               if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID])
         batch = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self._stage_forward(batch)
         if self.drafter is not None:
