@@ -84,9 +84,14 @@ def test_concurrent_requests_spread_over_both_replicas(server: Server, client: o
     """Chats without a system message all start with the template's default one (more than a block, so the router
     sees a shared prefix): they must still spread, not all follow the prefix to one replica."""
     steps_before = [r["num_steps"] for r in replicas(server)]
-    threads = [threading.Thread(target=client.chat.completions.create, kwargs={
-        "model": model, "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 24,
-        "extra_body": {"ignore_eos": True}}) for i in range(6)]
+    start = threading.Barrier(8)  # all sent together: more than LOAD_SLACK in flight at once on the prefix's owner
+
+    def chat(i: int) -> None:
+        start.wait(30)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Story {i}"}],
+                                       max_tokens=48, extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
