@@ -300,3 +300,34 @@ def test_randomized_workloads_give_the_plain_tokens_and_keep_the_pool_whole() ->
             results.append([r.output_token_ids for r in requests])
             assert scheduler.kv_cache_manager.num_used_blocks == 0
         assert results[0] == results[1], trial
+
+
+class CountingMatcher:
+    """Allows the tokens in `allowed` and ends after `length` tokens; records what it accepted."""
+
+    def __init__(self, allowed: set[int], length: int = 100) -> None:
+        self.allowed, self.length, self.accepted = allowed, length, []
+
+    def accept_token(self, token: int) -> bool:
+        if token not in self.allowed or self.is_terminated():
+            return False
+        self.accepted.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+    def rollback(self, n: int) -> None:
+        del self.accepted[len(self.accepted) - n :]
+
+
+def test_the_grammar_vets_drafts_and_is_left_as_it_was() -> None:
+    from lmserve.engine.speculation import vetted
+
+    matcher = CountingMatcher({1, 2, 3})
+    matcher.accepted = [9]  # what the request's output already put through it
+    assert vetted(matcher, [1, 2, 7, 3]) == [1, 2] and matcher.accepted == [9]
+    assert vetted(matcher, [5]) == [] and matcher.accepted == [9]
+    ending = CountingMatcher({1, 2, 3}, length=3)
+    ending.accepted = [1]
+    assert vetted(ending, [2, 3, 1]) == [2, 3] and ending.accepted == [1]  # nothing after the grammar's end

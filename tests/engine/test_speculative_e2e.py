@@ -180,3 +180,32 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_gemma3_chat_gguf) -
     with pytest.raises(ValueError, match="its vocabulary has"):
         LLM(dtype="float32", num_blocks=64,
             speculative_config={"model": str(tiny_gemma3_chat_gguf), "num_speculative_tokens": 2})
+
+
+LIST_SCHEMA = {"type": "object", "properties": {"animals": {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "legs": {"type": "integer"}},
+    "required": ["name", "legs"], "additionalProperties": False}}}, "required": ["animals"],
+    "additionalProperties": False}
+
+
+def test_constrained_requests_draft_under_their_grammar(plain: LLM, spec: LLM) -> None:
+    """JSON whose keys repeat (what lookup finds): drafts are vetted by the grammar, each drafted row is sampled under
+    the grammar advanced by the drafts before it, and the output is plain constrained decoding's, greedy and seeded."""
+    import json
+
+    import jsonschema
+
+    from lmserve.sampling_params import StructuredOutputsParams
+
+    constrained = StructuredOutputsParams(json=LIST_SCHEMA)
+    prompt = "Four animals and their legs, as JSON:"
+    before = spec.engine.stats()
+    for params in (SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=constrained),
+                   SamplingParams(temperature=0.7, seed=5, max_tokens=120, structured_outputs=constrained)):
+        expected = plain.generate(prompt, params)[0].outputs[0]
+        got = spec.generate(prompt, params)[0].outputs[0]
+        jsonschema.validate(json.loads(got.text), LIST_SCHEMA)
+        if params.temperature == 0.0:
+            assert got.token_ids == expected.token_ids
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens > 10

@@ -47,7 +47,8 @@ class EngineCore:
         self.grammar = GrammarManager(config.model.tokenizer or config.model.model, info.vocab_size,
                                       self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len, self.grammar,
-                                   key_generated_blocks=info.prompt_rows_computed_apart, kv_groups=info.kv_groups)
+                                   key_generated_blocks=info.prompt_rows_computed_apart, kv_groups=info.kv_groups,
+                                   draft_constrained=self.executor.in_process)
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
         self._finished_not_sent: set[str] = set()
         self.last_step: StepRecord | None = None

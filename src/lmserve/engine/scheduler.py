@@ -48,10 +48,12 @@ class Scheduler:
         grammar: GrammarManager | None = None,
         key_generated_blocks: bool = False,
         kv_groups: KVCacheGroups | None = None,
+        draft_constrained: bool = True,
     ) -> None:
         """`grammar`: compiles and advances constrained requests' grammars (None: no structured output).
         `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager).
-        `kv_groups`: the model's KV-cache groups (None: one, full attention)."""
+        `kv_groups`: the model's KV-cache groups (None: one, full attention). `draft_constrained`: speculative
+        drafts for constrained requests (the runner shares this process's grammar matchers)."""
         self.config = scheduler_config
         self.grammar = grammar
         # Outputs made outside a step's update (a grammar that failed to compile): returned by the next update.
@@ -78,7 +80,7 @@ class Scheduler:
         # its output before it is scheduled again, unless async scheduling lets it go ahead (_ahead).
         self._in_flight: Counter[str] = Counter()
         spec = scheduler_config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = Speculator(spec, draft_constrained) if spec is not None else None
 
     # ---- queue management ----------------------------------------------------------------------------------
 
@@ -447,6 +449,8 @@ class Scheduler:
             if logprobs is not None:
                 new_logprobs.append(logprobs)
             status = self._check_stop(request, new_token)
+            if request.grammar is not None and self.grammar is not None and self.grammar.accept(request, new_token):
+                status = status or RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
                 break
         if status is not None:

@@ -10,9 +10,13 @@ greedy output equals decoding without speculation, and a random request's output
 Speculation must never cost: each request keeps a running acceptance rate (half the weight on its last draft step),
 and when it falls below PAUSE_BELOW the request stops proposing for a number of its own tokens that doubles on each
 pause in a row (4, 8, ... 64), then tries again; one step after a pause that keeps fewer than a quarter of its drafts
-pauses it again, and a step that keeps half of them or more resets the pause to 4. Penalties and min_tokens see each row's drafts before it as output
-(worker's ModelRunner._draft_rows). Constrained requests never draft (their grammar advances one token at a time on
-the engine thread), nor does a request planned ahead by async scheduling (its newest token is not known yet).
+pauses it again, and a step that keeps half of them or more resets the pause to 4. Penalties and min_tokens see each
+row's drafts before it as output (worker's ModelRunner._draft_rows). A constrained request's grammar vets its lookup
+drafts here (they are cut at the first token it refuses, and the matcher rolled back), and the runner samples each
+drafted row under the grammar advanced by the drafts before it (ModelRunner._sample_drafted_under_grammar); that
+needs the matchers in the runner's process and a draw the mask can follow (greedy or plain temperature), so other
+constrained requests, and requests planned ahead by async scheduling (their newest token is not known yet), decode
+without drafts.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_constrained: bool = True) -> None:
+        """`draft_constrained`: the runner can sample drafted rows under a grammar (its ranks share this process)."""
         self.config = config
+        self.draft_constrained = draft_constrained
         self.proposer = NgramProposer(config)
         self.gates: dict[str, DraftGate] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -58,14 +64,24 @@ class Speculator:
     def drafts(self, request: Request, room: int) -> list[int]:
         """Drafts for a decoding request, at most `room` (what the step's budget, max_tokens and max_model_len
         leave beyond its one plain position)."""
-        if room <= 0 or request.grammar is not None:
+        if room <= 0 or (request.grammar is not None and not self._grammar_drafts(request)):
             return []
         gate = self.gates.get(request.request_id)
         if gate is not None and request.num_output_tokens < gate.paused_until:
             return []
         if self.config.model is not None:  # the draft model fills these positions in, in the worker
             return [PLACEHOLDER_TOKEN_ID] * min(room, self.config.num_speculative_tokens)
-        return self.proposer.propose(request, room)
+        drafts = self.proposer.propose(request, room)
+        if drafts and request.grammar is not None:
+            drafts = vetted(request.grammar.matcher, drafts)
+        return drafts
+
+    def _grammar_drafts(self, request: Request) -> bool:
+        state = request.grammar
+        params = request.sampling_params
+        plain_draw = params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0)
+        return (self.draft_constrained and plain_draw and state.matcher is not None and state.waiting_for is None
+                and not state.matcher.is_terminated())
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats
@@ -87,3 +103,15 @@ class Speculator:
     def drop(self, request_id: str) -> None:
         self.proposer.drop(request_id)
         self.gates.pop(request_id, None)
+
+
+def vetted(matcher, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the grammar refuses after those before it; the matcher is left as it was."""
+    kept = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        kept += 1
+    if kept:
+        matcher.rollback(kept)
+    return drafts[:kept]

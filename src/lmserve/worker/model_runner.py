@@ -417,16 +417,24 @@ class ModelRunner:
         the grammar lets do so; the others are masked before the first draw."""
         metadata = self._metadata(rows, logits.shape[-1])
         row_of = {r.request_id: i for i, r in enumerate(rows)}
+        # Constrained requests with drafts: their first row, handled row by row below.
+        drafted = {} if grammar is None else {
+            r.request_id: i for i, r in enumerate(rows)
+            if r.draft_token_ids and r.request_id in grammar.matchers and row_of[r.request_id] != i
+            and (i == 0 or rows[i - 1].request_id != r.request_id)
+        }
         if grammar is not None and grammar.masked_first:
-            self._mask(metadata, grammar, [row_of[rid] for rid in grammar.masked_first], grammar.masked_first,
-                       len(rows))
+            masked = [rid for rid in grammar.masked_first if rid not in drafted]
+            self._mask(metadata, grammar, [row_of[rid] for rid in masked], masked, len(rows))
         sampled = self.sampler(logits, metadata)
         token_ids, logprobs = sampled.token_ids.tolist(), list(sampled.logprobs)
         if grammar is None:
             return token_ids, logprobs
+        for rid, first_row in drafted.items():
+            self._sample_drafted_under_grammar(logits, rows, grammar, rid, first_row, token_ids, logprobs)
         first = set(grammar.masked_first)
         refused = [rid for rid in grammar.matchers
-                   if rid not in first and not grammar.allows(rid, token_ids[row_of[rid]])]
+                   if rid not in first and rid not in drafted and not grammar.allows(rid, token_ids[row_of[rid]])]
         if refused:
             redo = [row_of[rid] for rid in refused]
             metadata = self._metadata([rows[i] for i in redo], logits.shape[-1])
@@ -435,6 +443,27 @@ class ModelRunner:
             for k, (i, token) in enumerate(zip(redo, again.token_ids.tolist(), strict=True)):
                 token_ids[i], logprobs[i] = token, again.logprobs[k]
         return token_ids, logprobs
+
+    def _sample_drafted_under_grammar(self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: Any,
+                                      rid: str, first_row: int, token_ids: list[int], logprobs: list) -> None:
+        """A constrained request's drafted rows, in order: row i's token must be one the grammar allows after the
+        drafts before it (the matcher advanced by them, then rolled back), drawn again under the mask where the
+        unmasked draw broke it; rows after the first that differs from its draft are not kept anyway."""
+        drafts = rows[first_row].draft_token_ids
+        matcher = grammar.matchers[rid]
+        advanced = 0
+        for i in range(len(drafts) + 1):
+            row = first_row + i
+            if not grammar.allows(rid, token_ids[row]):
+                metadata = self._metadata([rows[row]], logits.shape[-1])
+                self._mask(metadata, grammar, [0], [rid], 1)
+                again = self.sampler(logits[[row]], metadata)
+                token_ids[row], logprobs[row] = again.token_ids.tolist()[0], again.logprobs[0]
+            if i == len(drafts) or token_ids[row] != drafts[i] or not matcher.accept_token(drafts[i]):
+                break
+            advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
 
     @staticmethod
     def _mask(metadata: SamplingMetadata, grammar: Any, rows: list[int], request_ids: list[str], num_rows: int) -> None:
