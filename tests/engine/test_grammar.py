@@ -138,3 +138,18 @@ def test_a_grammar_that_starts_after_a_token_leaves_the_thinking_before_it_free(
     out = llm.generate("Is water wet?", SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias,
                                                       structured_outputs=at_once))[0].outputs[0]
     assert stand_in not in out.token_ids and out.text in ("yes", "no")
+
+
+def test_a_seeded_constrained_request_draws_the_same_under_every_executor() -> None:
+    """Ranks in their own processes get precomputed masks (applied before the draw); in process the draw used to
+    come first, redrawn under the mask when refused: the same distribution, other tokens for the same seed."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    prompts = ["An animal as JSON:", "A dog:", "A cat:"]
+    outputs = {}
+    for backend in ("uni", "mp"):
+        with LLM(max_model_len=512, kv_cache_memory="64MiB", distributed_executor_backend=backend) as llm:
+            outputs[backend] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
+    assert outputs["uni"] == outputs["mp"]
+    for _, text in outputs["uni"]:
+        jsonschema.validate(json.loads(text), SCHEMA)

@@ -85,7 +85,7 @@ class GrammarManager:
             self._batch_matcher = xgrammar().BatchGrammarMatcher(MASK_THREADS)
         return GrammarBatch(
             {r.request_id: r.grammar.matcher for r in constrained},
-            [r.request_id for r in constrained if not _exact_by_rejection(r)],
+            [r.request_id for r in constrained if not _exact_by_rejection(r) or _seeded_draw(r)],
             self._batch_matcher, self.vocab_size,
         )
 
@@ -107,6 +107,14 @@ class GrammarManager:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+
+
+def _seeded_draw(request: Request) -> bool:
+    """A seeded random request is masked before its draw too. Both ways give the masked distribution, but they
+    consume the seed's stream differently, and ranks in other processes can only mask first (their masks come
+    precomputed): a seeded request must draw the same tokens whichever executor runs it."""
+    params = request.sampling_params
+    return params.seed is not None and not params.greedy
 
 
 def _exact_by_rejection(request: Request) -> bool:
