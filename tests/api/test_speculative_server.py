@@ -55,3 +55,22 @@ def test_a_bad_speculative_config_is_refused_at_start_up() -> None:
         assert done.returncode != 0
         assert message in done.stderr, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
+
+
+def test_a_draft_model_serves_the_plain_text(tmp_path) -> None:
+    """`--speculative-config '{"model": ...}'` in the server: the default model drafting for itself."""
+    from lmserve import LLM, SamplingParams
+    from lmserve.models import DEFAULT_MODEL, resolve_model
+
+    draft = {"model": str(resolve_model(DEFAULT_MODEL).path), "num_speculative_tokens": 3}
+    server = start_server(tmp_path, "--speculative-config", json.dumps(draft))
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        done = client.chat.completions.create(model=client.models.list().data[0].id, messages=MESSAGES,
+                                              max_tokens=40, temperature=0)
+        plain = LLM(max_model_len=2048, num_blocks=64)
+        expected = plain.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+        assert done.choices[0].message.content == expected
+        assert scrape(server)["lmserve:spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        server.stop(signal.SIGKILL)
