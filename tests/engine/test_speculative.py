@@ -331,3 +331,31 @@ def test_the_grammar_vets_drafts_and_is_left_as_it_was() -> None:
     ending = CountingMatcher({1, 2, 3}, length=3)
     ending.accepted = [1]
     assert vetted(ending, [2, 3, 1]) == [2, 3] and ending.accepted == [1]  # nothing after the grammar's end
+
+
+def test_an_abort_or_a_preemption_while_drafts_are_in_flight_loses_nothing() -> None:
+    """Aborted between its drafted step's plan and the step's output: the output is dropped and every block freed.
+    Preempted meanwhile (async engines update after the next plan): the kept tokens stay, and the request recomputes
+    from position 0 (its blocks are gone), never from the rolled-back position."""
+    scheduler = make(ngram(k=4, low=1, high=2))
+    model = LookupModel(cycle(2))
+    r = request([1, 2, 1, 2, 1, 2], max_tokens=30)
+    scheduler.add_request(r)
+    scheduler.update_from_output(out := scheduler.schedule(), model(out))  # the prompt
+    out = scheduler.schedule()
+    assert out.scheduled[0].draft_token_ids
+    scheduler.abort_requests([r.request_id])
+    assert scheduler.update_from_output(out, model(out)) == []
+    assert scheduler.kv_cache_manager.num_used_blocks == 0 and not scheduler.has_unfinished_requests()
+
+    r = request([1, 2, 1, 2, 1, 2], max_tokens=30)
+    scheduler.add_request(r)
+    scheduler.update_from_output(out := scheduler.schedule(), model(out))
+    out = scheduler.schedule()
+    drafts = out.scheduled[0].draft_token_ids
+    scheduler._preempt(r, {})  # what a later plan's preemption does to it
+    outputs = scheduler.update_from_output(out, model(out))
+    assert outputs[0].new_token_ids == [*drafts, drafts[-1] ^ 3]  # the cycle 1, 2: all kept, then the next
+    assert r.num_computed_tokens == 0 and r.status == RequestStatus.PREEMPTED
+    run(scheduler, model, [])
+    assert r.all_token_ids == [1, 2] * 18 and scheduler.kv_cache_manager.num_used_blocks == 0

@@ -209,3 +209,15 @@ def test_constrained_requests_draft_under_their_grammar(plain: LLM, spec: LLM) -
             assert got.token_ids == expected.token_ids
     stats = spec.engine.stats()
     assert stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens > 10
+
+
+def test_n_samples_with_drafts_are_each_the_plain_ones(plain: LLM, spec: LLM) -> None:
+    """Children of an n>1 request draft each on their own: greedy children equal plain decoding's, sampled ones are
+    well formed, and the engine ends with no block held."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, n=2)
+    expected = plain.generate(PROMPTS[0], greedy)[0].outputs
+    got = spec.generate(PROMPTS[0], greedy)[0].outputs
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    sampled = spec.generate(PROMPTS[1], SamplingParams(temperature=0.8, seed=9, max_tokens=24, n=3))[0].outputs
+    assert len(sampled) == 3 and all(len(c.token_ids) == 24 or c.finish_reason == "stop" for c in sampled)
+    assert_idle(spec)
