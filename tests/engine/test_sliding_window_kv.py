@@ -30,6 +30,7 @@ def run(path: Path, **options) -> tuple[list[list[int]], dict]:
         assert set(kv.ref_counts()) == {0} and not kv.tables  # every block came back
         return [list(o.outputs[0].token_ids) for o in outputs], {
             "groups": kv.num_groups, "hits": stats.prefix_cache_hits, "preemptions": stats.num_preemptions,
+            "drafted": stats.spec_decode_num_draft_tokens, "accepted": stats.spec_decode_num_accepted_tokens,
         }
 
 
@@ -78,3 +79,15 @@ def test_groups_of_a_gemma_3_model() -> None:
     assert kv_cache_groups(kinds, 512, hybrid=False).slots == 18
     assert kv_cache_groups(["sliding_attention"] * 4, 4096).windows == (4096,)  # Mistral v0.1: one windowed table
     assert kv_cache_groups(["full_attention"] * 4, None).windows == (0,)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 30], ids=["roomy", "tight"])
+def test_drafted_positions_roll_back_in_every_group(tiny_gemma3_dir: Path, num_blocks: int | None) -> None:
+    """Speculative decoding over local and global groups: drafts past a local window, rejected positions given back
+    in each group's table, preemptions in the tight pool: the tokens of plain decoding, and every block back."""
+    pool = {"num_blocks": num_blocks} if num_blocks else {}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    plain, _ = run(tiny_gemma3_dir, **pool)
+    drafted, seen = run(tiny_gemma3_dir, **pool, speculative_config=spec)
+    assert drafted == plain
+    assert seen["groups"] > 1 and seen["drafted"] > 0, seen
