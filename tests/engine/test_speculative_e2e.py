@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from test_engine_e2e import assert_idle
 
 from lmserve import LLM, SamplingParams
 from lmserve.metrics.prometheus import EngineStatsCollector
@@ -27,12 +28,6 @@ PROMPTS = [
     "one two three four five six seven eight nine ten, one two three four five six seven eight nine ten, one two",
     "The capital of France is",
 ]
-
-
-def assert_idle(llm: LLM) -> None:
-    kv = llm.engine.scheduler.kv_cache_manager
-    assert not llm.engine.has_unfinished_requests()
-    assert set(kv.ref_counts()) == {0} and kv.num_free_blocks == kv.num_blocks and not kv.tables
 
 
 @pytest.fixture(scope="module")
