@@ -157,6 +157,25 @@ def test_a_header_is_read_once_per_version_of_the_file(tmp_path: Path) -> None:
     assert read_gguf_header(path).metadata["llama.block_count"] == 3
 
 
+def test_a_header_keeps_short_number_arrays_and_gives_long_ones_as_their_length(tmp_path: Path) -> None:
+    """Per-layer values (a few numbers) are read; a vocabulary's scores and types are not held by every process."""
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("llama.block_count", 3)
+    writer.add_array("llama.attention.head_count_kv", [2, 4, 2])
+    writer.add_array("tokenizer.ggml.scores", [float(i) for i in range(5000)])
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(5000)])
+    writer.add_uint32("llama.context_length", 77)  # after the long arrays: they were stepped over exactly
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata = read_gguf_header(path).metadata
+    assert metadata["llama.attention.head_count_kv"] == [2, 4, 2]
+    assert metadata["tokenizer.ggml.scores"] == 5000 and metadata["tokenizer.ggml.tokens"] == 5000
+    assert metadata["llama.context_length"] == 77
+
+
 @pytest.mark.parametrize("max_position", [200, 512])  # up to Phi-3's original context of 256, and past it
 def test_phi3_gguf_rope_is_transformers_longrope_of_the_same_model(tiny_phi3_dir, tiny_phi3_gguf, max_position) -> None:
     """A Phi-3 GGUF's rotary dimensions, LongRoPE factors (tensors), original context and attention factor give the

@@ -392,6 +392,8 @@ def _phi3_rope(path: Path, header: GGUFHeader, metadata: dict[str, Any], kwargs:
 # with struct ourselves (~0.2 s) and keep gguf for its constants and dequantization.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+# Longer arrays are given as their length: a 262k vocabulary's scores as a list cost every process ~12 MiB.
+_GGUF_ARRAY_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -404,7 +406,7 @@ class GGUFTensorInfo:
 
 @dataclass
 class GGUFHeader:
-    metadata: dict[str, Any]  # arrays of strings (vocabulary, merges) are given as their length
+    metadata: dict[str, Any]  # arrays of strings, and arrays of > 4,096 numbers, are given as their length
     tensors: list[GGUFTensorInfo]
 
 
@@ -515,9 +517,11 @@ def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
     if value_type == _GGUF_ARRAY:
         item_type, count = struct.unpack_from("<IQ", blob, pos)
         pos += 12
-        if item_type in _GGUF_SCALARS:  # one unpack for the whole array (token types, scores)
+        if item_type in _GGUF_SCALARS:
             fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
-            return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
+            if count > _GGUF_ARRAY_KEPT:  # the vocabulary's scores and types: only a tokenizer build reads them
+                return count, pos + struct.calcsize(fmt)
+            return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)  # per-layer values
         # Vocabulary and merges: only transformers' tokenizer needs them, so step over them undecoded.
         for _ in range(count):
             if item_type == _GGUF_STRING:

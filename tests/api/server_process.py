@@ -65,7 +65,7 @@ class Server:
     def engine_pid(self) -> int:
         for pid in children(self.process.pid):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            if b"lmserve.engine.core_proc" in cmdline:
                 return pid
         raise RuntimeError("engine process not found")
 

@@ -31,7 +31,7 @@ def engine_pids(server: Server) -> list[int]:
     pids = []
     for pid in children(server.process.pid):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+        if b"lmserve.engine.core_proc" in cmdline:
             pids.append(pid)
     return pids
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import Server, alive, cpu_seconds, start_server
+from server_process import Server, alive, children, cpu_seconds, start_server
 
 from lmserve import LLM, SamplingParams
 
@@ -327,6 +327,8 @@ def test_vllm_prompt_logprobs_field_on_both_endpoints(client: openai.OpenAI, off
 
 
 def test_idle_server_uses_almost_no_cpu(server: Server) -> None:
+    # The engine is the server's only process beside its own (no resource tracker: 12 MiB resident, doing nothing).
+    assert children(server.process.pid) == [server.engine_pid]
     pids = [server.process.pid, server.engine_pid]
     idle_free_blocks(server)
     before = sum(cpu_seconds(p) for p in pids)

@@ -16,7 +16,7 @@ import sys
 import lmserve.cli
 from lmserve.api.serve import serve
 from lmserve.api.tool_parsers import ToolConfig
-from lmserve.engine.core_proc import run_engine_core  # the spawned process's entry point, pickled by reference
+from lmserve.engine.client import EngineCoreClient
 ToolConfig()
 print(" ".join(sorted({name.split(".")[0] for name in sys.modules})))
 """

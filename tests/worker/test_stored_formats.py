@@ -209,3 +209,37 @@ def test_a_tied_q8_0_embedding_is_held_once_and_looks_up_the_files_rows(default_
     expected = torch.from_numpy(read_gguf_tensor(default_source.path, info))
     every_token = torch.arange(config.vocab_size).view(96, -1)
     assert torch.equal(embedding(every_token).view(config.vocab_size, -1), expected)
+
+
+def mapped_file_of(address: int) -> str | None:
+    """The file mapped at `address` in this process, from /proc/self/maps (None: anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_a_whole_untied_embedding_table_stays_the_files_mapping(tmp_path: Path) -> None:
+    """Like llama.cpp, the embedding of an untied model (Qwen2.5's 89 MB Q5_0 table) is looked up in the file's own
+    pages: only the rows of tokens seen become resident. A table given in parts is copied, row for row."""
+    from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+
+    blocks = random_stored_blocks("q5_0", 64, 4, seed=21)
+    path = tmp_path / "table.bin"
+    blocks.tofile(path)
+    mapped = np.memmap(path, mode="c", dtype=np.uint8, shape=blocks.shape)  # as models.read_gguf_blocks maps it
+    expected = torch.from_numpy(gguf_values("q5_0", blocks)).view(64, -1)
+    ids = torch.tensor([[3, 63, 0], [17, 17, 40]])
+
+    whole = BlockEmbedding(64, 128, ParallelGroups(RankLayout(0)), "q5_0")
+    whole.load_rows(0, StoredBlocks("q5_0", torch.from_numpy(mapped)))
+    assert mapped_file_of(whole.blocks.data_ptr()) == str(path.resolve())
+    assert torch.equal(whole(ids), expected[ids])
+
+    parts = BlockEmbedding(64, 128, ParallelGroups(RankLayout(0)), "q5_0")
+    parts.load_rows(0, StoredBlocks("q5_0", torch.from_numpy(mapped[:40])))
+    parts.load_rows(40, StoredBlocks("q5_0", torch.from_numpy(mapped[40:])))
+    assert mapped_file_of(parts.blocks.data_ptr()) is None
+    assert torch.equal(parts(ids), expected[ids])

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
+import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from lmserve.config import EngineConfig
-from lmserve.engine.core_proc import run_engine_core
 from lmserve.engine.messages import EngineInput, EngineOutput, Shutdown
 
 logger = logging.getLogger(__name__)
@@ -36,12 +39,7 @@ class EngineCoreClient:
         self._output.bind(output_addr)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineOutput)
-        # spawn, not fork: torch and a running event loop do not survive fork.
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_addr, output_addr, log_level), name=name,
-            daemon=True,
-        )
-        self.process.start()
+        self.process = EngineProcess(config, input_addr, output_addr, log_level, name)
 
     def send(self, message: EngineInput) -> bool:
         """False when no engine is connected to take it (not started yet, or gone)."""
@@ -89,3 +87,49 @@ class EngineCoreClient:
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class EngineProcess:
+    """The engine's own Python process, started fresh (not forked: torch and a running event loop do not survive
+    fork). A plain subprocess rather than multiprocessing's spawn, which also starts a resource-tracker process
+    (12 MiB resident for the server's lifetime, tracking nothing of ours) and re-imports the parent's main module.
+    The config goes over stdin, pickled, as spawn sends it."""
+
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, log_level: str, name: str) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])  # the lmserve this process runs, not another one
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-m", "lmserve.engine.core_proc",
+                   input_addr, output_addr, log_level, name]
+        self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+        assert self._popen.stdin is not None
+        try:
+            self._popen.stdin.write(pickle.dumps(config))
+            self._popen.stdin.close()
+        except BrokenPipeError:  # it died at once; exitcode says how
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """As multiprocessing gives it: None while running, -N after signal N."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import sys
 
@@ -55,8 +56,7 @@ class EngineCoreProc:
         self.running = True
         self.queued: dict[str, float] = {}  # received since the last message that reported them
         try:
-            # Here, not at the top: the API process imports this module for run_engine_core, the spawned process's
-            # entry point, and must not wait for what the engine imports (torch, the worker).
+            # Here, not at the top: the in-process tests import this module and must not wait for torch.
             from lmserve.engine.core import EngineCore
 
             self.engine = EngineCore(config)
@@ -159,3 +159,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     finally:
         if proc is not None:
             proc.close()
+
+
+if __name__ == "__main__":  # started by engine/client.py: addresses, log level and name as arguments, config on stdin
+    _input_addr, _output_addr, _log_level = sys.argv[1:4]  # argv[4], the engine's name, is there for ps
+    run_engine_core(pickle.load(sys.stdin.buffer), _input_addr, _output_addr, _log_level)
