@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lmserve.api.tool_parsers import (
     TOOL_PARSERS,
+    CanonicalJson,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
@@ -35,6 +36,12 @@ def calls_of(parser: ToolParser, text: str) -> list[tuple[str, str]]:
 
 def stream(parser: ToolParser, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
     """Feeds the chunks, checks OpenAI's delta shape, and returns the content and each call's (name, arguments)."""
+    content, calls, _ = stream_and_stop(parser, chunks)
+    return content, calls
+
+
+def stream_and_stop(parser: ToolParser, chunks: list[str]) -> tuple[str, list[tuple[str, str]], bool]:
+    """stream(), and whether the stream stopped on a call that contradicted what it had sent."""
     s = parser.streaming()
     content, calls = "", []
     for delta in [s.feed(chunk) for chunk in chunks] + [s.finish()]:
@@ -46,7 +53,7 @@ def stream(parser: ToolParser, chunks: list[str]) -> tuple[str, list[tuple[str, 
             else:
                 assert d.index == len(calls) - 1 and d.id is None and d.name is None
                 calls[d.index][1] += d.arguments
-    return content, [tuple(c) for c in calls]
+    return content, [tuple(c) for c in calls], s.stopped
 
 
 def assert_stream_agrees(parser: ToolParser, text: str, chunks: list[str]) -> None:
@@ -178,7 +185,9 @@ EXAMPLES = [
     (hermes, "Let me check.\n" + hermes_block("a", {"x": 1, "s": "<tool_call>"}) + "\n" + hermes_block("b", {})),
     (hermes, hermes_block("only", {"q": "é ü"})),
     (hermes, "plain answer with < and <tool and </tool_call> in it"),
-    (hermes, "before <tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": }\n</tool_call> after"),
+    (hermes, "before <tool_call>\n{\"name\": \"a\" \"arguments\": {\"x\": 1}}\n</tool_call> after"),
+    (hermes, "<tool_call>{\"arguments\": {\"x\": 1}, \"name\": \"late_name\"}</tool_call>"),
+    (hermes, hermes_block("spaced", {"n": [1.50, -0.0, 1e21], "s": "a\\\"b\\u00e9\\ud83d\\ude00 \u00fc"})),
     (hermes, "cut short <tool_call>{\"name\": \"a\", \"arguments\": {}}"),
     (hermes, "ends in a marker prefix <tool_"),
     (llama, '<|python_tag|>{"name": "a", "parameters": {"x": "}{;"}}; {"name": "b", "arguments": {}}'),
@@ -245,8 +254,10 @@ def test_llama_generated_outputs(prefix: str, calls: list, points: list[int]) ->
 def test_any_text_never_raises_and_agrees_unless_a_streamed_call_is_contradicted(
         parser: ToolParser, text: str, points: list[int]) -> None:
     expected = parser.extract(text)
-    content, calls = stream(parser, splits(text, points))
-    if expected.tool_calls or not calls:
+    content, calls, stopped = stream_and_stop(parser, splits(text, points))
+    if stopped:
+        assert calls  # a stream stops only on a call after it sent a call, or the first pieces of one
+    else:
         assert content == (expected.content or "")
         assert calls == [(c.name, c.arguments) for c in expected.tool_calls]
 
@@ -258,12 +269,56 @@ def test_hermes_holds_back_a_possible_marker_then_releases_it() -> None:
     assert s.finish().content == "<"
 
 
-def test_hermes_streams_a_call_when_its_block_closes() -> None:
+def test_hermes_streams_the_name_first_then_the_arguments_as_they_come() -> None:
+    """vLLM's shape: a first delta with the id and name, then argument pieces, here re-serialised as json.dumps
+    writes the whole (spacing, numbers, escapes), so that they concatenate to the non-streamed arguments."""
     s = hermes.streaming()
-    assert s.feed("Hi <tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n").tool_calls == []
-    [delta] = s.feed("</tool_call>").tool_calls
-    assert (delta.index, delta.name, delta.arguments) == (0, "a", "{}")
+    assert s.feed('Hi <tool_call>\n{"name": "get_wea').tool_calls == []
+    head, piece = s.feed('ther", "arguments":{ "city" :"Par').tool_calls
+    assert (head.index, head.name, head.arguments) == (0, "get_weather", "") and head.id.startswith("call_")
+    assert (piece.index, piece.id, piece.name, piece.arguments) == (0, None, None, '{"city": "Par')
+    assert [d.arguments for d in s.feed('is\\u00e9", "days": 2.50').tool_calls] == ['is\u00e9", "days": ']
+    assert [d.arguments for d in s.feed("}}\n").tool_calls] == ["2.5}"]  # a number goes once it is complete
+    assert s.feed("</tool_call>").tool_calls == []  # nothing left: the pieces were the whole arguments
     assert s.finish().tool_calls == []
+    [call] = hermes.extract('<tool_call>{"name": "get_weather", "arguments":{ "city" :"Paris\\u00e9", '
+                            '"days": 2.50}}</tool_call>').tool_calls
+    assert call.arguments == '{"city": "Paris\u00e9", "days": 2.5}'
+
+
+def test_a_hermes_call_that_contradicts_what_was_sent_ends_the_stream() -> None:
+    """As in vLLM, pieces sent cannot be taken back: a call that turns out malformed (or repeats a key, which the
+    whole parse keeps once) leaves the client with what it got, and the stream sends nothing more."""
+    for body in ('{"name": "a", "arguments": {"x": }', '{"name": "a", "arguments": {"k": 1, "k": 2}}'):
+        s = hermes.streaming()
+        first = s.feed("before <tool_call>" + body)
+        assert first.content == "before " and first.tool_calls[0].name == "a"
+        later = s.feed("\n</tool_call> after")
+        assert later.content == "" and later.tool_calls == [] and s.stopped
+        end = s.finish()
+        assert end.content == "" and end.tool_calls == []
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**30, 10**30) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), json_values, max_size=4), st.booleans(),
+       st.sampled_from([None, 0, 2]), st.lists(st.integers(0, 300), max_size=10))
+def test_canonical_json_pieces_concatenate_to_json_dumps(value: dict, ascii_only: bool, indent: int | None,
+                                                         points: list[int]) -> None:
+    """However the model spaced and escaped the arguments and however the text was split, the pieces concatenate to
+    json.dumps(value, ensure_ascii=False): surrogate pairs and escapes are never cut."""
+    text = json.dumps(value, ensure_ascii=ascii_only, indent=indent)
+    writer, written, seen = CanonicalJson(0), "", ""
+    for piece in splits(text, points):
+        seen += piece
+        written += writer.advance(seen)
+    assert writer.done and not writer.failed
+    assert written == json.dumps(json.loads(text), ensure_ascii=False)
 
 
 def test_hermes_stream_after_a_malformed_first_block_is_all_content() -> None:

@@ -197,8 +197,11 @@ def test_required_calls_one_per_element() -> None:
     text = '[{"name": "a", "parameters": {"x":1}}, {"name":"b","parameters":{"s":"é"}}]'
     calls = tool_calls_from_constrained(text, "required")
     assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}'), ("b", '{"s": "é"}')]
-    # Cut short by max_tokens: the complete elements only.
-    assert [c.name for c in tool_calls_from_constrained(text[:-10], "required")] == ["a"]
+    # Cut short by max_tokens: a call whose name was complete has its arguments cut short, as a named call's (and as
+    # they streamed); one cut inside its head is left out.
+    cut = tool_calls_from_constrained(text[:-10], "required")
+    assert [(c.name, c.arguments) for c in cut] == [("a", '{"x": 1}'), ("b", '{')]
+    assert [c.name for c in tool_calls_from_constrained(text[:-30], "required")] == ["a"]
 
 
 def test_free_choices_do_not_stream_constrained_calls() -> None:
@@ -253,11 +256,14 @@ def test_named_stream_sends_the_name_first_and_text_as_it_comes() -> None:
     assert s.finish() == []
 
 
-def test_required_stream_sends_each_call_when_its_element_closes() -> None:
+def test_required_stream_sends_each_call_as_its_element_streams() -> None:
+    """A call's id and name once its name is complete, then its arguments in pieces, as a hermes call streams."""
     s = ConstrainedToolStream("required")
-    assert s.feed('[{"name": "a", "parameters": {"x": 1}') == []
-    [call] = s.feed("}, ")
-    assert (call.index, call.name, call.arguments) == (0, "a", '{"x": 1}')
-    [call] = s.feed('{"name": "b", "parameters": {}}]')
-    assert (call.index, call.name) == (1, "b")
+    assert s.feed('[{"name": "a", "para') == []
+    head, piece = s.feed('meters": {"x": 1')
+    assert (head.index, head.name, head.arguments, piece.index, piece.id, piece.arguments) == \
+        (0, "a", "", 0, None, '{"x": ')
+    assert [(d.index, d.arguments) for d in s.feed("}}, ")] == [(0, "1}")]
+    [call] = s.feed('{"name": "b", "parameters": {}}]')  # complete within one piece of text: one delta
+    assert (call.index, call.name, call.arguments) == (1, "b", "{}")
     assert s.finish() == []

@@ -9,8 +9,12 @@ whole text. The one exception: a malformed call *after* calls already streamed m
 text as content with no calls, but a stream cannot take back what it sent; it then sends nothing more.
 
 Arguments are always `json.dumps(parsed, ensure_ascii=False)`, so both paths normalise the model's spacing the
-same way. A call is streamed whole (id, name and all its arguments in one delta) as soon as it is complete;
-arguments are not streamed piecemeal.
+same way. Hermes calls stream as vLLM's do: a first delta with the id and the name as soon as the name is complete
+(and `"arguments": {` follows it), then the arguments piece by piece, re-serialised as they come (CanonicalJson), so
+the pieces concatenate to the same text. A call written between the markers but malformed (its JSON does not parse)
+contradicts what was sent; as in vLLM the stream then sends nothing more. The other formats send each call whole (id,
+name and arguments in one delta) once it is complete: a bare JSON object (llama3_json) may still turn out to be
+content, and the bracketed formats are only known at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -129,6 +134,165 @@ class ObjectScanner:
         return spans
 
 
+class CanonicalJson:
+    """A JSON value written as json.dumps(json.loads(value), ensure_ascii=False) writes it, while the value streams:
+    each call of `advance` gives the text that can no longer change. Whitespace between tokens goes, separators
+    become ", " and ": ", each string and number is re-serialised once complete enough (a string piece by piece,
+    never inside an escape or between the halves of a surrogate pair). `done` once the value's outer bracket closed;
+    `failed` on text that is not JSON (the caller's parse of the whole call then decides)."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start  # the next character of the text to look at
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False  # in a string, after a backslash
+        self.pending = ""  # a string's or a bare token's characters not yet written
+        self.done = False
+        self.failed = False
+
+    def advance(self, text: str) -> str:
+        out: list[str] = []
+        while self.pos < len(text) and not (self.done or self.failed):
+            if self.in_string:
+                self._string(text, out)
+                continue
+            c = text[self.pos]
+            if self.pending and (c in ",:]}" or c in JSON_WHITESPACE):
+                out.append(self._bare_token())
+                if self.failed:
+                    break
+            if c in JSON_WHITESPACE:
+                pass
+            elif c == '"':
+                self.in_string = True
+                out.append('"')
+            elif c in "{[":
+                self.depth += 1
+                out.append(c)
+            elif c in "}]":
+                self.depth -= 1
+                out.append(c)
+                self.done = self.depth == 0
+            elif c == ",":
+                out.append(", ")
+            elif c == ":":
+                out.append(": ")
+            elif c.isalnum() or c in "+-.":
+                self.pending += c
+            else:
+                self.failed = True
+                break
+            self.pos += 1
+        return "".join(out)
+
+    def _bare_token(self) -> str:
+        """A number or literal, as json.dumps writes what json.loads reads of it (1.50 -> 1.5, 1e2 -> 100.0)."""
+        token, self.pending = self.pending, ""
+        try:
+            return json.dumps(json.loads(token))
+        except ValueError:
+            self.failed = True
+            return ""
+
+    def _string(self, text: str, out: list[str]) -> None:
+        """Takes string characters up to the closing quote or the end of the text; writes what is safe to."""
+        i, closed = self.pos, False
+        while i < len(text):
+            c = text[i]
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                closed = True
+                break
+            i += 1
+        self.pending += text[self.pos : i]
+        self.pos = i + 1 if closed else i
+        safe = self.pending if closed else whole_characters(self.pending)
+        if safe:
+            try:
+                out.append(json.dumps(json.loads(f'"{safe}"'), ensure_ascii=False)[1:-1])
+            except ValueError:
+                self.failed = True
+                return
+            self.pending = self.pending[len(safe):]
+        if closed:
+            out.append('"')
+            self.in_string = False
+
+
+def whole_characters(raw: str) -> str:
+    """The longest prefix of a JSON string's raw text that ends on a whole character: not inside an escape, and not
+    between the two escapes of a surrogate pair (decoded apart, they would be two lone surrogates)."""
+    i = cut = 0
+    while i < len(raw):
+        if raw[i] != "\\":
+            i += 1
+        elif i + 1 >= len(raw):
+            break
+        elif raw[i + 1] != "u":
+            i += 2
+        elif i + 6 > len(raw):
+            break
+        else:
+            code = raw[i + 2 : i + 6]
+            high = all(ch in string.hexdigits for ch in code) and 0xD800 <= int(code, 16) < 0xDC00
+            if high and raw[i + 6 : i + 8] == "\\u":
+                if i + 12 > len(raw):
+                    break
+                i += 6  # the pair goes out together
+            elif high and i + 8 > len(raw):
+                break  # the next escape may be its other half
+            i += 6
+        cut = i
+    return raw[:cut]
+
+
+# `{"name": "...", "arguments": {` (or "parameters"), with any spacing: where a streamed call can start sending.
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+CALL_HEAD_WITHIN = 1024  # a call whose head is not complete this far into its object is sent whole at its end
+
+
+class StreamedCall:
+    """A call object `{"name": ..., "arguments": {...}}` while it streams: its first delta (index, id, name) once the
+    name is complete, then its arguments as CanonicalJson writes them."""
+
+    def __init__(self, index: int, name: str, arguments_start: int) -> None:
+        self.index = index
+        self.name = name
+        self.arguments = CanonicalJson(arguments_start)
+        self.sent = ""  # the argument text sent so far
+
+    @classmethod
+    def start(cls, index: int, text: str, start: int) -> tuple[StreamedCall | None, list[DeltaToolCall]]:
+        """The call whose object starts at text[start], once its head is complete: it and its first deltas."""
+        head = CALL_HEAD.match(text, start)
+        if head is None:
+            return None, []
+        try:
+            name = json.loads(f'"{head.group(1)}"')
+        except ValueError:
+            return None, []
+        if not name:
+            return None, []
+        call = cls(index, name, head.end())
+        return call, [DeltaToolCall(index, make_tool_call_id(), name, ""), *call.advance(text)]
+
+    def advance(self, text: str) -> list[DeltaToolCall]:
+        piece = self.arguments.advance(text)
+        self.sent += piece
+        return [DeltaToolCall(self.index, None, None, piece)] if piece else []
+
+    def close(self, call: ToolCall) -> list[DeltaToolCall] | None:
+        """The rest of the call, now parsed whole; None if it contradicts what was sent (a repeated key, say)."""
+        if call.name != self.name or not call.arguments.startswith(self.sent):
+            return None
+        rest = call.arguments[len(self.sent):]
+        self.sent = call.arguments
+        return [DeltaToolCall(self.index, None, None, rest)] if rest else []
+
+
 # ------------------------------------------------------------------------------------------------ parsers
 
 
@@ -153,6 +317,7 @@ class ToolCallStream:
         self.calls = 0  # tool calls streamed so far
         self.plain = False  # decided: there are no tool calls, everything is content
         self.stopped = False  # a call after streamed ones was malformed: nothing more is sent
+        self.open_call: StreamedCall | None = None  # a call being sent piece by piece (hermes)
 
     def feed(self, delta_text: str) -> StreamDelta:
         self.text += delta_text
@@ -165,15 +330,18 @@ class ToolCallStream:
 
     def finish(self) -> StreamDelta:
         out = StreamDelta()
+        if self.stopped:
+            return out
         result = self.parser.extract(self.text)
         if result.tool_calls:
             # What was held back of the content, then the calls not yet streamed (the earlier ones are equal).
             out.content = (result.content or "")[self.sent:]
             for call in result.tool_calls[self.calls:]:
-                self._emit(out, call)
-        elif self.calls == 0:
+                if not self._emit(out, call):
+                    break
+        elif self.calls == 0 and self.open_call is None:
             self._release(out, len(self.text))
-        # else: a later call was malformed; extract() drops them all, but those streamed cannot be taken back.
+        # else: a call was malformed after calls (or a call's first pieces) were sent, which cannot be taken back.
         return out
 
     def _advance(self, out: StreamDelta) -> None:
@@ -183,13 +351,37 @@ class ToolCallStream:
         out.content += self.text[self.sent:end]
         self.sent = max(self.sent, end)
 
-    def _emit(self, out: StreamDelta, call: ToolCall) -> None:
-        out.tool_calls.append(DeltaToolCall(self.calls, call.id, call.name, call.arguments))
+    def _emit(self, out: StreamDelta, call: ToolCall) -> bool:
+        """Sends a complete call, or the rest of the one being sent; False (and nothing more is sent) if it
+        contradicts what was."""
+        if self.open_call is None:
+            out.tool_calls.append(DeltaToolCall(self.calls, call.id, call.name, call.arguments))
+        else:
+            rest = self.open_call.close(call)
+            self.open_call = None
+            if rest is None:
+                self.stopped = True
+                return False
+            out.tool_calls += rest
         self.calls += 1
+        return True
+
+    def _stream_call(self, out: StreamDelta, start: int) -> None:
+        """The call whose object starts at text[start] and has not closed yet: its first delta once its name is
+        complete, then its arguments as they come."""
+        if self.open_call is None:
+            if len(self.text) - start > CALL_HEAD_WITHIN:
+                return
+            self.open_call, deltas = StreamedCall.start(self.calls, self.text, start)
+        else:
+            deltas = self.open_call.advance(self.text)
+        out.tool_calls += deltas
 
     def _malformed(self, out: StreamDelta) -> None:
         """A call that cannot be parsed: if it is the first, the whole text is content (as extract() says)."""
-        if self.calls == 0:
+        if self.open_call is not None:
+            self.stopped = True  # its first pieces were sent
+        elif self.calls == 0:
             self.plain = True
             self._release(out, len(self.text))
         else:
@@ -246,13 +438,15 @@ class _HermesStream(ToolCallStream):
                 self.started = True
             end = self.text.find(end_tag, start + len(start_tag))
             if end < 0:
-                self.pos = start  # an open block waits for its end tag, or for finish()
+                self.pos = start  # an open block waits for its end tag, or for finish(); its call streams
+                self._stream_call(out, start + len(start_tag))
                 return
             call = call_from_json(self.text[start + len(start_tag):end])
             if call is None:
                 self._malformed(out)
                 return
-            self._emit(out, call)
+            if not self._emit(out, call):
+                return
             self.pos = end + len(end_tag)
 
 

@@ -15,7 +15,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lmserve.api.tool_parsers import DeltaToolCall, ObjectScanner, ToolCall, call_from_json, make_tool_call_id
+from lmserve.api.tool_parsers import (
+    CALL_HEAD_WITHIN,
+    DeltaToolCall,
+    ObjectScanner,
+    StreamedCall,
+    ToolCall,
+    call_from_json,
+    make_tool_call_id,
+)
 
 # Limits on a request's tools (docs/limits.md): each tool's schema goes into the prompt and, when a call is forced,
 # into a grammar compiled for the request, so both are bounded.
@@ -142,8 +150,9 @@ class ConstrainedToolStream:
     """The tool calls in output generated under constraint_schema, as OpenAI's streamed `delta.tool_calls`.
 
     Named function: the first delta carries the id, the name and the first text; later ones carry the generated
-    text as it comes, so the fragments concatenate to exactly the output. "required": each call is sent whole
-    (arguments re-serialised by json.dumps) as soon as its array element closes."""
+    text as it comes, so the fragments concatenate to exactly the output. "required": each array element streams as
+    a hermes call does (tool_parsers.StreamedCall): its id and name once the name is complete, then its arguments
+    re-serialised piece by piece as json.dumps writes them whole."""
 
     def __init__(self, tool_choice: ToolChoice) -> None:
         if isinstance(tool_choice, NamedToolChoice):
@@ -155,6 +164,8 @@ class ConstrainedToolStream:
         self.text = ""
         self.calls = 0
         self.scanner = ObjectScanner(depth=1)  # the array's elements
+        self.open_call: StreamedCall | None = None  # the element being sent piece by piece
+        self.open_call_start = -1
 
     def feed(self, delta_text: str) -> list[DeltaToolCall]:
         if self.name is not None:
@@ -166,9 +177,28 @@ class ConstrainedToolStream:
         deltas = []
         for start, end in self.scanner.scan(self.text):
             # The grammar makes every element a call; without it (a backend bug), an element that is not is skipped.
-            if call := call_from_json(self.text[start:end]):
+            call = call_from_json(self.text[start:end])
+            if self.open_call is not None and self.open_call_start == start:
+                rest = self.open_call.close(call) if call is not None else None
+                self.open_call = None
+                if rest is None:  # a backend bug again: what was sent of it stands, nothing more is sent of it
+                    self.calls += 1
+                    continue
+                deltas += rest
+                self.calls += 1
+            elif call is not None:
                 deltas.append(DeltaToolCall(self.calls, call.id, call.name, call.arguments))
                 self.calls += 1
+        open_start = self.scanner.start
+        if open_start is not None:  # an element still open: its head, then its arguments, as they come
+            if self.open_call_start != open_start and len(self.text) - open_start > CALL_HEAD_WITHIN:
+                pass  # no head this far in: the element goes whole when it closes
+            elif self.open_call is None or self.open_call_start != open_start:
+                self.open_call, started = StreamedCall.start(self.calls, self.text, open_start)
+                self.open_call_start = open_start
+                deltas += started
+            else:
+                deltas += self.open_call.advance(self.text)
         return deltas
 
     def finish(self) -> list[DeltaToolCall]:
