@@ -46,6 +46,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from lmserve.api.router import run_router
+
+    return run_router(args.prefill, args.decode, args.host, args.port, args.max_request_body_bytes, args.log_level)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -126,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
                           "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
     srv.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="one OpenAI endpoint in front of a prefill and a decode instance "
+                                           "(prefill/decode disaggregation, --kv-transfer-config)")
+    router.add_argument("--prefill", required=True, metavar="URL",
+                        help="the prefill instance (kv_producer), e.g. http://127.0.0.1:8100")
+    router.add_argument("--decode", required=True, metavar="URL",
+                        help="the decode instance (kv_consumer), e.g. http://127.0.0.1:8200")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
+    router.add_argument("--log-level", default="INFO")
+    router.set_defaults(func=cmd_router)
 
     # These parsers import only argparse; the load generator and the planners import the rest when they run.
     from lmserve.bench import cli as bench_cli

@@ -168,6 +168,67 @@ class ModelConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
+KV_CONNECTORS = ("SharedStorageConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_KV_STORAGE_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config, for prefill/decode disaggregation. SharedStorageConnector: a producer (the prefill
+    instance) writes the KV of every full prompt block it computes into shared_storage_path, one file per block and
+    rank, named by the block's prefix-cache hash (SHA-256 of the tokens before and in it); a consumer (the decode
+    instance) loads the longest run of a new prompt's blocks found there instead of computing them. kv_both does both.
+    The producer keeps at most max_storage_bytes of its own files (oldest removed first)."""
+
+    kv_connector: str
+    kv_role: str
+    shared_storage_path: str
+    max_storage_bytes: int = DEFAULT_KV_STORAGE_BYTES
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> KVTransferConfig:
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_rank", "kv_parallel_size",
+                 "kv_buffer_device", "engine_id"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        connector, role = value.get("kv_connector"), value.get("kv_role")
+        if connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not supported; use "
+                             f"{' or '.join(KV_CONNECTORS)}")
+        if role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        extra = value.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")  # noqa: TRY004 - a bad flag value
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path or len(path) > 4096:
+            raise ValueError("kv_transfer_config: SharedStorageConnector needs kv_connector_extra_config."
+                             "shared_storage_path, a directory both instances reach")
+        limit = extra.get("max_storage_bytes", DEFAULT_KV_STORAGE_BYTES)
+        if isinstance(limit, str):
+            limit = parse_memory(limit)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"kv_transfer_config: max_storage_bytes must be a positive size, got {limit!r}")
+        return cls(connector, role, path, limit)
+
+
+def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    parsed = parse_json_object(value)
+    return None if parsed is None else KVTransferConfig.from_json(parsed)
+
+
 @dataclass
 class CacheConfig:
     block_size: int = setting(16, "positions per KV-cache block", flag=False)
@@ -185,6 +246,11 @@ class CacheConfig:
     kv_cache_dtype: str = setting(
         "auto", "element type of the KV cache; float16 halves its bytes per token. auto: float16 for the paged-cpu "
         "kernel on a float32 model (CPUs with F16C), else the model's dtype", choices=("auto", "float32", "float16"))
+
+    kv_transfer_config: KVTransferConfig | None = setting(  # noqa: RUF009 - a dataclasses.field
+        None, 'as vLLM: prefill/decode disaggregation, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": '
+        '"kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/kv"}}\' on the prefill instance '
+        'and kv_consumer on the decode one (`lmserve router` in front of both)', parse=parse_kv_transfer_config)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -366,6 +432,8 @@ class EngineConfig:
                 f"{self.parallel.tensor_parallel_size} x pipeline_parallel_size={self.parallel.pipeline_parallel_size}"
                 " (data parallel replicas may each schedule asynchronously)")
         spec = self.scheduler.speculative_config
+        if self.cache.kv_transfer_config is not None and spec is not None and spec.model is not None:
+            raise ValueError("kv_transfer_config with a draft model: the draft's own KV cache is not transferred")
         if spec is not None and spec.model is not None and self.parallel.world_size > 1:
             # The draft fills its guesses in on the rank that samples; the others could not know them.
             raise ValueError("speculative decoding with a draft model runs on one rank per engine, got "

@@ -48,7 +48,8 @@ class EngineCore:
                                       self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len, self.grammar,
                                    key_generated_blocks=info.prompt_rows_computed_apart, kv_groups=info.kv_groups,
-                                   draft_constrained=self.executor.in_process)
+                                   draft_constrained=self.executor.in_process,
+                                   world_size=config.parallel.world_size)
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
         self._finished_not_sent: set[str] = set()
         self.last_step: StepRecord | None = None
@@ -91,6 +92,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.scheduler.kv_transfer is not None:
+            self.scheduler.kv_transfer.close()
 
     def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         if not self.executor.in_process and scheduler_output.grammar is not None:
@@ -178,6 +181,13 @@ class EngineCore:
             "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_position),
         }
 
+    def _transfer_stats(self) -> dict[str, int]:
+        transfer = self.scheduler.kv_transfer
+        if transfer is None:
+            return {}
+        return {"kv_transfer_loaded_tokens": transfer.num_loaded_blocks * self.scheduler.kv_cache_manager.block_size,
+                "kv_transfer_saved_blocks": transfer.num_saved_blocks}
+
     def stats(self, request_ids: Iterable[str] = ()) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         positions, status = {}, {}
@@ -200,6 +210,7 @@ class EngineCore:
             num_requests_aborted=self.num_aborted,
             num_steps=self.num_steps,
             **self._speculation_stats(),
+            **self._transfer_stats(),
             request_positions=positions,
             request_status=status,
         )

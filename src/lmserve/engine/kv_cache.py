@@ -215,6 +215,10 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------------------
 
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The prefix-cache hashes of the request's full blocks (the same prefix hashes alike in every process)."""
+        return self._block_hashes(request, request.all_token_ids)
+
     def _block_hashes(self, request: Request, all_tokens: list[int]) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size

@@ -55,6 +55,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # The grammars of the constrained requests that sample this step (engine.grammar.GrammarBatch), or None.
     grammar: Any = None
+    # Prefill/decode disaggregation (distributed/kv_storage.py): (block id, pinned file) to read into the cache before
+    # the forward pass, and (block id, block hash hex) to write out after it.
+    kv_loads: list[tuple[int, str]] = field(default_factory=list)
+    kv_saves: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from lmserve.config import CacheConfig, SchedulerConfig
 from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.kv_cache import KVCacheManager
+from lmserve.engine.kv_transfer import KVTransferScheduling
 from lmserve.engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
     EngineCoreOutput,
@@ -49,11 +50,13 @@ class Scheduler:
         key_generated_blocks: bool = False,
         kv_groups: KVCacheGroups | None = None,
         draft_constrained: bool = True,
+        world_size: int = 1,
     ) -> None:
         """`grammar`: compiles and advances constrained requests' grammars (None: no structured output).
         `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager).
         `kv_groups`: the model's KV-cache groups (None: one, full attention). `draft_constrained`: speculative
-        drafts for constrained requests (the runner shares this process's grammar matchers)."""
+        drafts for constrained requests (the runner shares this process's grammar matchers). `world_size`: the
+        engine's ranks, each of which stores its own part of a transferred block (--kv-transfer-config)."""
         self.config = scheduler_config
         self.grammar = grammar
         # Outputs made outside a step's update (a grammar that failed to compile): returned by the next update.
@@ -81,6 +84,9 @@ class Scheduler:
         self._in_flight: Counter[str] = Counter()
         spec = scheduler_config.speculative_config
         self.speculator = Speculator(spec, draft_constrained) if spec is not None else None
+        transfer = cache_config.kv_transfer_config
+        self.kv_transfer = (KVTransferScheduling(transfer, world_size, self.kv_cache_manager)
+                            if transfer is not None else None)
 
     # ---- queue management ----------------------------------------------------------------------------------
 
@@ -183,6 +189,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.speculator is not None:
             self.speculator.drop(request.request_id)
+        if self.kv_transfer is not None:
+            self.kv_transfer.drop(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
@@ -351,6 +359,7 @@ class Scheduler:
         # Then waiting requests, in policy order, with what is left. Never in a step that preempted: the blocks
         # just freed belong to the preempted requests at the head of the queue, and taking them would start a storm.
         promised = self._blocks_promised_to_prefills() if self.waiting and not preempted else 0
+        kv_loads: list[tuple[int, str]] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_admissible()
             if request is None:
@@ -361,14 +370,22 @@ class Scheduler:
             # Head-of-line: if it does not fit, nobody behind it jumps ahead.
             if not kv.can_fit(request, request.num_tokens, hits, reserved=promised):
                 break
-            num_new = self._cap(request.num_tokens - num_hit, budget)
-            if not kv.allocate_slots(request, num_new, hits, num_hit):
+            # Blocks a prefill instance stored (--kv-transfer-config): allocated like computed ones, read in by the
+            # step before its forward pass.
+            pinned = self.kv_transfer.pin(request, len(hits)) if self.kv_transfer is not None else []
+            num_loaded = len(pinned) * kv.block_size
+            num_new = self._cap(request.num_tokens - num_hit - num_loaded, budget)
+            if not kv.allocate_slots(request, num_loaded + num_new, hits, num_hit):
+                if pinned:
+                    self.kv_transfer.unpin(pinned)
                 break
+            if pinned:
+                kv_loads += self.kv_transfer.loads(request, len(hits), pinned)
             kv.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.num_computed_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_loaded
+            request.num_computed_tokens = num_hit + num_loaded
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = self._schedule_one(request, num_new)
@@ -383,7 +400,10 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=preempted,
             num_batched_tokens=sum(s.num_tokens for s in batch),
+            kv_loads=kv_loads,
         )
+        if self.kv_transfer is not None:
+            output.kv_saves = self.kv_transfer.saves(self.requests[s.request_id] for s in batch)
         if self.grammar is not None:
             sampling = [self.requests[s.request_id] for s in batch if s.samples]
             output.grammar = self.grammar.batch(sampling)

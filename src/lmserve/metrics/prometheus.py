@@ -31,6 +31,8 @@ ENGINE_COUNTERS = {
     "spec_decode_num_drafts": "Speculative decoding: steps in which a request verified drafts.",
     "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
     "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
+    "kv_transfer_loaded_tokens": "Disaggregation: prompt tokens whose KV was loaded from a prefill instance.",
+    "kv_transfer_saved_blocks": "Disaggregation: KV blocks stored for a decode instance.",
 }
 PER_POSITION_COUNTER = ("spec_decode_num_accepted_tokens_per_pos",
                         "Speculative decoding: draft tokens accepted, by their position among a step's drafts.")

@@ -168,6 +168,10 @@ class EngineStats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # Prefill/decode disaggregation (--kv-transfer-config): prompt tokens whose KV a consumer loaded instead of
+    # computing, and blocks a producer stored.
+    kv_transfer_loaded_tokens: int = 0
+    kv_transfer_saved_blocks: int = 0
     # Only for the request ids a GetStats asked about: positions computed so far, and status.
     request_positions: dict[str, int] = {}
     request_status: dict[str, str] = {}
@@ -179,7 +183,7 @@ class EngineStats(msgspec.Struct):
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
                 "kv_blocks_cached_free", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                 "num_requests_aborted", "num_steps", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens")
+                "spec_decode_num_accepted_tokens", "kv_transfer_loaded_tokens", "kv_transfer_saved_blocks")
 
 
 def sum_engine_stats(replicas: list[EngineStats]) -> EngineStats:

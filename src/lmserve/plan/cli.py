@@ -39,6 +39,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overhead-gib", type=float, default=None,
                    help="stated framework overhead per device (default 1.0: CUDA context, allocator, buffers)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="also say whether prefill/decode separation meets this inter-token latency for "
+                        "--concurrency streams while prompts of --prompt-len arrive (needs --cost-model)")
+    p.add_argument("--prompt-len", type=int, default=None, help="with --itl-target-ms: the arriving prompts' length")
+    p.add_argument("--cost-model", default=None,
+                   help="with --itl-target-ms: JSON {ms_per_position, ms_per_step} from `lmserve schedule --calibrate`")
     p.set_defaults(func=cmd_plan, log_level="WARNING")
 
 
@@ -96,6 +102,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             which = "this layout" if plan.fits else "this layout, which does not fit"
         print(f"serve ({which}):\n  {command}")
+    if args.itl_target_ms is not None:
+        from lmserve.plan.disaggregation import separation_advice
+        from lmserve.plan.schedule import CostModel
+
+        if args.cost_model is None or args.prompt_len is None:
+            raise ValueError("--itl-target-ms needs --cost-model (lmserve schedule --calibrate) and --prompt-len")
+        advice = separation_advice(CostModel.load(args.cost_model), args.prompt_len, args.concurrency,
+                                   args.max_num_batched_tokens, args.itl_target_ms, model)
+        print("\n" + advice.render())
     return 0 if plan.fits else 1
 
 

@@ -18,7 +18,7 @@ from lmserve.engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, Sche
 from lmserve.heap import release_freed_heap
 from lmserve.kv_groups import model_kv_groups
 from lmserve.kv_sizing import kv_bytes_per_block
-from lmserve.models import load_model_config, resolve_model
+from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
 from lmserve.worker.attention import (
     AttentionMetadata,
@@ -30,6 +30,7 @@ from lmserve.worker.attention import (
 )
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
+from lmserve.worker.kv_transfer import KVBlockFiles
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
@@ -238,6 +239,7 @@ class ModelRunner:
             self.max_model_len, tokens / self.max_model_len,
         )
         self.kv_bytes_per_block = per_block
+        self.kv_files = self._kv_files(cache_config, source, model_config)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # Each request's token from the last step that sampled it, for a step planned before that token was known
@@ -250,6 +252,18 @@ class ModelRunner:
             from lmserve.worker.draft_model import DraftModel
 
             self.drafter = DraftModel(spec.model, model_config, cache_config, placement, self)
+
+    def _kv_files(self, cache_config: CacheConfig, source: ModelSource, model_config: ModelConfig) -> KVBlockFiles | None:
+        """Prefill/decode disaggregation's block files (worker/kv_transfer.py), keyed to this model as it runs."""
+        transfer = cache_config.kv_transfer_config
+        if transfer is None:
+            return None
+        if self.kv_groups.is_hybrid:
+            raise ValueError("kv transfer needs one KV-cache group; this model has sliding-window layers in groups "
+                             "of their own: start both instances with --disable-hybrid-kv-cache-manager")
+        size = source.path.stat().st_size if source.kind == "gguf" else 0
+        identity = f"{source.kind}:{source.path.name}:{size}:{self.quantization}:{model_config.dtype}"
+        return KVBlockFiles(transfer, self.kv_caches, self.layout.rank, identity)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         # Decodes first so their queries form one contiguous, batched attention call.
@@ -350,8 +364,12 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.fill([s for s in scheduler_output.scheduled
                                if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID])
+        if scheduler_output.kv_loads and self.kv_files is not None:
+            self.kv_files.load(scheduler_output.kv_loads)  # a consumer's blocks, before the step attends over them
         batch = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self._stage_forward(batch)
+        if scheduler_output.kv_saves and self.kv_files is not None:
+            self.kv_files.save(scheduler_output.kv_saves)  # a producer's blocks, now that the step wrote them
         if self.drafter is not None:
             self.drafter.mirror(batch.input_ids, batch.positions, batch.attn, batch.prompt_rows)
         if hidden is None:

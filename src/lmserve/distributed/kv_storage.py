@@ -1,0 +1,64 @@
+"""Prefill/decode disaggregation over shared storage (vLLM's SharedStorageConnector): where a block's KV lies.
+
+One file per full prompt block and rank, `<prefix-cache hash>-r<rank>.kv`: the hash (SHA-256 chained over the tokens
+before and in the block, engine/kv_cache.py) names the same prefix in every process and run, so a decode instance
+finds the blocks a prefill instance computed for the same prompt. A file is written whole under another name and then
+renamed, so one that exists is complete.
+
+A consumer pins the files it will load by hard-linking them into a directory of its own when it admits the request:
+a producer removing old files (its byte cap) or a second producer replacing one cannot change what the next step
+loads. The worker removes the pins it loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def block_file(directory: Path, name: str, rank: int) -> Path:
+    return directory / f"{name}-r{rank}.kv"
+
+
+class SharedKVStorage:
+    """The scheduler's view of the storage: which prompt blocks are there, and pinning them for a load."""
+
+    def __init__(self, root: str, world_size: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.world_size = world_size
+        self.pins = self.root / f".pins-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.pins.mkdir()
+
+    def has(self, block_hash: bytes) -> bool:
+        """Whether the block was saved (by this or another producer): rank 0's file is written by the same step."""
+        return block_file(self.root, block_hash.hex(), 0).exists()
+
+    def pin(self, block_hashes: Sequence[bytes]) -> list[str]:
+        """Pins the longest run of the given blocks whose files every rank finds: their pin names, in order."""
+        pinned: list[str] = []
+        for block_hash in block_hashes:
+            name = f"{block_hash.hex()}-{uuid.uuid4().hex[:8]}"
+            linked = []
+            try:
+                for rank in range(self.world_size):
+                    target = block_file(self.pins, name, rank)
+                    os.link(block_file(self.root, block_hash.hex(), rank), target)
+                    linked.append(target)
+            except OSError:  # not there (yet, or any more): the run ends here
+                for target in linked:
+                    target.unlink(missing_ok=True)
+                break
+            pinned.append(name)
+        return pinned
+
+    def unpin(self, names: Sequence[str]) -> None:
+        for name in names:
+            for rank in range(self.world_size):
+                block_file(self.pins, name, rank).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.pins, ignore_errors=True)

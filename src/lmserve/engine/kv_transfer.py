@@ -1,0 +1,69 @@
+"""The scheduler's side of prefill/decode disaggregation (lmserve.distributed.kv_storage has the storage, the
+worker's kv_transfer.py the bytes).
+
+A consumer, admitting a request, counts its local prefix-cache hit first, then pins the run of its prompt's next full
+blocks that a producer stored; those blocks are allocated like computed ones, read in by the step before its forward
+pass, and count as cached tokens (as vLLM counts external hits). The last prompt token is never loaded: its logits are
+needed. A producer names every full prompt block a step completes that no file holds yet; the worker writes them once
+the forward pass has. Requests asking for prompt logprobs compute every position, as with the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lmserve.config import KVTransferConfig
+from lmserve.distributed.kv_storage import SharedKVStorage
+from lmserve.engine.kv_cache import KVCacheManager
+from lmserve.engine.request import Request
+
+
+class KVTransferScheduling:
+    def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.storage = SharedKVStorage(config.shared_storage_path, world_size)
+        self._saved: dict[str, int] = {}  # request id -> its prompt blocks already named for saving
+        self.num_loaded_blocks = 0
+        self.num_saved_blocks = 0
+
+    def pin(self, request: Request, num_local_hit_blocks: int) -> list[str]:
+        """Pins the stored blocks that follow the local hit (none for a producer-only instance)."""
+        if not self.config.loads or request.num_prompt_logprobs_missing:
+            return []
+        hashes = self.kv.block_hashes(request)
+        return self.storage.pin(hashes[num_local_hit_blocks : (request.num_tokens - 1) // self.kv.block_size])
+
+    def unpin(self, pinned: list[str]) -> None:
+        self.storage.unpin(pinned)
+
+    def loads(self, request: Request, first_block: int, pinned: list[str]) -> list[tuple[int, str]]:
+        """(block id, pinned file) of the pinned blocks, now allocated after the local hit."""
+        table = self.kv.block_ids(request.request_id)
+        self.num_loaded_blocks += len(pinned)
+        return [(table[first_block + i], str(self.storage.pins / name)) for i, name in enumerate(pinned)]
+
+    def saves(self, requests: Iterable[Request]) -> list[tuple[int, str]]:
+        """(block id, hash hex) of the prompt blocks this step completes that are not stored yet."""
+        if not self.config.saves:
+            return []
+        out = []
+        block_size = self.kv.block_size
+        for request in requests:
+            full = min(request.num_computed_tokens, request.num_prompt_tokens) // block_size
+            done = self._saved.get(request.request_id, 0)
+            if full <= done:
+                continue
+            hashes, table = self.kv.block_hashes(request), self.kv.block_ids(request.request_id)
+            for i in range(done, full):
+                if table[i] >= 0 and not self.storage.has(hashes[i]):
+                    out.append((table[i], hashes[i].hex()))
+            self._saved[request.request_id] = full
+        self.num_saved_blocks += len(out)
+        return out
+
+    def drop(self, request_id: str) -> None:
+        self._saved.pop(request_id, None)
+
+    def close(self) -> None:
+        self.storage.close()
