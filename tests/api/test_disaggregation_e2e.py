@@ -94,7 +94,7 @@ def test_chat_through_the_router_and_nothing_held_afterwards(pair) -> None:
 
 
 def test_the_routers_errors(pair) -> None:
-    prefill, decode, router = pair
+    _prefill, _decode, router = pair
     bad = httpx.post(f"{router.base_url}/v1/completions", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):  # the instance's own 400 reaches the client as it was sent

@@ -17,8 +17,8 @@ from lmserve.config import KVTransferConfig, parse_kv_transfer_config
 from lmserve.engine.kv_cache import hash_block_tokens
 
 PROMPTS = [
-    "The history of Paris begins in the third century BC, when a Celtic people called the Parisii settled on an "
-    "island in the Seine. The Romans conquered the area in 52 BC and built a town named Lutetia on the left bank.",
+    ("The history of Paris begins in the third century BC, when a Celtic people called the Parisii settled on an "
+    "island in the Seine. The Romans conquered the area in 52 BC and built a town named Lutetia on the left bank."),
     "List the planets of the solar system in order from the Sun, with one fact about each of them:",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
