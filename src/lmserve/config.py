@@ -102,6 +102,17 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
+JsonConfig = typing.TypeVar("JsonConfig", "SpeculativeConfig", "KVTransferConfig")
+
+
+def parse_json_config(value: Any, cls: type[JsonConfig]) -> JsonConfig | None:
+    """A vLLM-style JSON setting (text from a flag, a dict from a keyword, or already the config) as `cls`."""
+    if value is None or isinstance(value, cls):
+        return value
+    parsed = parse_json_object(value)
+    return None if parsed is None else cls.from_json(parsed)
+
+
 def parse_json_object(value: Any) -> dict[str, Any] | None:
     """A JSON object given as text (a flag) or as a dict (a keyword)."""
     if value is None or isinstance(value, dict):
@@ -223,10 +234,7 @@ class KVTransferConfig:
 
 
 def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
-    if value is None or isinstance(value, KVTransferConfig):
-        return value
-    parsed = parse_json_object(value)
-    return None if parsed is None else KVTransferConfig.from_json(parsed)
+    return parse_json_config(value, KVTransferConfig)
 
 
 @dataclass
@@ -315,10 +323,7 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    parsed = parse_json_object(value)
-    return None if parsed is None else SpeculativeConfig.from_json(parsed)
+    return parse_json_config(value, SpeculativeConfig)
 
 
 @dataclass

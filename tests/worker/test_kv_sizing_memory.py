@@ -105,6 +105,26 @@ def test_profiling_step_runs_the_model_on_a_full_step(tiny_llama3_dir, dtype) ->
     torch.testing.assert_close(probs.sum(-1), torch.ones(64))
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_profiling_step_runs_each_pipeline_stage_alone(tiny_llama3_dir, rank: int) -> None:
+    """A pipeline stage profiles on its own, as each rank sizes its cache before any stage talks to another: the
+    first stage from the embedding, the last from zeros standing for what it would receive (it used to look the
+    token ids up in an embedding only the first stage has, so `-pp` on CUDA failed at start-up)."""
+    from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+
+    source = resolve_model(str(tiny_llama3_dir))
+    config = load_hf_config(source)
+    model = build_model(config, 128, CPU, torch.float32, parallel=ParallelGroups(RankLayout(rank, pp_size=2)))
+    model.load_weights(load_weights(source, torch.float32))
+    out = profiling_step(model, num_tokens=40, max_model_len=128, num_sampled=8, block_size=16,
+                         attention_backend="sdpa", kv_cache_dtype=torch.float32)
+    if rank == 0:  # what it sends on: one row of hidden states per position
+        assert out.shape == (40, config.hidden_size)
+    else:
+        assert out.shape == (8, config.vocab_size)
+    assert torch.isfinite(out).all()
+
+
 def resident_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -71,7 +71,8 @@ def profiling_step(
 ) -> torch.Tensor:
     """One forward pass over a dummy batch of num_tokens positions, with its own small KV cache (just the batch's
     blocks: the real cache is sized from this step's peak, so it cannot exist yet), then the logits and softmax of
-    num_sampled rows (the sampler's vocabulary-wide work). Returns the probabilities."""
+    num_sampled rows (the sampler's vocabulary-wide work). Returns the probabilities, or on a pipeline stage before the
+    last the hidden states it would send on (a later stage starts from zeros as its received input)."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     lengths = profiling_batch_lengths(num_tokens, max_model_len)
@@ -89,7 +90,15 @@ def profiling_step(
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     metadata = build_metadata(chunks, block_size, attention_backend, device, dtype)
-    hidden = model(input_ids, positions, kv_caches, metadata)
+    layout = model.parallel.layout
+    # A later pipeline stage starts from the previous stage's hidden states and residual, which it receives.
+    intermediate = None
+    if not layout.is_first_stage:
+        zeros = torch.zeros(num_tokens, model.config.hidden_size, dtype=dtype, device=device)
+        intermediate = (zeros, zeros.clone())
+    hidden = model(input_ids, positions, kv_caches, metadata, intermediate)
+    if not layout.is_last_stage:
+        return hidden[0]  # no logits on this stage: what it sends on is its peak
     rows = torch.arange(num_tokens - min(num_sampled, num_tokens), num_tokens, device=device)
     return model.compute_logits(hidden[rows]).softmax(dim=-1)
 
