@@ -30,6 +30,28 @@ def test_fused_add_rms_norm(rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 300])
+def test_rms_norm_of_rows_and_of_each_head_in_place(rows: int) -> None:
+    """Gemma's norms after attention and the MLP (rows of [T, D], out of place) and its q/k norms (each head of a
+    strided [T, H, D] view of the qkv output, in place): F.rms_norm's values, nothing else touched."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 640, generator=gen) * 3, torch.rand(640, generator=gen) + 0.5
+    out = torch.full_like(x, float("nan"))
+    before = x.clone()
+    cpu_kernels().rms_norm(out, x, weight, 1e-6)
+    torch.testing.assert_close(out, F.rms_norm(x, (640,), weight, 1e-6), atol=1e-5, rtol=1e-5)
+    assert torch.equal(x, before)
+
+    qkv = torch.randn(rows, 4 + 2, 256, generator=gen)  # 4 query heads, then k and v (one head each)
+    head_weight = torch.rand(256, generator=gen) + 0.5
+    expected = qkv.clone()
+    expected[:, :4] = F.rms_norm(qkv[:, :4], (256,), head_weight, 1e-6)
+    q = qkv[:, :4]
+    cpu_kernels().rms_norm(q, q, head_weight, 1e-6)
+    torch.testing.assert_close(qkv, expected, atol=1e-5, rtol=1e-5)  # k and v untouched, bit for bit
+    assert torch.equal(qkv[:, 4:], expected[:, 4:])
+
+
+@pytest.mark.parametrize("rows", [1, 300])
 def test_silu_and_mul(rows: int) -> None:
     gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
     out = torch.full((rows, 1536), float("nan"))
@@ -85,6 +107,11 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch_split_over_the_threads()
         ops.fused_add_rms_norm(xs, rs, weight, 1e-5)
         return xs, rs
 
+    def plain_norm(rows: slice) -> torch.Tensor:
+        out = torch.empty_like(x[rows])
+        ops.rms_norm(out, x[rows], weight, 1e-5)
+        return out
+
     def silu(rows: slice) -> torch.Tensor:
         out = torch.empty(gate_up[rows].shape[0], 1536)
         ops.silu_and_mul(out, gate_up[rows])
@@ -95,7 +122,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch_split_over_the_threads()
         ops.rotary_embedding(out, cos[rows], sin[rows], 12)
         return out
 
-    for op in (norm, silu, rope):
+    for op in (norm, plain_norm, silu, rope):
         batch = op(slice(0, 160))
         for row in range(160):
             alone = op(slice(row, row + 1))
@@ -109,6 +136,10 @@ def test_ops_refuse_other_dtypes_and_shapes() -> None:
     ops = cpu_kernels()
     with pytest.raises(RuntimeError, match="float32 only"):
         ops.fused_add_rms_norm(torch.zeros(2, 8).double(), torch.zeros(2, 8).double(), torch.ones(8).double(), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm: x and out of one shape"):
+        ops.rms_norm(torch.zeros(2, 8), torch.zeros(2, 4), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm: weight"):
+        ops.rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="2 \\* out width"):
         ops.silu_and_mul(torch.zeros(2, 5), torch.zeros(2, 8))
     with pytest.raises(RuntimeError, match="cos and sin"):

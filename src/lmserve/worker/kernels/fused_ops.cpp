@@ -62,6 +62,34 @@ void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   });
 }
 
+__attribute__((noinline)) void rms_norm_row(float* o, const float* xr, const float* w, int64_t hidden, double eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) o[i] = xr[i] * inv * w[i];
+}
+
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.sizes() == out.sizes() && x.stride(-1) == 1 && out.stride(-1) == 1,
+              "rms_norm: x and out of one shape, [T, D] or [T, H, D], with contiguous rows");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat, "rms_norm: weight");
+  const int64_t heads = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t x_row = x.stride(0), o_row = out.stride(0);
+  const int64_t x_head = x.dim() == 3 ? x.stride(1) : 0, o_head = out.dim() == 3 ? out.stride(1) : 0;
+  const float* xs = x.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain(heads * hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) rms_norm_row(os + t * o_row + h * o_head, xs + t * x_row + h * x_head, w, hidden, eps);
+  });
+}
+
 __attribute__((noinline)) void silu_and_mul_row(float* o, const float* gate, int64_t inner) {
   const float* up = gate + inner;
 #pragma omp simd
@@ -114,12 +142,14 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
 }
