@@ -123,11 +123,19 @@ def test_concurrency_and_context_trade_off():
     assert plan.max_context == min(8192, d.kv_blocks // 8 * 16)
 
 
-def test_engine_sizes_its_kv_cache_with_the_planner_formula():
-    from lmserve.worker import model_runner
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32"])
+def test_engine_sizes_its_kv_cache_with_the_planner_formula(kv_cache_dtype: str):
+    """The planner's bytes per block are what the engine's KV tensors hold for one block, and what it divides its
+    memory by: its plan for the default model is the engine's allocation."""
+    from lmserve.config import CacheConfig, ModelConfig
+    from lmserve.worker.model_runner import ModelRunner
 
-    assert model_runner.kv_bytes_per_block is memory.kv_bytes_per_block
     assert memory.kv_bytes_per_block(30, 3, 64, 16, 2) == 16 * 23_040
+    runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=8, kv_cache_dtype=kv_cache_dtype))
+    itemsize = 2 if kv_cache_dtype == "float16" else 4
+    allocated = sum(t[0].nbytes for layer in runner.kv_caches for t in layer)  # block 0 of every K and V tensor
+    assert runner.kv_bytes_per_block == memory.kv_bytes_per_block(30, 3, 64, 16, itemsize) == allocated
+    assert runner.num_blocks == 8
 
 
 def test_configs_ship_as_package_data():

@@ -202,3 +202,23 @@ def test_a_pending_layer_refuses_rows_that_do_not_fit() -> None:
         layer.load_rows(0, torch.randn(16, 96))
     with pytest.raises(ValueError, match="multiple of 32; a layer has 40"):
         PendingBlockLinear("q8_0", 40, 16, bias=False)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_gguf", "tiny_llama_dir"])
+def test_a_pipeline_stage_reads_only_its_own_weights(request, fixture: str) -> None:
+    """Each stage's loader skips the other stages' tensors before reading or converting them, and the stage ends with
+    the same parameters as one that read everything and dropped what it does not own."""
+    source = resolve_model(str(request.getfixturevalue(fixture)))
+    config = load_hf_config(source)
+    every_name = [name for name, _ in load_weights(source, torch.float32)]
+    for rank in range(2):
+        model = build_model(config, 64, CPU, torch.float32, ParallelGroups(RankLayout(rank, pp_size=2)))
+        names = [name for name, _ in load_weights(source, torch.float32, wanted=model.wants)]
+        layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+        assert layers == set(model.stage_layers) and len(names) < len(every_name)
+        assert ("model.embed_tokens.weight" in names) == (rank == 0 or config.tie_word_embeddings)
+        model.load_weights(load_weights(source, torch.float32, wanted=model.wants))
+        everything = build_model(config, 64, CPU, torch.float32, ParallelGroups(RankLayout(rank, pp_size=2)))
+        everything.load_weights(load_weights(source, torch.float32))
+        for name, param in model.named_parameters():
+            assert torch.equal(param, everything.get_parameter(name)), (rank, name)

@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import gguf
@@ -34,15 +34,18 @@ logger = logging.getLogger(__name__)
 
 
 def load_weights(
-    source: ModelSource, dtype: torch.dtype | None, blocks: Collection[str] = ()
+    source: ModelSource, dtype: torch.dtype | None, blocks: Collection[str] = (),
+    wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     """Every weight as (Hugging Face name, tensor in `dtype`; None: in the dtype the checkpoint stores it, for
     targets that convert as they copy). `blocks`: block formats (worker/quantization.py's names, q4_1, q8_0) whose
     GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block layers take those bytes as
-    they are (LlamaForCausalLM.load_weights)."""
+    they are (LlamaForCausalLM.load_weights). `wanted` (a Hugging Face name -> bool, a pipeline stage's
+    LlamaForCausalLM.wants): the others are skipped before they are read or converted."""
     config = load_model_config(source)  # rejects unsupported architectures before any weight is read
     start, count, nbytes = time.perf_counter(), 0, 0
-    weights = _hf_weights(source.path) if source.kind == "hf" else _gguf_weights(source.path, config, blocks)
+    weights = (_hf_weights(source.path, wanted) if source.kind == "hf"
+               else _gguf_weights(source.path, config, blocks, wanted))
     # Gemma's RMSNorm scales by (1 + weight): the model's norm scales by its weight, so the 1 is added here, in
     # float32 as transformers adds it. llama.cpp's converter stored it added already.
     norms_plus_one = source.kind == "hf" and config.model_type in GEMMA_MODEL_TYPES
@@ -93,7 +96,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(directory: Path, wanted: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open  # HF directories only
 
     for file in _safetensors_files(directory):
@@ -101,7 +104,7 @@ def _hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             names = f.keys()  # safe_open handles are not iterable
             for name in names:
                 # Old checkpoints saved this buffer; it is derived from the config.
-                if name.endswith("rotary_emb.inv_freq"):
+                if name.endswith("rotary_emb.inv_freq") or (wanted is not None and not wanted(name)):
                     continue
                 yield name, f.get_tensor(name)
 
@@ -172,7 +175,7 @@ def hf_name_from_gguf(name: str, arch: str = "llama") -> str:
 
 
 def _gguf_weights(
-    path: Path, config: GGUFConfig, blocks: Collection[str]
+    path: Path, config: GGUFConfig, blocks: Collection[str], wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     tensors = read_gguf_header(path).tensors
     unsupported = {t.ggml_type for t in tensors} - set(SUPPORTED_GGML_TYPES)
@@ -186,6 +189,8 @@ def _gguf_weights(
         if info.name in _GGUF_ROPE_TENSORS:
             continue  # read into the config by lmserve.models; the rotary embedding applies them
         name = hf_name_from_gguf(info.name, config.model_type)
+        if wanted is not None and not wanted(name):
+            continue
         method = ggml_type_name(info.ggml_type).lower()
         as_blocks = method in blocks and len(info.shape) == 2
         array = read_gguf_blocks(path, info) if as_blocks else read_gguf_tensor(path, info)

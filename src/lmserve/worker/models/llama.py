@@ -588,6 +588,10 @@ class LlamaForCausalLM(nn.Module):
     _ROW_PARALLEL: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj")
     _VOCAB_PARALLEL: ClassVar[tuple[str, ...]] = ("embed_tokens.weight", "lm_head.weight")
 
+    def wants(self, hf_name: str) -> bool:
+        """Whether this rank loads a checkpoint weight (the loader skips the others unread)."""
+        return not self._is_other_ranks(hf_name.removeprefix("model."))
+
     def _is_other_ranks(self, name: str) -> bool:
         """Whether a checkpoint weight belongs to another pipeline stage (or, tied, is not needed at all)."""
         parts = name.split(".")
