@@ -51,6 +51,21 @@ def test_rms_norm_of_rows_and_of_each_head_in_place(rows: int) -> None:
     assert torch.equal(qkv[:, 4:], expected[:, 4:])
 
 
+def test_rms_norm_gives_a_row_the_same_bits_wherever_it_starts() -> None:
+    """The rows may come from NumPy (16-byte aligned): the same row at any float offset gives the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    row, weight = torch.randn(576, generator=gen) * 5, torch.rand(576, generator=gen) + 0.5
+    results = []
+    for offset in range(16):
+        buffer = torch.zeros(576 + 16)
+        x = buffer[offset : offset + 576].view(1, 576)
+        x.copy_(row)
+        out = torch.empty(1, 576)
+        cpu_kernels().rms_norm(out, x, weight, 1e-5)
+        results.append(out)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
 @pytest.mark.parametrize("rows", [1, 300])
 def test_silu_and_mul(rows: int) -> None:
     gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4

@@ -62,10 +62,25 @@ void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const a
   });
 }
 
+// The sum of squares in 16 lanes by index, added up in a fixed order: the same bits wherever the row starts. (A
+// `simd reduction` loop peels its first elements up to an aligned address, so a row's sum changed with its
+// address, and x here may come from NumPy, which aligns to 16 bytes: a prompt's tokens then differed between a
+// chunked prefill and one step.)
+__attribute__((noinline)) float sum_of_squares(const float* x, int64_t n) {
+  float lanes[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lanes[j] += x[i + j] * x[i + j];
+  }
+  for (; i < n; ++i) lanes[i % 16] += x[i] * x[i];
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  return sum;
+}
+
 __attribute__((noinline)) void rms_norm_row(float* o, const float* xr, const float* w, int64_t hidden, double eps) {
-  float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
+  const float squares = sum_of_squares(xr, hidden);
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
 #pragma omp simd
   for (int64_t i = 0; i < hidden; ++i) o[i] = xr[i] * inv * w[i];
