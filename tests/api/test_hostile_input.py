@@ -304,9 +304,10 @@ def test_fuzz_chat_completions(http: httpx.Client, memory_watch: dict[str, int],
 
 
 def test_after_the_fuzz_memory_is_bounded_and_the_server_still_answers(
-    server: Server, http: httpx.Client, memory_watch: dict[str, int]
+    server: Server, http: httpx.Client, memory_watch: dict[str, int], request: pytest.FixtureRequest
 ) -> None:
-    """Runs after the fuzz tests (file order): neither process grew past the bound, nothing is left running."""
+    """Runs after the fuzz tests (file order): neither process grew past the bound, nothing is left running, and
+    when the fuzz ran, it reached the serving path too, not only the validation."""
     response = post(http, "completions", {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
     assert "Paris" in response.json()["choices"][0]["text"]
     growth = {
@@ -314,8 +315,9 @@ def test_after_the_fuzz_memory_is_bounded_and_the_server_still_answers(
         "engine": rss_bytes(server.engine_pid) - memory_watch["engine"],
     }
     print(f"\nresident memory growth over the hostile tests: {growth}; fuzz answers by status: {dict(STATUSES)}")
-    if STATUSES:  # the fuzz must reach the serving path too, not only the validation
-        assert STATUSES[200] >= 0.1 * STATUSES.total(), STATUSES
+    fuzz_ran = any(item.name.startswith("test_fuzz_") for item in request.session.items)
+    if fuzz_ran:  # selected in this session (a `-k` run may leave it out): it must have sent requests, a tenth served
+        assert STATUSES.total() > 0 and STATUSES[200] >= 0.1 * STATUSES.total(), STATUSES
     assert all(g < MAX_RSS_GROWTH for g in growth.values()), growth
     stats = httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
