@@ -28,6 +28,7 @@ from pathlib import Path
 SETTINGS = {
     "stored": {},  # --quantization auto: each layer at the file's stored size, prompt rows as auto sends them
     "stored, no copies": {"batched_weights": "none"},  # every row on the block kernels
+    "stored, 8-bit prompt rows": {"batched_weights": "prompt-int8"},  # llama.cpp's activations for prompt rows
     "float32": {"quantization": "none"},  # the file's values dequantized to float32: the reference
 }
 LLAMA_PERPLEXITY = Path.home() / ".cache/lmserve-peers/llama.cpp/bin/llama-perplexity"

@@ -2,7 +2,7 @@
 
 Each CPU kind takes its own path through the kernels (AMX: prompt rows on the AMX kernel; AVX-512 VNNI without AMX:
 every row on the int16 block kernels (VPDPBUSD), no float16 copy; AVX2 only: the AVX2 builds of the int16 and
-attention kernels, prompt rows on fbgemm's float16 copy). Speculative decoding's verify steps (several generated rows
+attention kernels for every block format, prompt rows on fbgemm's float16 copy). Speculative decoding's verify steps (several generated rows
 of one request in a batch) must give plain decoding's greedy tokens on each path too. `--block-activations float32` (the VNNI build with LMSERVE_DISABLE_CPU_FEATURES=vnni) is one
 more path. Issue 32 was a seeded request whose first token changed with its batch on the second kind
 only, which no machine we tested on ran. Here the same tests run in a fresh interpreter with the dispatch told to act
@@ -75,9 +75,9 @@ def test_forced_features_reach_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> 
         assert not quantization.int16_kernel_loads() and quantization.block_activations("auto") == "float32"
         with pytest.raises(ValueError, match="int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI"):
             quantization.block_activations("int16")
-    else:  # the AVX2 build: int16 for the formats without a float32 kernel, q4_1 and q8_0 on float32 unless asked
+    else:  # the AVX2 build: int16 for every block format (float32 only when asked: it is not batch-invariant)
         assert quantization.int16_kernel_loads() and quantization.block_activations("int16") == "int16"
-        assert quantization.block_activations("auto") == "float32"
+        assert quantization.block_activations("auto") == "int16"
     monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,sse9")
     with pytest.raises(ValueError, match="unknown feature sse9"):
         kernels.disabled_features()

@@ -4,18 +4,22 @@ such a file gives the outputs of its float32 weights."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from lmserve.models import load_hf_config, resolve_model
+from lmserve.worker import quantization
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.kquant_formats import KQuantLinear, Q5_0Linear, kernel_formats
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
+from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
     LAYER_TYPES,
     Float16WeightLinear,
@@ -23,7 +27,10 @@ from lmserve.worker.quantization import (
     Q8_0Linear,
     StoredBlocks,
     as_blocks,
+    batched_path,
     int16_kernel_loads,
+    prepare_batched_copies,
+    use_prompt_copies,
 )
 from lmserve.worker.stored_formats import (
     BLOCK_FORMATS,
@@ -243,3 +250,77 @@ def test_a_whole_untied_embedding_table_stays_the_files_mapping(tmp_path: Path) 
     parts.load_rows(40, StoredBlocks("q5_0", torch.from_numpy(mapped[40:])))
     assert mapped_file_of(parts.blocks.data_ptr()) is None
     assert torch.equal(parts(ids), expected[ids])
+
+
+# ------------------------------------------- prompt rows with 8-bit activations (--batched-weights prompt-int8)
+
+INT16_LAYOUT_TYPES = ["q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+
+
+def int16_layout_layer(stored_type: str, make_k_quant, rows: int, cols: int, seed: int, path=None):
+    """A layer of the stored type in the int16 kernels' layout, and gguf's float32 values of its weights."""
+    if stored_type in ("q4_k", "q5_k", "q6_k"):
+        raw = make_k_quant(rows, cols, Q[stored_type.upper()], np.random.default_rng(seed))
+        blocks, values = raw.reshape(rows, cols // 256, -1), gguf.quants.dequantize(raw, Q[stored_type.upper()])
+    else:
+        blocks = random_stored_blocks(stored_type, rows, cols // 32, seed)
+        values = gguf_values(stored_type, blocks)
+    layer = LAYER_TYPES[stored_type](StoredBlocks(stored_type, torch.from_numpy(blocks)), None, path,
+                                     activations="int16")
+    assert layer.activations == "int16" and torch.equal(layer.dequantized(), torch.from_numpy(values))
+    return layer, torch.from_numpy(values).double()
+
+
+@pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build")
+@pytest.mark.parametrize("stored_type", INT16_LAYOUT_TYPES)
+def test_8_bit_activations_round_each_block_to_8_bits_and_keep_rows_apart(stored_type: str, make_k_quant) -> None:
+    """The int8 op multiplies the same blocks by x rounded to 8 bits a block of 32 (s = max|x| / 127, round(x / s)):
+    on inputs already on that grid it gives the int16 op's bits; elsewhere an error of the 8-bit rounding, more than
+    the 16-bit one's; and every row its own bits whatever rows share the call (tiles of 1 to 8 rows)."""
+    layer, values = int16_layout_layer(stored_type, make_k_quant, 48, 512, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    # On the grid: per block integers in -127..127 reaching 127, times a power of two per block.
+    ints = torch.randint(-127, 128, (13, 16, 32), generator=gen).float()
+    ints[..., 0] = 127
+    on_grid = (ints * 2.0 ** torch.randint(-8, 4, (13, 16, 1), generator=gen).float()).reshape(13, 512)
+    int8 = layer.int8_linear_op(on_grid, layer.blocks, 48, None)
+    assert torch.equal(int8, layer.linear_op(on_grid, layer.blocks, 48, None))
+    x = torch.randn(13, 512, generator=gen)
+    x[3, :64] *= 40  # an outlier block
+    expected = x.double() @ values.T
+    int8, int16 = layer.int8_linear_op(x, layer.blocks, 48, None), layer.linear_op(x, layer.blocks, 48, None)
+    error8, error16 = (int8.double() - expected).abs().max().item(), (int16.double() - expected).abs().max().item()
+    assert error8 < 2e-2 * expected.abs().max().item()
+    assert error8 > 10 * error16  # 8 bits indeed, not the 16-bit split
+    for i in range(13):
+        assert torch.equal(layer.int8_linear_op(x[i : i + 1], layer.blocks, 48, None), int8[i : i + 1]), i
+    assert torch.equal(layer.int8_linear_op(x[2:11], layer.blocks, 48, None), int8[2:11])
+
+
+@pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build")
+@pytest.mark.parametrize("stored_type", ["q8_0", "q5_0", "q4_k", "q6_k"])
+def test_prompt_int8_sends_prompt_rows_to_8_bits_and_generated_rows_to_16_without_a_copy(
+    stored_type: str, make_k_quant
+) -> None:
+    path = batched_path("prompt-int8")
+    layer, _ = int16_layout_layer(stored_type, make_k_quant, 32, 256, seed=23, path=path)
+    model = nn.Sequential(layer)
+    assert use_prompt_copies(model) == 1
+    prepare_batched_copies(model)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(24))
+    int8, int16 = layer.int8_linear_op(x, layer.blocks, 32, None), layer.linear_op(x, layer.blocks, 32, None)
+    for mask in (np.arange(70) >= 5, np.arange(70) % 4 == 0, np.ones(70, dtype=bool)):
+        with prompt_rows(PromptRows.from_mask(mask)):
+            got = layer(x)
+        assert torch.equal(got[mask], int8[mask]) and torch.equal(got[~mask], int16[~mask])
+    assert torch.equal(layer(x), int16)  # rows of a caller that said nothing: generated rows
+    assert layer.prompt_copy is None and layer.batched is None  # nothing but the file's blocks
+
+
+def test_prompt_int8_is_refused_where_the_int16_kernels_do_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantization, "int16_kernel_loads", lambda: False)
+    with pytest.raises(ValueError, match="prompt-int8 needs the int16 block kernels"):
+        quantization.batched_path("prompt-int8")
+    monkeypatch.setattr(quantization, "int16_kernel_loads", lambda: True)
+    path = quantization.batched_path("prompt-int8")
+    assert path == quantization.BatchedPath("none", sys.maxsize, prompt_copies=True, prompt_weights="int8")

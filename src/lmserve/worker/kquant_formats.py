@@ -153,6 +153,7 @@ class KQuantLinear(BlockQuantizedLinear):
         ops = cpu_kernels()
         self.linear_op = getattr(ops, f"{self.method}_int16_linear")
         self.dequantize_op = getattr(ops, f"{self.method}_int16_dequantize")
+        self.int8_linear_op = getattr(ops, f"{self.method}_int8_linear")
         self.activations = "int16"
 
     def use_int16_activations(self) -> bool:

@@ -166,10 +166,10 @@ class ModelRunner:
             self.block_activations = block_activations(model_config.block_activations)
             self.batched_path = batched_path(model_config.batched_weights, self.block_activations)
             use_batched_path(model, self.batched_path)
-            if self.batched_path.prompt_copies:
-                self.prompt_copies = use_prompt_copies(model.layers) > 0
             if use_block_activations(model, self.block_activations) == 0:
                 self.block_activations = "float32"
+            if self.batched_path.prompt_copies:  # after the activations: prompt-int8 takes the int16 layout's layers
+                self.prompt_copies = use_prompt_copies(model.layers) > 0
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
@@ -186,7 +186,8 @@ class ModelRunner:
             path = self.batched_path
             batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
             if path.prompt_copies:
-                on = "AMX tiles (bf16 weights)" if path.prompt_weights == "bf16" else "fbgemm (fp16 weights)"
+                on = {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
+                      "int8": "the stored blocks (8-bit activations)"}[path.prompt_weights]
                 batches = f", prompt tokens on {on}"
             batches += f", {self.block_activations} activations in the block kernel"
         logger.info(

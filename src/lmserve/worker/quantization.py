@@ -64,7 +64,7 @@ BLOCK_METHODS = ("q8_0", "q4_1")
 # Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): int16 activations only.
 KQUANT_METHODS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
 LAYER_METHODS = BLOCK_METHODS + KQUANT_METHODS
-BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "none")
+BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
 BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
@@ -80,7 +80,8 @@ class BatchedPath:
     """How a block layer multiplies batches above `block_kernel_max_rows` rows: a copy of its weights in `weights`
     (bf16: oneDNN's bfloat16 GEMM, activations rounded to bfloat16; fp16: fbgemm, activations kept in float32).
     prompt_copies: the decoder layers send prompt rows to a copy in `prompt_weights` instead (use_prompt_copies: bf16
-    on the AMX kernel, or fp16 through fbgemm) and every generated row to the block kernel, at any batch size."""
+    on the AMX kernel, or fp16 through fbgemm; int8: no copy, the int16 layout's blocks with 8-bit activations) and
+    every generated row to the block kernel, at any batch size."""
 
     weights: str
     block_kernel_max_rows: int
@@ -99,6 +100,9 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
     q8_0, q5_0, q4_k; q6_k 0.75x), so the copy (2 bytes a weight beside the file's ~0.6) bought no speed there
     (docs/benchmarks.md, "Prompt rows on the stored blocks"); the AVX2 build's kernels are ~2x slower than fbgemm
     at prompt sizes and keep it.
+    prompt-int8 (asked for): prompt rows through the same int16-layout blocks with 8-bit activations per block of 32
+    (x_hi alone: llama.cpp's q8 activations, half the integer products: 1.5-1.8x the int16 kernels' prompt speed on
+    VNNI), generated rows with 16-bit ones; no copy. Layers in the float32 kernels' layout run every row there.
     fp16: the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the float16 copy above, for prompt and generated rows
     alike: a row's result then depends on its batch's size, by the float16 rounding of the blocks' weights (on an AVX2
     build a seeded request drew another first token in a batch of 16 than alone; logprobs moved by 3e-4). bf16: the bfloat16 copy through oneDNN above a few
@@ -120,6 +124,11 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
     if setting == "prompt-fp16":
         return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
+    if setting == "prompt-int8":
+        if not int16_kernel_loads():
+            raise ValueError("--batched-weights prompt-int8 needs the int16 block kernels (AVX2 with FMA and F16C, or "
+                             "AVX-512 VNNI)")
+        return BatchedPath("none", sys.maxsize, prompt_copies=True, prompt_weights="int8")
     if setting == "none":  # every row on the block kernels: no copy of any weight, the file's size in memory
         return BatchedPath("none", sys.maxsize)
     if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported() and (
@@ -132,10 +141,11 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
 def block_activations(setting: str | None = "auto") -> str:
     """How the q4_1 and q8_0 block kernels take their activations: float32 (kernels/quantized_linear.cpp) or int16,
     16-bit integers per block of 32 inputs through exact integer dot products (kernels/int16_activations.cpp: with
-    AVX-512 VNNI 1.2-2.7x faster at 1-64 rows, next-token KL below 1e-5 from the float32 model). auto: int16 where
-    the VNNI build runs; on the AVX2 build float32, whose kernel is as fast at 1-8 rows and 1.5-2x faster at 16-64
-    (benchmarks/int16_activations.py): there the int16 kernels run the formats that have no float32 kernel (q5_0,
-    q5_1, the K-quants), and `int16` puts q4_1 and q8_0 on them too."""
+    AVX-512 VNNI 1.2-2.7x faster at 1-64 rows, next-token KL below 1e-5 from the float32 model). auto: int16 wherever
+    the int16 kernels run, the AVX2 build included: a row's result is then its own whatever its batch, where the float32
+    kernel sums a row in an order set by the batch's size (1-2, 3-8, 9+ rows; on the AVX2 build a seeded request drew
+    another token in a batch of 16 than alone). The price on AVX2 (benchmarks/int16_activations.py): 0.92x the float32
+    kernel's speed at 1 row, 0.65-0.8x at 16-64; `float32` stays there to be asked for."""
     setting = setting or "auto"
     if setting not in BLOCK_ACTIVATIONS:
         raise ValueError(f"unknown block activations {setting!r}: use one of {', '.join(BLOCK_ACTIVATIONS)}")
@@ -145,8 +155,6 @@ def block_activations(setting: str | None = "auto") -> str:
     if setting == "int16" and not runs:
         raise ValueError("--block-activations int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI, where the "
                          "kernels build (LMSERVE_DISABLE_CPU_FEATURES=vnni turns the VNNI build's off)")
-    if setting == "auto" and runs and not cpu_kernels().int16_uses_vnni():
-        return "float32"
     return "int16" if runs else "float32"
 
 
@@ -499,6 +507,7 @@ class BlockQuantizedLinear(nn.Module):
         kernel = f"{self.method}_int16" if self.activations == "int16" else self.method
         self.linear_op = getattr(ops, f"{kernel}_linear")
         self.dequantize_op = getattr(ops, f"{kernel}_dequantize")
+        self.int8_linear_op = getattr(ops, f"{self.method}_int8_linear") if self.activations == "int16" else None
 
     def use_int16_activations(self) -> bool:
         """Moves the layer to the int16-activation kernel (block_activations), its blocks repacked for it; False
@@ -510,6 +519,7 @@ class BlockQuantizedLinear(nn.Module):
         self.blocks = pack(unpack_blocks(self.method, self.blocks, self.out_features))
         self.linear_op = getattr(ops, f"{self.method}_int16_linear")
         self.dequantize_op = getattr(ops, f"{self.method}_int16_dequantize")
+        self.int8_linear_op = getattr(ops, f"{self.method}_int8_linear")
         self.activations = "int16"
         return True
 
@@ -518,6 +528,12 @@ class BlockQuantizedLinear(nn.Module):
 
     def prepare_prompt_copy(self) -> nn.Module:
         return self._copy("prompt_copy", lambda: PROMPT_LAYER_TYPES[self.batched_path.prompt_weights])
+
+    def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows' y: the copy in the path's prompt_weights, or (int8) the blocks with 8-bit activations."""
+        if self.batched_path.prompt_weights == "int8":
+            return self.int8_linear_op(x, self.blocks, self.out_features, self.bias)
+        return self.prepare_prompt_copy()(x)
 
     def _copy(self, attribute: str, layer_type: Callable[[], type[nn.Module]]) -> nn.Module:
         copy = getattr(self, attribute)
@@ -575,12 +591,11 @@ class BlockQuantizedLinear(nn.Module):
         return self.prepare_batched()(x)
 
     def _split(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:
-        prompt = self.prepare_prompt_copy()
         if rows.generated is None:
-            return prompt(x)
+            return self.prompt_product(x)
         y = x.new_empty(x.shape[0], self.out_features)
         y[rows.generated] = self.linear_op(x[rows.generated], self.blocks, self.out_features, self.bias)
-        y[rows.prompt] = prompt(x[rows.prompt])
+        y[rows.prompt] = self.prompt_product(x[rows.prompt])
         return y
 
     def extra_repr(self) -> str:
@@ -621,7 +636,8 @@ def prepare_batched_copies(module: nn.Module, threads: int = 1) -> None:
     0.5B's layers), and the first prompt after start-up waits for the copies it needs."""
     def build(child: BlockQuantizedLinear) -> None:
         if child.prompt_copies:
-            child.prepare_prompt_copy()
+            if child.batched_path.prompt_weights != "int8":
+                child.prepare_prompt_copy()
         elif child.batched_path.weights != "none":
             child.prepare_batched()
 
@@ -639,7 +655,12 @@ def use_prompt_copies(module: nn.Module) -> int:
     for child in module.modules():
         if not isinstance(child, BlockQuantizedLinear):
             continue
-        if child.batched_path.prompt_weights == "fp16" or AmxBfloat16Linear.fits(child.out_features, child.in_features):
+        prompt_weights = child.batched_path.prompt_weights
+        if prompt_weights == "int8":
+            takes = child.activations == "int16"  # the float32 kernels' layout has no 8-bit kernel: every row there
+        else:
+            takes = prompt_weights == "fp16" or AmxBfloat16Linear.fits(child.out_features, child.in_features)
+        if takes:
             child.prompt_copies = True
             count += 1
     return count

@@ -122,12 +122,16 @@ using Q5_1 = Five<true>;
 // Input rows that share one decoding of the weights: 6 on AVX-512 (1.03-1.12x over 4); AVX2 has half the registers,
 // each value taking two.
 constexpr int kTileRows = kAvx512 ? 6 : 2;
+// With 8-bit activations (the high halves alone) a row needs half the accumulators: more rows share one decoding.
+constexpr int kTileRows8 = kAvx512 ? 8 : 4;
 // q8_0's codes on AVX2 go through dot4_signed (int16_simd.h): their + 128 would saturate VPMADDUBSW's pairs.
 template <class Format>
 constexpr bool kSignedCodes = !kAvx512 && std::is_same_v<Format, Q8_0>;
 
-// T input rows (from row `row`) against one group, all blocks.
-template <class Format, int T>
+// T input rows (from row `row`) against one group, all blocks. kLow: both activation halves (16-bit activations);
+// without it the high halves alone, x ~ s x_hi: llama.cpp's 8 bits a block (prompt rows, --batched-weights
+// prompt-int8), half the integer products.
+template <class Format, int T, bool kLow = true>
 void group_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
                    const float* bias, float* y, int64_t N, int64_t n0) {
   F32 acc[T];
@@ -149,7 +153,7 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         for (int t = 0; t < T; ++t) {
           const int64_t at = t * K + b * kBlock + 4 * j;
           dot_high[t] = dot4_signed(dot_high[t], magnitude, q, high + at);
-          dot_low[t] = dot4_signed(dot_low[t], magnitude, q, low + at);
+          if constexpr (kLow) dot_low[t] = dot4_signed(dot_low[t], magnitude, q, low + at);
         }
       }
 #endif
@@ -159,13 +163,13 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         for (int t = 0; t < T; ++t) {
           const int64_t at = t * K + b * kBlock + 4 * j;
           dot_high[t] = dot4(dot_high[t], rows[j], high + at);
-          dot_low[t] = dot4(dot_low[t], rows[j], low + at);
+          if constexpr (kLow) dot_low[t] = dot4(dot_low[t], rows[j], low + at);
         }
     } else {
       for (int t = 0; t < T; ++t) {
         const int64_t at = t * K + b * kBlock;
         dot_high[t] = dot_rows<Format::kPerWiden>(dot_high[t], rows, 8, high + at);
-        dot_low[t] = dot_rows<Format::kPerWiden>(dot_low[t], rows, 8, low + at);
+        if constexpr (kLow) dot_low[t] = dot_rows<Format::kPerWiden>(dot_low[t], rows, 8, low + at);
       }
     }
     const F32 d = widen16(block);
@@ -187,7 +191,8 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         // and low_sum are 128 (sum): / 8 is 16 (sum), exactly). Signed codes need none.
         constexpr int32_t kShift = Format::kOffset == 16 ? 3 : 0;
         const F32 dot_h = to_float(kSignedCodes<Format> ? dot_high[t] : sub_i(dot_high[t], a.high_sum[i] >> kShift));
-        const F32 dot_l = to_float(kSignedCodes<Format> ? dot_low[t] : sub_i(dot_low[t], a.low_sum[i] >> kShift));
+        const F32 dot_l = !kLow ? zero_f()
+                          : to_float(kSignedCodes<Format> ? dot_low[t] : sub_i(dot_low[t], a.low_sum[i] >> kShift));
         acc[t] = fmadd(fmadd(dot_h, set1(256.0f), dot_l), scaled_d, acc[t]);
       }
     }
@@ -201,16 +206,17 @@ void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
   check_packed_weight(weight, Format::kName, N, K, kBlock, K / kBlock * Format::kBytes);
 }
 
-template <class Format, int T = kTileRows>
+template <class Format, bool kLow, int T = kLow ? kTileRows : kTileRows8>
 void tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
           const float* bias, float* y, int64_t N, int64_t n0) {
   if constexpr (T > 1) {
-    if (rows < T) return tile<Format, T - 1>(rows, group, blocks, a, row, K, bias, y, N, n0);
+    if (rows < T) return tile<Format, kLow, T - 1>(rows, group, blocks, a, row, K, bias, y, N, n0);
   }
-  group_product<Format, T>(group, blocks, a, row, K, bias, y, N, n0);
+  group_product<Format, T, kLow>(group, blocks, a, row, K, bias, y, N, n0);
 }
 
-template <class Format>
+// kLow: 16-bit activations (the `_int16_linear` ops); without it 8-bit ones (`_int8_linear`), on the same weights.
+template <class Format, bool kLow = true>
 torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias) {
   LinearCall call = linear_call(input, out_features, bias);
@@ -220,9 +226,9 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
   Activations a;
   split<false>(call.x.data_ptr<float>(), M, K, a);
   float* yp = call.y.data_ptr<float>();
-  for_each_tile<kTileRows>(M, N, blocks * Format::kBytes, weight.data_ptr<uint8_t>(),
+  for_each_tile<kLow ? kTileRows : kTileRows8>(M, N, blocks * Format::kBytes, weight.data_ptr<uint8_t>(),
                            [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
-                             tile<Format>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
+                             tile<Format, kLow>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
                            });
   return call.y.view(call.out_shape);
 }
@@ -291,30 +297,38 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("int16_uses_vnni() -> bool", [] { return kAvx512; });
   m.def("q4_1_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_1_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q4_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_1_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q8_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q8_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q8_0_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q8_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q5_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_0_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q5_1_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_1_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_1_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q4_1_int16_linear", &linear<Q4_1>);
   m.impl("q4_1_int16_pack", &pack<Q4_1>);
+  m.impl("q4_1_int8_linear", &linear<Q4_1, false>);
   m.impl("q4_1_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_1>(w, out); });
   m.impl("q8_0_int16_linear", &linear<Q8_0>);
   m.impl("q8_0_int16_pack", &pack<Q8_0>);
+  m.impl("q8_0_int8_linear", &linear<Q8_0, false>);
   m.impl("q8_0_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q8_0>(w, out); });
   m.impl("q5_0_int16_linear", &linear<Q5_0>);
   m.impl("q5_0_int16_pack", &pack<Q5_0>);
+  m.impl("q5_0_int8_linear", &linear<Q5_0, false>);
   m.impl("q5_0_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_0>(w, out); });
   m.impl("q5_1_int16_linear", &linear<Q5_1>);
   m.impl("q5_1_int16_pack", &pack<Q5_1>);
+  m.impl("q5_1_int8_linear", &linear<Q5_1, false>);
   m.impl("q5_1_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_1>(w, out); });
 }
 

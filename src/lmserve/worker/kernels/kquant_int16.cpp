@@ -45,6 +45,7 @@ struct Q4_K {
   static constexpr int64_t kHeader = 64;           // 16 d, 16 dmin
   static constexpr int64_t kBlockBytes = 32 + 256;  // 16 sc, 16 mn, nibbles
   static constexpr int kTileRows = kAvx512 ? 6 : 2;
+  static constexpr int kTileRows8 = kAvx512 ? 8 : 4;  // 8-bit activations: half the accumulators a row
   static constexpr int kPerWiden = 8;  // int16_simd.h's dot_rows on AVX2: codes <= 15
   static inline void quants(const uint8_t* block, U8 rows[8]) { low_nibbles(block + 32, rows); }
   // q of output n at input k of a block (for dequantize).
@@ -62,6 +63,7 @@ struct Q5_K {
   static constexpr int64_t kHeader = 64;                 // 16 d, 16 dmin
   static constexpr int64_t kBlockBytes = 32 + 256 + 64;  // 16 sc, 16 mn, nibbles, fifth bits
   static constexpr int kTileRows = kAvx512 ? 6 : 2;
+  static constexpr int kTileRows8 = kAvx512 ? 8 : 4;
   static constexpr int kPerWiden = 4;  // codes <= 31
   static inline void quants(const uint8_t* block, U8 rows[8]) {
     low_nibbles(block + 32, rows);
@@ -78,6 +80,7 @@ struct Q6_K {
   static constexpr int64_t kHeader = 32;                  // 16 d
   static constexpr int64_t kBlockBytes = 32 + 256 + 128;  // 16 + 16 sc, nibbles, top bits
   static constexpr int kTileRows = kAvx512 ? 4 : 1;      // four accumulators a row
+  static constexpr int kTileRows8 = kAvx512 ? 6 : 2;
   static constexpr int kPerWiden = 2;                     // codes <= 63
   static inline void quants(const uint8_t* block, U8 rows[8]) {
     low_nibbles(block + 32, rows);
@@ -101,8 +104,9 @@ struct Q6_K {
 template <class Format>
 constexpr int64_t super_bytes() { return Format::kHeader + kBlocksPerSuper * Format::kBlockBytes; }
 
-// T input rows (from row `row`) against one group of 16 outputs, all blocks.
-template <class Format, int T>
+// T input rows (from row `row`) against one group of 16 outputs, all blocks. kLow: both activation halves; without
+// it the high halves alone, 8-bit activations (int16_activations.cpp's group_product says why).
+template <class Format, int T, bool kLow = true>
 void group_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
                    const float* bias, float* y, int64_t N, int64_t n0) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
@@ -129,14 +133,15 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
           const int h = kSixBit ? j / 4 : 0;
           const int64_t at = t * K + b * kBlock + 4 * j;
           dot_high[t][h] = dot4(dot_high[t][h], rows[j], high + at);
-          dot_low[t][h] = dot4(dot_low[t][h], rows[j], low + at);
+          if constexpr (kLow) dot_low[t][h] = dot4(dot_low[t][h], rows[j], low + at);
         }
     } else {
       for (int t = 0; t < T; ++t)
         for (int h = 0; h < kHalves; ++h) {
           const int64_t at = t * K + b * kBlock + 16 * h;
           dot_high[t][h] = dot_rows<Format::kPerWiden>(dot_high[t][h], rows + 4 * h, 8 / kHalves, high + at);
-          dot_low[t][h] = dot_rows<Format::kPerWiden>(dot_low[t][h], rows + 4 * h, 8 / kHalves, low + at);
+          if constexpr (kLow)
+            dot_low[t][h] = dot_rows<Format::kPerWiden>(dot_low[t][h], rows + 4 * h, 8 / kHalves, low + at);
         }
     }
     const F32 d = widen16(super);
@@ -148,7 +153,7 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         for (int h = 0; h < 2; ++h) {
           // q - 32: 32 (sum of the half's activations) off each exact dot product.
           const F32 dh = to_float(sub_i(dot_high[t][h], 32 * a.high_half[2 * i + h]));
-          const F32 dl = to_float(sub_i(dot_low[t][h], 32 * a.low_half[2 * i + h]));
+          const F32 dl = kLow ? to_float(sub_i(dot_low[t][h], 32 * a.low_half[2 * i + h])) : zero_f();
           acc[t] = fmadd(fmadd(dh, set1(256.0f), dl), mul(h ? scale1 : scale0, s), acc[t]);
         }
       }
@@ -176,16 +181,17 @@ void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
   check_packed_weight(weight, Format::kName, N, K, kSuper, K / kSuper * super_bytes<Format>());
 }
 
-template <class Format, int T = Format::kTileRows>
+template <class Format, bool kLow, int T = kLow ? Format::kTileRows : Format::kTileRows8>
 void tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
           const float* bias, float* y, int64_t N, int64_t n0) {
   if constexpr (T > 1) {
-    if (rows < T) return tile<Format, T - 1>(rows, group, blocks, a, row, K, bias, y, N, n0);
+    if (rows < T) return tile<Format, kLow, T - 1>(rows, group, blocks, a, row, K, bias, y, N, n0);
   }
-  group_product<Format, T>(group, blocks, a, row, K, bias, y, N, n0);
+  group_product<Format, T, kLow>(group, blocks, a, row, K, bias, y, N, n0);
 }
 
-template <class Format>
+// kLow: 16-bit activations (`_int16_linear`); without it 8-bit ones (`_int8_linear`), on the same weights.
+template <class Format, bool kLow = true>
 torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias) {
   LinearCall call = linear_call(input, out_features, bias);
@@ -195,9 +201,10 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
   Activations a;
   split<true>(call.x.data_ptr<float>(), M, K, a);
   float* yp = call.y.data_ptr<float>();
-  for_each_tile<Format::kTileRows>(M, N, K / kSuper * super_bytes<Format>(), weight.data_ptr<uint8_t>(),
-                                   [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
-                                     tile<Format>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
+  constexpr int kRows = kLow ? Format::kTileRows : Format::kTileRows8;
+  for_each_tile<kRows>(M, N, K / kSuper * super_bytes<Format>(), weight.data_ptr<uint8_t>(),
+                       [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
+                         tile<Format, kLow>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
                                    });
   return call.y.view(call.out_shape);
 }
@@ -339,25 +346,31 @@ void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q4_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q4_k_int16_pack(Tensor blocks) -> Tensor");
   m.def("q6_k_int16_pack(Tensor blocks) -> Tensor");
   m.def("q5_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q5_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q5_k_int16_pack(Tensor blocks) -> Tensor");
   m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q6_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q4_k_int16_linear", &linear<Q4_K>);
+  m.impl("q4_k_int8_linear", &linear<Q4_K, false>);
   m.impl("q4_k_int16_pack", &pack<Q4_K>);
   m.impl("q6_k_int16_pack", &pack<Q6_K>);
   m.impl("q5_k_int16_linear", &linear<Q5_K>);
+  m.impl("q5_k_int8_linear", &linear<Q5_K, false>);
   m.impl("q5_k_int16_pack", &pack<Q5_K>);
   m.impl("q5_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_K>(w, out); });
   m.impl("q4_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_K>(w, out); });
   m.impl("q6_k_int16_linear", &linear<Q6_K>);
+  m.impl("q6_k_int8_linear", &linear<Q6_K, false>);
   m.impl("q6_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q6_K>(w, out); });
 }
 
