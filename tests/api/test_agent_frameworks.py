@@ -43,3 +43,50 @@ def test_langchain_bind_tools_gets_the_call_and_the_answer(url: str, use_respons
 
     answer = agent.invoke([HumanMessage(CALL), called, ToolMessage("sunny", tool_call_id=called.tool_calls[0]["id"])])
     assert answer.text == "sunny" and not answer.tool_calls
+
+
+# ------------------------------------------------------------------------------ the OpenAI Agents SDK (openai-agents)
+
+
+def agents_sdk_run(url: str, api: str, stream: bool) -> tuple[object, list[str]]:
+    """One Agents SDK run of an agent with a function tool, on a fresh client (an asyncio.run each)."""
+    import asyncio
+
+    import agents  # a test dependency, as langchain_openai
+    import openai
+
+    agents.set_tracing_disabled(True)  # no trace upload to OpenAI's servers
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> object:
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=10)
+        model_type = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+        agent = agents.Agent(name="assistant", instructions="Use the tools.", tools=[get_weather],
+                             model=model_type(model=MODEL, openai_client=client))
+        if not stream:
+            return await agents.Runner.run(agent, CALL, max_turns=3)
+        result = agents.Runner.run_streamed(agent, CALL, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    return asyncio.run(run()), calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_the_openai_agents_sdk_calls_the_tool_and_answers_with_its_result(url: str, api: str, stream: bool) -> None:
+    """The Agents SDK's loop through the server: the model's call (a Hermes tool call, the fake engine's echo of the
+    input) runs the Python function, its result goes back as the SDK sends tool results (a function_call_output item,
+    or a tool message), and the echoed result is the agent's final answer."""
+    result, calls = agents_sdk_run(url, api, stream)
+    assert calls == ["Paris"]
+    assert result.final_output == "sunny in Paris"
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], kinds
