@@ -4,6 +4,7 @@ a group SIGTERM, an API process killed while the engine is busy, and overload.""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,3 +137,29 @@ def test_a_busy_port_fails_before_the_engine_starts(tmp_path: Path, tiny_llama_d
     assert "in use" in completed.stderr
     assert "loaded" not in completed.stderr  # no model was loaded for a server that could not listen
 
+
+
+def test_an_engine_that_fails_to_start_stops_the_server_with_its_reason(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A model whose header reads but whose weights cannot load (a truncated safetensors file): the API process starts,
+    the engine dies loading, and the server exits non-zero with the engine's reason instead of waiting forever or
+    answering 200 on /health; no process is left behind."""
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_llama_dir, broken)
+    (weights,) = broken.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [str(LMSERVE), "serve", "--model", str(broken), "--dtype", "float32", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1, output[-3000:]
+    last = output.strip().splitlines()[-1]  # what a user reads last: why it stopped
+    assert "exiting because the engine died" in last and "SafetensorError" in last, output[-3000:]
+    leftover = subprocess.run(["pgrep", "-f", str(broken)], capture_output=True, text=True, check=False).stdout
+    assert not leftover.strip(), leftover
