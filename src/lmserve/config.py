@@ -155,7 +155,7 @@ class ModelConfig:
         "kernel at any batch size: a request's tokens do not depend on its batch); prompt-bf16 (AMX only: prompt "
         "tokens through lmserve's AMX kernel on bfloat16 weights instead, 2-10x faster prefill); prompt-int8 (no "
         "copy: prompt tokens through the stored blocks with 8-bit activations per block of 32, as llama.cpp computes "
-        "them, 1.5-1.8x the prefill speed of none on AVX-512 VNNI; generated tokens keep 16-bit ones); fp16 (fbgemm above "
+        "them: a prefill 1.4x faster than none on AVX-512 VNNI; generated tokens keep 16-bit ones); fp16 (fbgemm above "
         "64 rows for every token: a token's result moves with its batch's size by the float16 rounding of the weights); bf16 (oneDNN, activations "
         "rounded to bfloat16 above a few rows: tokens may depend on the batch); none (every token through the block "
         "kernels: no copy, the weights take the file's size in memory); auto: prompt-bf16 where the CPU has AMX, "

@@ -101,7 +101,7 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
     (docs/benchmarks.md, "Prompt rows on the stored blocks"); the AVX2 build's kernels are ~2x slower than fbgemm
     at prompt sizes and keep it.
     prompt-int8 (asked for): prompt rows through the same int16-layout blocks with 8-bit activations per block of 32
-    (x_hi alone: llama.cpp's q8 activations, half the integer products: 1.5-1.8x the int16 kernels' prompt speed on
+    (x_hi alone: llama.cpp's q8 activations, half the integer products: 1.5-2.1x the int16 kernels' prompt speed on
     VNNI), generated rows with 16-bit ones; no copy. Layers in the float32 kernels' layout run every row there.
     fp16: the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the float16 copy above, for prompt and generated rows
     alike: a row's result then depends on its batch's size, by the float16 rounding of the blocks' weights (on an AVX2
