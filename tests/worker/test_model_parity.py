@@ -473,9 +473,12 @@ def test_default_model_q4_1_with_bf16_batches_stays_within_bfloat16_rounding_of_
     positions, logits = parity.run([scheduled("a", seq, 0, 40, [7, 2, 12])])["a"]
     error, same_top, kl = within_bfloat16_rounding(logits, expected[positions])
     # Decodes after that prefill (1 row: the block kernel, exact) read the K/V the bfloat16 prefill wrote.
+    decode_error = 0.0
     for i in range(40, 48):
         positions, logits = parity.run([scheduled("a", seq, i, i + 1, [7, 2, 12])])["a"]
-        assert (logits - expected[positions]).abs().max().item() < 1.5
+        decode_error = max(decode_error, (logits - expected[positions]).abs().max().item())
+    # Measured 0.18 (VNNI build) and 0.23 (AVX2 build); a wrong RoPE or a misread K/V moves logits by O(1).
+    assert decode_error < 0.5, decode_error
     print(f"\n{DEFAULT_MODEL} q4_1, bf16 batches: max abs logit error {error:.3g}, same top token {same_top:.0%}, "
           f"KL {kl:.2g}")
 
@@ -510,3 +513,33 @@ def test_default_model_prompt_rows_on_amx_stay_within_bfloat16_rounding_and_do_n
         assert (logits - expected[positions]).abs().max().item() < 1.5
     print(f"\n{DEFAULT_MODEL} q4_1, prompt rows on AMX: max abs logit error {error:.3g}, same top token "
           f"{same_top:.0%}, KL {kl:.2g}")
+
+
+@pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="prompt-int8 needs the int16 block kernels")
+def test_default_model_prompt_rows_on_8_bit_activations_stay_near_the_files_model() -> None:
+    """prompt-int8: the prompt's rows through the stored blocks with 8-bit activations, as llama.cpp computes every
+    row. This model's MLP inputs carry outliers ~1,000x their median, which 8 bits a block round hard: a 40-token
+    prefill of random tokens moved by up to 2.8 where the logits span ~30 (KL 0.04, the same top token at 72-85% of the
+    positions; bfloat16 activations: 0.44, 0.0014, 90%), which is why no kind's auto takes it. Held here: the rows
+    really took 8 bits (far from the 16-bit split's 1e-4), stay within that cost, and the decodes after the prefill
+    (16-bit activations) read the K/V those rows wrote."""
+    parity = Parity(DEFAULT_MODEL, max_model_len=256, num_blocks=16, atol=DEFAULT_ATOL, quantization="q4_1",
+                    batched_weights="prompt-int8", block_activations="int16")
+    qkv = parity.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.prompt_copies and qkv.prompt_copy is None and not parity.runner.model.lm_head.prompt_copies
+    seq = parity.sequence(48, 0)
+    expected = parity.reference_logits(seq)
+    positions, logits = parity.run([scheduled("a", seq, 0, 40, [7, 2, 12])])["a"]
+    error = (logits - expected[positions]).abs().max().item()
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), expected[positions].log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    same_top = (logits.argmax(-1) == expected[positions].argmax(-1)).sum().item() / logits.shape[0]
+    assert 0.1 < error < 5 and kl < 0.1 and same_top >= 0.7, (error, kl, same_top)
+    decode_error = 0.0
+    for i in range(40, 48):
+        step = replace(scheduled("a", seq, i, i + 1, [7, 2, 12]), prompt_token_ids=seq[:40])
+        positions, logits = parity.run([step])["a"]
+        decode_error = max(decode_error, (logits - expected[positions]).abs().max().item())
+    assert decode_error < 3, decode_error
+    print(f"\n{DEFAULT_MODEL} q4_1, prompt rows on 8-bit activations: max abs logit error {error:.3g}, KL {kl:.2g}, "
+          f"same top token {same_top:.0%}; decodes after it {decode_error:.3g}")
