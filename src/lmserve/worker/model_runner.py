@@ -185,7 +185,7 @@ class ModelRunner:
         if self.quantization in LAYER_METHODS:
             path = self.batched_path
             batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
-            if path.prompt_copies:
+            if self.prompt_copies:  # the path asked for it and some layer took it
                 on = {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
                       "int8": "the stored blocks (8-bit activations)"}[path.prompt_weights]
                 batches = f", prompt tokens on {on}"
