@@ -24,7 +24,7 @@ from quantization import CHAT_PROMPTS, passage_windows, scores_against
 
 from lmserve import LLM, SamplingParams
 from lmserve.config import CacheConfig, ModelConfig
-from lmserve.engine.outputs import ScheduledRequest
+from lmserve.step import ScheduledRequest
 from lmserve.worker.model_runner import ModelRunner
 
 CHUNK = 16  # the paged kernel's query tile: chunks of this size after cached positions run in the kernel

@@ -86,7 +86,7 @@ STEP_SETTINGS = [("sdpa", "none"), ("paged-cpu", "none"), ("paged-cpu", "cpu")]
 
 
 def step_ms(runner, decodes: int, context: int, chunk: int, chunk_context: int) -> float:
-    from lmserve.engine.outputs import ScheduledRequest, SchedulerOutput
+    from lmserve.step import ScheduledRequest, SchedulerOutput
 
     def request(rid: str, start: int, length: int, first_block: int) -> ScheduledRequest:
         blocks = list(range(first_block, first_block + -(-(start + length) // runner.block_size)))

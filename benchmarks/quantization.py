@@ -37,8 +37,8 @@ from torch import nn
 
 from lmserve import LLM, SamplingParams
 from lmserve.config import CacheConfig, ModelConfig
-from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams as Params
+from lmserve.step import ScheduledRequest
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.prompt_rows import prompt_rows

@@ -11,7 +11,7 @@ import pytest
 
 from lmserve.bench import cli
 from lmserve.bench.client import BenchClient, Sample
-from lmserve.bench.datasets import BenchRequest
+from lmserve.bench.dataset_types import BenchRequest
 
 
 def sse(*chunks: dict | str) -> bytes:

@@ -6,14 +6,8 @@ import json
 
 import pytest
 
-from lmserve.bench.datasets import (
-    NO_TOKENIZER_ID_RANGE,
-    DatasetSpec,
-    build_dataset,
-    flatten_messages,
-    passages,
-    read_jsonl,
-)
+from lmserve.bench.dataset_types import NO_TOKENIZER_ID_RANGE, DatasetSpec, flatten_messages, passages
+from lmserve.bench.datasets import build_dataset, read_jsonl
 
 
 def spec(**kwargs) -> DatasetSpec:

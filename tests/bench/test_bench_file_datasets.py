@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from lmserve.bench.datasets import DatasetSpec, build_dataset
+from lmserve.bench.dataset_types import DatasetSpec
+from lmserve.bench.datasets import build_dataset
 from lmserve.bench.file_datasets import is_valid_sequence
 
 

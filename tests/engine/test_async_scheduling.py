@@ -19,16 +19,11 @@ from test_scheduler import check_invariants, make_request, make_scheduler
 from lmserve import LLM, SamplingParams
 from lmserve.cli import build_parser
 from lmserve.config import DEFAULT_ASYNC_SCHEDULING, engine_kwargs, make_engine_config
-from lmserve.engine.outputs import (
-    PLACEHOLDER_TOKEN_ID,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.sampling_params import StructuredOutputsParams
+from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 # ---- configuration ---------------------------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ import transformers
 from test_scheduler import FakeRunner, make_scheduler, step
 
 from lmserve import LLM, SamplingParams
-from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.engine.request import Request
 from lmserve.outputs import Logprobs
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(45)]
 

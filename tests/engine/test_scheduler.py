@@ -11,11 +11,12 @@ import pytest
 
 from lmserve.config import CacheConfig, SchedulerConfig
 from lmserve.engine.grammar import GrammarManager
-from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.kv_groups import KVCacheGroups, kv_cache_groups
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 _arrivals = itertools.count()
 

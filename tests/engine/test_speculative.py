@@ -10,10 +10,10 @@ import pytest
 
 from lmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, make_engine_config
 from lmserve.engine.ngram_proposer import NgramProposer
-from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 _ids = itertools.count()
 

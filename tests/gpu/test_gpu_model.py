@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from lmserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ScheduledRequest
 from lmserve.worker.model_runner import ModelRunner
 
 CUDA = torch.device("cuda")

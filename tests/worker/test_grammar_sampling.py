@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lmserve.engine.outputs import ScheduledRequest
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ScheduledRequest
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.sampler import Sampler
 

@@ -35,10 +35,10 @@ import transformers
 
 from lmserve.config import GEMMA_MODEL_TYPES, CacheConfig, ModelConfig
 from lmserve.engine.kv_cache import NULL_BLOCK_ID
-from lmserve.engine.outputs import ScheduledRequest
 from lmserve.kv_groups import model_kv_groups
 from lmserve.models import DEFAULT_MODEL, load_hf_config, load_model_config, resolve_model
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ScheduledRequest
 from lmserve.worker import quantization
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import ModelRunner

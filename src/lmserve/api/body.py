@@ -7,7 +7,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from lmserve.api.protocol import RequestError
+from lmserve.api.request_error import RequestError
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lmserve.api.body import BodyTooLargeError, InvalidBodyError
-from lmserve.api.protocol import ErrorInfo, ErrorResponse, RequestError
+from lmserve.api.protocol import ErrorInfo, ErrorResponse
+from lmserve.api.request_error import RequestError
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
 
 logger = logging.getLogger(__name__)

@@ -9,13 +9,13 @@ Ranges are SamplingParams' (lmserve.sampling_params) and the front-end's, so the
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from lmserve.api.request_error import RequestError
 from lmserve.api.structured_request import ResponseFormat, StructuredOutputsRequest, structured_outputs_of
 from lmserve.api.tools import ToolChoice, Tools
 from lmserve.outputs import Logprobs
@@ -35,20 +35,6 @@ MAX_CHOICES_PER_REQUEST = 1024
 MAX_CACHE_SALT_CHARS = 256
 # A priority travels to the engine as a 64-bit integer.
 PRIORITY_RANGE = (-(2**63), 2**63 - 1)
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as sent (HTTP 400); `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-    @classmethod
-    def from_value_error(cls, error: ValueError) -> RequestError:
-        """A ValueError from SamplingParams or the front-end; `param` is the field it names, if any."""
-        match = re.search(r"parameter (\w+)[=.:]", str(error))
-        return cls(str(error), match.group(1) if match else None)
 
 
 def _now() -> int:

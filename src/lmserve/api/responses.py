@@ -22,7 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.api.errors import NotFoundError
-from lmserve.api.protocol import ChatCompletionChoice, ChatCompletionStreamChoice, RequestError, UsageInfo
+from lmserve.api.protocol import ChatCompletionChoice, ChatCompletionStreamChoice, UsageInfo
+from lmserve.api.request_error import RequestError
 
 
 class ResponsesRequest(BaseModel):

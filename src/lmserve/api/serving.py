@@ -26,12 +26,12 @@ from lmserve.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     Prompt,
-    RequestError,
     TokenizeRequest,
     TokenizeResponse,
     chat_template_options,
 )
 from lmserve.api.reasoning_parsers import THINK_END, THINK_START, get_reasoning_parser
+from lmserve.api.request_error import RequestError
 from lmserve.api.responses import (
     ResponseBody,
     ResponseEvents,

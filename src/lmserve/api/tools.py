@@ -1,9 +1,6 @@
 """OpenAI's `tools` and `tool_choice`: the request models and their checks, the JSON schema the output must follow
 when a call is forced (`tool_choice` "required" or a named function, as vLLM), and the calls read back from that
 constrained output, whole or streamed. "auto" is the tool-call parsers' job (lmserve.api.tool_parsers).
-
-RequestError is imported where it is raised: lmserve.api.protocol will import this module for its request models,
-and a module-level import back would be circular.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from lmserve.api.request_error import RequestError
 from lmserve.api.tool_parsers import (
     CALL_HEAD_WITHIN,
     DeltaToolCall,
@@ -34,7 +32,7 @@ MAX_TOOL_PARAMETERS_BYTES = 64 * 1024  # a tool's `parameters` as compact UTF-8 
 
 
 class _ToolModel(BaseModel):
-    # As protocol.OpenAIRequestModel (not imported, see above): unknown fields ignored, wrong types refused.
+    # As protocol.OpenAIRequestModel (which imports this module): unknown fields ignored, wrong types refused.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
@@ -82,8 +80,6 @@ def resolve_tool_choice(tools: Sequence[ChatTool] | None, tool_choice: ToolChoic
 
 def check_tool_choice(tools: Sequence[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
     """A 400 for tools and a tool_choice that cannot be served together. "none" and "auto" need no tools."""
-    from lmserve.api.protocol import RequestError
-
     tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise RequestError(f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed", "tools")
@@ -115,8 +111,6 @@ def constraint_schema(
     Named function: its parameters, so the output *is* the arguments. "required": a non-empty array of
     `{"name": NAME, "parameters": {...}}`, one anyOf branch per tool (as vLLM), of at most max_calls elements
     (parallel_tool_calls false: 1). Checks check_tool_choice's 400s."""
-    from lmserve.api.protocol import RequestError
-
     check_tool_choice(tools, tool_choice)
     tools = tools or []
     if isinstance(tool_choice, NamedToolChoice):

@@ -141,7 +141,7 @@ def _pick_tokenizer(args: argparse.Namespace, model: str, version: dict | None) 
 
 
 def _dataset_spec(args: argparse.Namespace, chat: bool) -> Any:
-    from lmserve.bench.datasets import DatasetSpec
+    from lmserve.bench.dataset_types import DatasetSpec
 
     return DatasetSpec(
         name=args.dataset_name, num_prompts=args.num_prompts, num_warmups=args.num_warmups, chat=chat,

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from lmserve.bench.datasets import BenchRequest, Tokenizer, flatten_messages
+from lmserve.bench.dataset_types import BenchRequest, Tokenizer, flatten_messages
 
 _decode = msgspec.json.Decoder().decode
 

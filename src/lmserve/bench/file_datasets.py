@@ -7,7 +7,7 @@ so that the same file, seed and tokenizer give both clients the same prompts in 
 - lengths are the tokenizer's with its special tokens (vLLM's `tokenizer(text).input_ids`);
 - too few prompts are topped up with `random.choice` of the kept ones under the same seed (unless --no-oversample);
 - the warm-ups repeat the first request, as vLLM's warm-up repeats its test prompt.
-Without a tokenizer, lengths are the word estimate of datasets.py and the result says so.
+Without a tokenizer, lengths are the word estimate of dataset_types.py and the result says so.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lmserve.bench.datasets import BenchRequest, Dataset, DatasetSpec
-
-if TYPE_CHECKING:
-    from lmserve.bench.datasets import _Tokens
+from lmserve.bench.dataset_types import BenchRequest, Dataset, DatasetSpec, PromptTokens
 
 
 def is_valid_sequence(prompt_len: int, output_len: int, min_len: int = 4, max_prompt_len: int = 1024,
@@ -43,7 +40,7 @@ def _shuffled(data: list[Any], spec: DatasetSpec) -> list[Any]:
     return data
 
 
-def _finish(requests: list[BenchRequest], spec: DatasetSpec, tokens: _Tokens, what: str) -> Dataset:
+def _finish(requests: list[BenchRequest], spec: DatasetSpec, tokens: PromptTokens, what: str) -> Dataset:
     if not requests:
         raise ValueError(f"--dataset-path {spec.path}: no {what} left after vLLM's filters")
     wanted = _num_requests(spec)
@@ -84,7 +81,7 @@ def read_sharegpt(path: str) -> list[dict[str, Any]]:
     return kept
 
 
-def sharegpt_dataset(spec: DatasetSpec, tokens: _Tokens) -> Dataset:
+def sharegpt_dataset(spec: DatasetSpec, tokens: PromptTokens) -> Dataset:
     """The first turn of each conversation as the prompt; the second turn's length as max_tokens, unless
     --sharegpt-output-len gives one (vLLM takes turns 0 and 1 whoever speaks them)."""
     data = _shuffled(read_sharegpt(spec.path or ""), spec)
@@ -125,7 +122,7 @@ def read_custom(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def custom_dataset(spec: DatasetSpec, tokens: _Tokens) -> Dataset:
+def custom_dataset(spec: DatasetSpec, tokens: PromptTokens) -> Dataset:
     """Each prompt through the model's chat template as one user turn (unless --skip-chat-template), sent as
     text with --custom-output-len as max_tokens. As in vLLM the template is applied whatever the backend: with
     openai-chat the server templates it again, so pass --skip-chat-template there."""

@@ -19,13 +19,15 @@ from typing import Any
 
 from lmserve.config import EngineConfig
 from lmserve.engine.grammar import GrammarManager
-from lmserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
-from lmserve.executor.base import Executor, make_executor
+from lmserve.executor.base import Executor
+from lmserve.executor.factory import make_executor
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, StepRecord
 from lmserve.models import load_model_config, model_eos_token_ids, resolve_model
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

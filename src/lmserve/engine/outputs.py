@@ -1,81 +1,10 @@
-"""What crosses the scheduler → model runner → scheduler boundary, and what the engine core emits."""
+"""What the engine core emits to the front-end (the step's plan and result between scheduler and runner: lmserve.step)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from lmserve.outputs import Logprobs
-from lmserve.sampling_params import SamplingParams
-
-# The token of a position planned before it was sampled (async scheduling): the runner fills in its own last sample.
-PLACEHOLDER_TOKEN_ID = -1
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: positions [start, start + len(token_ids))."""
-
-    request_id: str
-    token_ids: list[int]  # tokens of the scheduled positions
-    start_position: int  # == the request's num_computed_tokens before this step
-    block_ids: list[int]  # the request's whole block table (KV-cache group 0's: lmserve.kv_groups)
-    samples: bool  # True when the last scheduled position is the request's last known token
-    sampling_params: SamplingParams
-    # For penalties; references, not copies: the runner only reads them.
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_ids: list[int] = field(default_factory=list)  # for min_tokens: EOS is held back until then
-    # Prompt logprobs to compute in this chunk: the chunk's rows from prompt_logprobs_row on score these prompt
-    # tokens (each row predicts the next position's token); the top num_prompt_logprobs come with each.
-    prompt_logprob_targets: list[int] = field(default_factory=list)
-    prompt_logprobs_row: int = 0
-    num_prompt_logprobs: int = 0
-    # Async scheduling: planned while the batch that samples this position's token is still in flight, so token_ids
-    # is [PLACEHOLDER_TOKEN_ID] and output_token_ids lacks that token; the runner uses the one it sampled last.
-    uses_previous_token: bool = False
-    # With sliding-window layers in groups of their own: every group's table, group 0's first (empty otherwise).
-    group_block_ids: list[list[int]] = field(default_factory=list)
-    # Speculative decoding: the guesses for the tokens after this step's first one (its last len(...) positions);
-    # every position samples, and the runner keeps the drafts up to the first one its own samples refuse.
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    # Requests that ended (finished, aborted, preempted) since the last step: the runner drops their state, except
-    # what a preempted request needs when it resumes (its sampling generator).
-    finished_request_ids: set[str] = field(default_factory=set)
-    preempted_request_ids: set[str] = field(default_factory=set)
-    num_batched_tokens: int = 0
-    # The grammars of the constrained requests that sample this step (engine.grammar.GrammarBatch), or None.
-    grammar: Any = None
-    # Prefill/decode disaggregation (distributed/kv_storage.py): (block id, pinned file) to read into the cache before
-    # the forward pass, and (block id, block hash hex) to write out after it.
-    kv_loads: list[tuple[int, str]] = field(default_factory=list)
-    kv_saves: list[tuple[int, str]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    # Only requests whose ScheduledRequest.samples was True appear here.
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    # Per request that asked for them: the prompt logprobs its chunk scored, in prompt order.
-    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
-    # Per request that verified drafts: the drafts kept, which come before its sampled_token_ids entry (and their
-    # logprobs where the request asked for them).
-    accepted_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    accepted_draft_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
 
 
 @dataclass

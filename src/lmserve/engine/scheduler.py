@@ -27,16 +27,11 @@ from lmserve.config import CacheConfig, SchedulerConfig
 from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.kv_transfer import KVTransferScheduling
-from lmserve.engine.outputs import (
-    PLACEHOLDER_TOKEN_ID,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.speculation import Speculator
 from lmserve.kv_groups import KVCacheGroups, kv_capacity_tokens
+from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from lmserve.config import SpeculativeConfig
 from lmserve.engine.ngram_proposer import NgramProposer
-from lmserve.engine.outputs import PLACEHOLDER_TOKEN_ID
 from lmserve.engine.request import Request
+from lmserve.step import PLACEHOLDER_TOKEN_ID
 
 PAUSE_BELOW = 0.25
 FIRST_PAUSE = 4

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from lmserve.config import EngineConfig
-from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.worker import WorkerInfo
 
 
@@ -53,18 +53,3 @@ class Executor(ABC):
 def batches_in_flight(config: EngineConfig) -> int:
     """An executor's max_concurrent_batches for this configuration."""
     return 2 if config.scheduler.async_scheduling else config.parallel.pipeline_parallel_size
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    backend = config.parallel.executor_backend
-    if backend == "uni":
-        from lmserve.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-    if backend == "mp":
-        from lmserve.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from lmserve.executor.ray import RayExecutor
-
-    return RayExecutor(config)

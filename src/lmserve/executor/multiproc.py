@@ -29,8 +29,8 @@ import zmq
 
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
-from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

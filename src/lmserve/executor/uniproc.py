@@ -11,8 +11,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmserve.config import EngineConfig
-from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.executor.base import Executor, batches_in_flight
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.worker import Worker
 

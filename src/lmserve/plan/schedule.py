@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lmserve.config import CacheConfig, SchedulerConfig
-from lmserve.engine.outputs import ModelRunnerOutput
 from lmserve.engine.request import Request
 from lmserve.engine.scheduler import Scheduler
 from lmserve.kv_sizing import blocks_needed
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ModelRunnerOutput
 
 # The stand-in's token. Requests carry no EOS id and ignore EOS, so only output_len ends them.
 STANDIN_TOKEN = 0

@@ -34,17 +34,19 @@ from lmserve.worker.sampler import argmax_rows
 logger = logging.getLogger(__name__)
 
 
-class DraftModel:
-    def __init__(self, draft: str, model_config: ModelConfig, cache_config: CacheConfig,
-                 placement: PlacementConfig | None, target) -> None:
-        from lmserve.worker.model_runner import ModelRunner
+def draft_configs(draft: str, model_config: ModelConfig, cache_config: CacheConfig,
+                  target_num_blocks: int) -> tuple[ModelConfig, CacheConfig]:
+    """The draft runner's model and cache settings: the target's device and dtype, the draft's own weights format
+    (auto: its file's blocks), and the target's block size and pool (its block tables address this cache too)."""
+    config = dataclasses.replace(model_config, model=draft, tokenizer=None, quantization="auto")
+    cache = dataclasses.replace(cache_config, num_blocks=target_num_blocks, kv_cache_memory=None)
+    return config, cache
 
-        # The target's device and dtype; the draft's own weights format (auto: its file's blocks), not the target's.
-        config = dataclasses.replace(model_config, model=draft, tokenizer=None, quantization="auto")
-        # The target's block size and pool: its block tables address this cache too.
-        cache = dataclasses.replace(cache_config, num_blocks=target.num_blocks, kv_cache_memory=None)
-        self.runner = ModelRunner(config, cache, placement, target.parallel)
-        runner = self.runner
+
+class DraftModel:
+    def __init__(self, draft: str, runner, placement: PlacementConfig | None, target) -> None:
+        """runner: a ModelRunner built on draft_configs (the runner builds it: this module does not import it)."""
+        self.runner = runner
         if target.device.type == "cpu" and (target.numpy_matmuls or runner.numpy_matmuls):
             # One process, one CPU placement: with NumPy's BLAS doing either model's matmuls, torch keeps one thread
             # (its OpenMP workers spinning against BLAS's made every step 3x slower).
@@ -69,7 +71,7 @@ class DraftModel:
 
     @torch.inference_mode()
     def fill(self, drafting: Sequence[Any]) -> None:
-        """Replaces the placeholders of the requests that the scheduler gave draft positions (engine.outputs'
+        """Replaces the placeholders of the requests that the scheduler gave draft positions (lmserve.step's
         ScheduledRequest: token_ids, draft_token_ids, start_position, block_ids) by the draft's greedy guesses: k
         single-position passes over those requests together, the first at each one's newest token."""
         if not drafting:

@@ -14,12 +14,12 @@ import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
-from lmserve.engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.heap import release_freed_heap
 from lmserve.kv_groups import model_kv_groups
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
+from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
@@ -28,6 +28,7 @@ from lmserve.worker.attention import (
     check_kv_cache_dtype,
     kv_cache_shapes,
 )
+from lmserve.worker.draft_model import DraftModel, draft_configs
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_transfer import KVBlockFiles
@@ -250,9 +251,9 @@ class ModelRunner:
         spec = scheduler_config.speculative_config
         self.drafter = None
         if spec is not None and spec.model is not None:
-            from lmserve.worker.draft_model import DraftModel
-
-            self.drafter = DraftModel(spec.model, model_config, cache_config, placement, self)
+            draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
+            draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
+            self.drafter = DraftModel(spec.model, draft_runner, placement, self)
 
     def _kv_files(self, cache_config: CacheConfig, source: ModelSource, model_config: ModelConfig) -> KVBlockFiles | None:
         """Prefill/decode disaggregation's block files (worker/kv_transfer.py), keyed to this model as it runs."""

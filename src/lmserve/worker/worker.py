@@ -15,8 +15,8 @@ import torch
 
 from lmserve.config import EngineConfig, cpu_share, cuda_device_index
 from lmserve.distributed.parallel_state import RankLayout, destroy_parallel_groups, init_parallel_groups
-from lmserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from lmserve.kv_groups import KVCacheGroups
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
