@@ -57,6 +57,23 @@ def test_tensor_and_pipeline_parallel_give_one_ranks_tokens(one_rank, tiny_llama
         assert sent[0]["send_bytes"] > 0 and sent[1]["send_bytes"] == 0, sent  # stage 0 sends, the last does not
 
 
+def test_speculative_decoding_under_tensor_parallel_gives_one_ranks_greedy_tokens(tiny_llama_dir: Path) -> None:
+    """Drafted positions, rolled-back block tables and preemptions reach the ranks as per-step changes
+    (executor/step_messages.py): the greedy tokens stay one rank's without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 6 + [i] for i in range(4)] + [list(range(100 + 9 * i, 160 + 13 * i)) for i in range(3)]
+    with LLM(str(tiny_llama_dir), **TINY) as llm:
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, speculative_config=spec) as llm:
+        drafted = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+        stats = llm.engine.stats()
+    assert drafted == plain
+    assert stats.spec_decode_num_accepted_tokens > 0, stats
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens, stats  # some rolled back
+    assert stats.num_preemptions > 0, stats
+
+
 @pytest.fixture(scope="module")
 def two_node_ray_cluster():
     ray = pytest.importorskip("ray")

@@ -1,7 +1,8 @@
 """Ranks as processes on this machine (`--distributed-executor-backend mp`).
 
 The engine process spawns one process per rank (lmserve.executor.rank_process) and talks to them over ZMQ on ipc
-sockets: each step's plan goes to every rank (pickled once), and the driver rank sends back its output; the ranks
+sockets: each step's plan goes to every rank (pickled once, each
+request's lists as what changed since the last step: executor/step_messages.py), and the driver rank sends back its output; the ranks
 talk among themselves through torch.distributed (gloo on CPU, NCCL on CUDA). Outputs come back in the order the
 steps were submitted, so several steps may be in flight (pipeline parallel).
 
@@ -30,6 +31,7 @@ import zmq
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
+from lmserve.executor.step_messages import StepEncoder
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class MultiprocExecutor(Executor):
         self._results = self._ctx.socket(zmq.PULL)
         self._results.bind(f"ipc://{self._dir}/results")
         self._pending: deque[PendingOutput] = deque()
+        self._steps = StepEncoder()  # what the ranks hold of each request: each step sends what changed
         self._stats: dict[int, dict[str, int]] = {}
         self._ready: dict[int, Any] = {}
         init_method = f"tcp://127.0.0.1:{free_local_port()}"
@@ -106,7 +109,7 @@ class MultiprocExecutor(Executor):
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         self.check_health()
-        self._broadcast(("execute", scheduler_output))
+        self._broadcast(("execute", self._steps.encode(scheduler_output)))
         pending = PendingOutput(self)
         self._pending.append(pending)
         return pending

@@ -45,6 +45,7 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
     def send(kind: str, payload: object) -> None:
         results.send(pickle.dumps((kind, rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
+    from lmserve.executor.step_messages import StepDecoder
     from lmserve.worker.worker import Worker  # after the sockets: a failed import is still reported
 
     try:
@@ -55,6 +56,7 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
         send("failed", f"{type(exc).__name__}: {exc}")
         return 1
     send("ready", worker.info)
+    steps = StepDecoder()
     code = 0
     while True:
         if not inputs.poll(PARENT_CHECK_MS):
@@ -64,7 +66,7 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
         kind, payload = pickle.loads(inputs.recv())
         if kind == "execute":
             try:
-                output = worker.execute_model(payload)
+                output = worker.execute_model(steps.decode(payload))
             except Exception as exc:
                 logger.exception("step failed")
                 send("failed", f"step failed: {type(exc).__name__}: {exc}")

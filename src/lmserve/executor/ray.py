@@ -19,6 +19,7 @@ from typing import Any
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
+from lmserve.executor.step_messages import StepDecoder, StepEncoder, StepMessage
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class RankActor:
 
     def __init__(self) -> None:
         self.worker: Any = None
+        # The engine's calls reach an actor in the order it made them (Ray keeps one caller's order), so the
+        # decoder sees every step message once and in order.
+        self.steps = StepDecoder()
 
     def node_address(self) -> tuple[str, int]:
         import ray
@@ -64,8 +68,8 @@ class RankActor:
         self.worker = Worker(config, rank, init_method)
         return self.worker.info
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, message: StepMessage) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(self.steps.decode(message))
 
     def communication_stats(self) -> dict[str, int]:
         return self.worker.communication_stats()
@@ -114,6 +118,7 @@ class RayExecutor(Executor):
         self.pp_size = parallel.pipeline_parallel_size
         self.driver_rank = RankLayout.driver_rank(parallel.tensor_parallel_size, self.pp_size)
         self.max_concurrent_batches = batches_in_flight(config)
+        self._steps = StepEncoder()  # each step sends what changed of each request (executor/step_messages.py)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             # Joins the cluster of `ray start` (RAY_ADDRESS or this machine's), else starts a local one.
@@ -154,7 +159,7 @@ class RayExecutor(Executor):
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         import ray
 
-        ref = ray.put(scheduler_output)  # serialized once for every rank
+        ref = ray.put(self._steps.encode(scheduler_output))  # serialized once for every rank
         return RayOutput([a.execute_model.remote(ref) for a in self.actors], self.driver_rank)
 
     def check_health(self) -> None:
