@@ -50,7 +50,8 @@ def load_bench_tokenizer(path: str | None) -> transformers.PreTrainedTokenizerBa
     """The default model's tokenizer: from a directory (a GPU machine lacks the model's package), else the package."""
     if path:
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from lmserve.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from lmserve.model_tokenizer import load_tokenizer
+    from lmserve.models import DEFAULT_MODEL, resolve_model
 
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
 

@@ -21,7 +21,8 @@ import tempfile
 from timing import start_lmserve
 
 from lmserve import LLM, SamplingParams
-from lmserve.models import load_tokenizer, resolve_model
+from lmserve.model_tokenizer import load_tokenizer
+from lmserve.models import resolve_model
 
 EXAMPLES = [
     ("The capital of France is", " Paris"),

@@ -69,7 +69,8 @@ def transformers_perplexity(model: str, text: str, ctx: int, chunks: int) -> dic
     import torch
     import transformers
 
-    from lmserve.models import load_tokenizer, resolve_model
+    from lmserve.model_tokenizer import load_tokenizer
+    from lmserve.models import resolve_model
 
     path = Path(model).expanduser()
     cut, text_tokens = text_chunks(load_tokenizer(resolve_model(str(path))), text, ctx, chunks)

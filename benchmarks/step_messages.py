@@ -13,11 +13,12 @@ import random
 import statistics
 import time
 
+from lmserve.config import KV_BLOCK_SIZE
 from lmserve.executor.step_messages import StepDecoder, StepEncoder
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import ScheduledRequest, SchedulerOutput
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = KV_BLOCK_SIZE
 
 
 def main() -> None:

@@ -40,7 +40,8 @@ def schema(i: int, items: int = 10) -> dict:
 def compile_times() -> tuple[list[float], list[float]]:
     import xgrammar as xgr
 
-    from lmserve.models import load_tokenizer, resolve_model
+    from lmserve.model_tokenizer import load_tokenizer
+    from lmserve.models import resolve_model
 
     info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(resolve_model(MODEL)), vocab_size=49152)
     cold, cached = [], []

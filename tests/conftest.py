@@ -17,7 +17,8 @@ import pytest
 import torch
 import transformers
 
-from lmserve.models import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
+from lmserve.model_tokenizer import load_tokenizer
+from lmserve.models import DEFAULT_MODEL, ModelSource, resolve_model
 
 Q = gguf.GGMLQuantizationType
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from lmserve.gguf_file import read_gguf_header
 from lmserve.models import (
     DEFAULT_MODEL,
     GGUF_CONFIG_MAPPING,
@@ -21,7 +22,6 @@ from lmserve.models import (
     GGUFConfig,
     load_hf_config,
     load_model_config,
-    read_gguf_header,
     resolve_model,
 )
 from lmserve.worker.models.llama import RotaryEmbedding, layer_types

@@ -9,7 +9,8 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from lmserve.models import ModelSource, load_hf_config, load_tokenizer, resolve_model
+from lmserve.model_tokenizer import load_tokenizer
+from lmserve.models import ModelSource, load_hf_config, resolve_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -91,7 +92,7 @@ def test_the_fast_block_dequantization_is_gguf_s_own_bit_for_bit(default_source)
     import gguf
     import numpy as np
 
-    from lmserve.models import _FAST_DEQUANTIZE, read_gguf_header, read_gguf_tensor
+    from lmserve.gguf_file import _FAST_DEQUANTIZE, read_gguf_header, read_gguf_tensor
 
     seen = set()
     for info in read_gguf_header(default_source.path).tensors:

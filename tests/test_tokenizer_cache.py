@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from lmserve.models import ModelSource, _saved_tokenizer, load_tokenizer
+from lmserve.model_tokenizer import _saved_tokenizer, load_tokenizer
+from lmserve.models import ModelSource
 
 TEXTS = [
     "Hello, world!",

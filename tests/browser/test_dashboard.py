@@ -163,7 +163,8 @@ def sent(page: Page, server: Server) -> SentRequests:
 
     def chat(i: int) -> None:
         body = {"messages": [{"role": "user", "content": f"Count slowly to twenty, attempt {i}."}],
-                "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                # ~1 s of decoding: at 16 tokens the three could finish between two of the page's 0.2 s events
+                "max_tokens": 96, "temperature": 0, "ignore_eos": True}
         response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
         response.raise_for_status()
         ids.append(response.json()["id"])

@@ -21,6 +21,7 @@ def default_tokenizer() -> transformers.PreTrainedTokenizerBase:
     path = os.environ.get("LMSERVE_TEST_TOKENIZER")
     if path:
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from lmserve.models import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from lmserve.model_tokenizer import load_tokenizer
+    from lmserve.models import DEFAULT_MODEL, resolve_model
 
     return load_tokenizer(resolve_model(DEFAULT_MODEL))

@@ -16,13 +16,13 @@ import transformers
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from lmserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from lmserve.config import KV_BLOCK_SIZE, CacheConfig, ModelConfig, SchedulerConfig
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import ScheduledRequest
 from lmserve.worker.model_runner import ModelRunner
 
 CUDA = torch.device("cuda")
-BLOCK_SIZE = 16
+BLOCK_SIZE = KV_BLOCK_SIZE
 BF16_FLOOR = 2e-2
 MODELS = ["tiny_llama_dir", "tiny_llama3_dir", "tiny_qwen2_dir"]  # default rope, llama3-scaled rope, tied + biases
 

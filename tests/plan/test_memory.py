@@ -165,7 +165,7 @@ def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_g
     import numpy as np
 
     from lmserve.config import EngineConfig, ModelConfig
-    from lmserve.models import read_gguf_header
+    from lmserve.gguf_file import read_gguf_header
     from lmserve.plan.fit import layout_memory
 
     for path in (tiny_kquant_gguf, mixed_gguf):

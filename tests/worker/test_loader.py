@@ -11,13 +11,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from lmserve.model_tokenizer import load_tokenizer
 from lmserve.models import (
     DEFAULT_MODEL,
     REGISTERED_MODELS,
     ModelSource,
     _PackagedModel,
     load_hf_config,
-    load_tokenizer,
     resolve_model,
 )
 from lmserve.worker.loader import hf_name_from_gguf, load_weights

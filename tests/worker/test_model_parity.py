@@ -33,7 +33,7 @@ import pytest
 import torch
 import transformers
 
-from lmserve.config import GEMMA_MODEL_TYPES, CacheConfig, ModelConfig
+from lmserve.config import GEMMA_MODEL_TYPES, KV_BLOCK_SIZE, CacheConfig, ModelConfig
 from lmserve.engine.kv_cache import NULL_BLOCK_ID
 from lmserve.kv_groups import model_kv_groups
 from lmserve.models import DEFAULT_MODEL, load_hf_config, load_model_config, resolve_model
@@ -52,7 +52,7 @@ from lmserve.worker.quantization import (
     use_batched_path,
 )
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = KV_BLOCK_SIZE
 # Measured max abs error in float32 (printed with -s): tiny models 3e-7 on logits up to ~1; the default model
 # (30 layers, logits up to ~36 on random tokens) 5e-5 to 7e-5, a few float32 ulps of the largest logit after 30
 # layers of differently ordered sums (fused q/k/v and gate/up matmuls, paged vs contiguous attention). The bounds

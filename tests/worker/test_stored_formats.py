@@ -201,7 +201,7 @@ def test_q8_0_rows_read_back_out_of_either_kernel_layout(activations: str) -> No
 def test_a_tied_q8_0_embedding_is_held_once_and_looks_up_the_files_rows(default_source) -> None:
     """The default model ties its Q8_0 embedding to the output layer: the embedding drops its copy and reads its rows
     out of the output layer's kernel layout, which gives exactly the file's values for every token."""
-    from lmserve.models import read_gguf_header, read_gguf_tensor
+    from lmserve.gguf_file import read_gguf_header, read_gguf_tensor
 
     config = load_hf_config(default_source)
     formats = kernel_formats()
@@ -236,7 +236,7 @@ def test_a_whole_untied_embedding_table_stays_the_files_mapping(tmp_path: Path) 
     blocks = random_stored_blocks("q5_0", 64, 4, seed=21)
     path = tmp_path / "table.bin"
     blocks.tofile(path)
-    mapped = np.memmap(path, mode="c", dtype=np.uint8, shape=blocks.shape)  # as models.read_gguf_blocks maps it
+    mapped = np.memmap(path, mode="c", dtype=np.uint8, shape=blocks.shape)  # as gguf_file.read_gguf_blocks maps it
     expected = torch.from_numpy(gguf_values("q5_0", blocks)).view(64, -1)
     ids = torch.tensor([[3, 63, 0], [17, 17, 40]])
 

@@ -120,9 +120,10 @@ async def _probe(base_url: str, headers: dict[str, str]) -> tuple[list[str], dic
 
 def load_tokenizer(name: str) -> Any:
     # Lazily: transformers takes seconds to import, which a plain run does not need.
-    from lmserve import models
+    from lmserve.model_tokenizer import load_tokenizer as load_model_tokenizer
+    from lmserve.models import resolve_model
 
-    return models.load_tokenizer(models.resolve_model(name))
+    return load_model_tokenizer(resolve_model(name))
 
 
 def _pick_tokenizer(args: argparse.Namespace, model: str, version: dict | None) -> tuple[Any, str | None]:

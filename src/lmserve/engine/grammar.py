@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmserve.engine.request import Request
-from lmserve.models import load_tokenizer, resolve_model
+from lmserve.model_tokenizer import load_tokenizer
+from lmserve.models import resolve_model
 from lmserve.structured_output import build_grammar, xgrammar
 
 logger = logging.getLogger(__name__)

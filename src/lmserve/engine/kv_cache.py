@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmserve.config import KV_BLOCK_SIZE
 from lmserve.engine.request import Request
 from lmserve.kv_sizing import blocks_needed
 
@@ -135,7 +136,7 @@ class KVCacheManager:
     full-attention group unless every layer slides (then it is the one, windowed, group)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+        self, num_blocks: int, block_size: int = KV_BLOCK_SIZE, enable_prefix_caching: bool = True,
         key_generated_blocks: bool = False, windows: Sequence[int] = (0,), max_chunk_tokens: int | None = None,
     ) -> None:
         """key_generated_blocks: the model computes prompt tokens and generated ones with different arithmetic

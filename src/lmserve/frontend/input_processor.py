@@ -44,7 +44,7 @@ class InputProcessor:
         self.max_n = max_num_seqs  # n above what the engine runs at once would only queue behind itself
         self.scheduling_policy = scheduling_policy
         # The model config's EOS ids and the tokenizer's (a GGUF config may name none; the caller adds a GGUF
-        # vocabulary's end-of-turn tokens, models.end_of_generation_ids).
+        # vocabulary's end-of-turn tokens, model_tokenizer.end_of_generation_ids).
         eos = set(model_eos_token_ids or [])
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -6,7 +6,8 @@ from typing import Any
 
 from lmserve.config import ModelConfig
 from lmserve.generation_config import load_chat_template
-from lmserve.models import end_of_generation_ids, load_tokenizer, resolve_model
+from lmserve.model_tokenizer import end_of_generation_ids, load_tokenizer
+from lmserve.models import resolve_model
 
 
 def load_frontend_tokenizer(config: ModelConfig) -> Any:
@@ -18,5 +19,5 @@ def load_frontend_tokenizer(config: ModelConfig) -> Any:
 
 
 def tokenizer_eos_token_ids(config: ModelConfig, tokenizer: Any) -> list[int]:
-    """The ids that end generation by the tokenizer's word, besides the model config's (models.end_of_generation_ids)."""
+    """The ids that end generation by the tokenizer's word, besides the model config's (model_tokenizer.end_of_generation_ids)."""
     return end_of_generation_ids(resolve_model(config.tokenizer or config.model), tokenizer)

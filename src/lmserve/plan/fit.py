@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmserve.config import EngineConfig, parse_memory
+from lmserve.config import EngineConfig, MiB, parse_memory
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.plan.memory import (
     GiB,
@@ -35,7 +35,6 @@ DEFAULT_CPU_DTYPE = "float32"
 # Stated, not measured closely: one rank process with Python, torch and lmserve's worker imported holds ~0.25 GiB
 # resident before any weight; twice that leaves room for the allocator and the C++ kernels.
 CPU_RANK_OVERHEAD = GiB // 2
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,16 @@ from pathlib import Path
 
 from lmserve.config import (
     GEMMA_MODEL_TYPES,
+    KV_BLOCK_SIZE,
     QK_NORM_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
+    GiB,
     SchedulerConfig,
     default_layer_types,
 )
 from lmserve.kv_groups import KVCacheGroups, kv_cache_groups, kv_capacity_tokens
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 
-GiB = 1 << 30
-BLOCK_SIZE = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Stated, not measured: CUDA context, allocator fragmentation, communication buffers. Override with --overhead-gib.
 DEFAULT_OVERHEAD_GIB = 1.0
@@ -154,7 +154,7 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
     from lmserve.models import REGISTERED_MODELS, read_config_dict, resolve_model
 
     if path.exists() or model in REGISTERED_MODELS:
-        from lmserve.models import gguf_stored_bits
+        from lmserve.gguf_file import gguf_stored_bits
 
         source = resolve_model(model)
         spec = ModelSpec.from_hf_dict(model, read_config_dict(source))
@@ -253,7 +253,7 @@ class PlanSettings:
     layout: Layout = field(default_factory=Layout)
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
-    block_size: int = BLOCK_SIZE
+    block_size: int = KV_BLOCK_SIZE
     overhead: int = int(DEFAULT_OVERHEAD_GIB * GiB)
 
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lmserve.config import CacheConfig, SchedulerConfig
+from lmserve.config import KV_BLOCK_SIZE, CacheConfig, SchedulerConfig
 from lmserve.engine.request import Request
 from lmserve.engine.scheduler import Scheduler
 from lmserve.kv_sizing import blocks_needed
@@ -113,7 +113,7 @@ class ScheduleSettings:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     long_prefill_token_threshold: int = 0
     num_blocks: int | None = None  # None: room for every request at once (no preemption)
-    block_size: int = 16
+    block_size: int = KV_BLOCK_SIZE
     enable_prefix_caching: bool = True
 
 

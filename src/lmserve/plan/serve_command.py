@@ -6,11 +6,10 @@ import json
 import shlex
 from pathlib import Path
 
-from lmserve.config import SchedulerConfig
+from lmserve.config import MiB, SchedulerConfig
 from lmserve.kv_sizing import blocks_needed
 from lmserve.plan.memory import CONFIG_DIR, SHIPPED_CONFIGS, LayoutOption, Plan
 
-MiB = 1 << 20
 # The engine's --kv-cache-dtype choices (config.CacheConfig); a bfloat16 KV cache is the engine's 'auto' for it.
 ENGINE_KV_DTYPES = ("float32", "float16")
 

@@ -16,15 +16,8 @@ import numpy as np
 import torch
 
 from lmserve.config import GEMMA_MODEL_TYPES
-from lmserve.models import (
-    GGUFConfig,
-    ModelSource,
-    ggml_type_name,
-    load_model_config,
-    read_gguf_blocks,
-    read_gguf_header,
-    read_gguf_tensor,
-)
+from lmserve.gguf_file import ggml_type_name, read_gguf_blocks, read_gguf_header, read_gguf_tensor
+from lmserve.models import GGUFConfig, ModelSource, load_model_config
 from lmserve.worker.quantization import StoredBlocks
 
 logger = logging.getLogger(__name__)

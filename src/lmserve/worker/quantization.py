@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.models import dequantize_gguf_blocks
+from lmserve.gguf_file import dequantize_gguf_blocks
 from lmserve.worker.kernels import cpu_flags, cpu_kernels, cpu_kernels_load, disabled_features
 from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
 from lmserve.worker.stored_formats import (

@@ -1,0 +1,129 @@
+"""A model's tokenizer: a Hugging Face directory's, or a GGUF file's vocabulary converted once and cached, with the
+chat template and end-of-generation tokens the file or lmserve's built-in templates give it. transformers is imported
+here, when a tokenizer is first loaded; not torch (after the first conversion of a GGUF vocabulary)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
+from lmserve.config import cache_directory
+from lmserve.gguf_file import read_gguf_header
+from lmserve.heap import release_freed_heap
+from lmserve.models import ModelSource
+
+if TYPE_CHECKING:  # imported where a tokenizer is first loaded
+    import transformers
+
+logger = logging.getLogger(__name__)
+
+def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    import transformers
+
+    start = time.perf_counter()
+    if source.kind == "hf":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    else:
+        tokenizer = _gguf_tokenizer(source.path)
+    release_freed_heap()  # the parse's temporaries: ~95 MiB of Qwen2.5's tokenizer stays resident otherwise
+    if tokenizer.chat_template is None:
+        model_type = _model_type_of(source)
+        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES.get(model_type)
+        if tokenizer.chat_template is not None:
+            logger.info("%s has no chat template; using %s's own", source.name, model_type)
+        else:
+            logger.warning("%s has no chat template; chat requests will fail", source.name)
+    logger.info(
+        "loaded tokenizer of %s (%d tokens) in %.2f s",
+        source.name,
+        len(tokenizer),
+        time.perf_counter() - start,
+    )
+    return tokenizer
+
+
+def _model_type_of(source: ModelSource) -> str | None:
+    """The architecture of the model a tokenizer came with, if the source says (a tokenizer-only directory does not)."""
+    if source.kind == "gguf":
+        return read_gguf_header(source.path).metadata.get("general.architecture")
+    config_file = source.path / "config.json"
+    return json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+
+
+def end_of_generation_ids(source: ModelSource, tokenizer: transformers.PreTrainedTokenizerBase) -> list[int]:
+    """What else ends generation besides the model config's EOS ids: the tokenizer's EOS, and for a GGUF file
+    llama.cpp's end-of-generation tokens found in its vocabulary, so a file stops where llama.cpp stops it."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if source.kind == "gguf":
+        vocabulary = tokenizer.backend_tokenizer
+        found = (vocabulary.token_to_id(text) for text in GGUF_END_OF_GENERATION_TEXTS)
+        ids += [token_id for token_id in found if token_id is not None and token_id not in ids]
+    return ids
+
+
+# What save_pretrained writes into tokenizer_config.json that is not a constructor argument, or that the constructor
+# below cannot take as the file has it (added_tokens_decoder: dicts that from_pretrained turns into AddedTokens).
+_SAVED_CONFIG_NOT_ARGUMENTS = {"tokenizer_class", "is_local", "local_files_only", "auto_map"}
+_SAVED_CONFIG_NEEDS_FROM_PRETRAINED = {"added_tokens_decoder", "extra_special_tokens"}
+
+
+def _saved_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
+    """A tokenizer that _gguf_tokenizer saved. from_pretrained parses tokenizer.json three more times in Python and
+    deep-copies every added token (1.0 s of Gemma 3's 262,144-token vocabulary, 0.4 s of Qwen2.5's, on top of the
+    Rust parse); the constructor over the file builds the same tokenizer (tests/test_models.py holds them equal)."""
+    import transformers
+
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    if config.keys() & _SAVED_CONFIG_NEEDS_FROM_PRETRAINED:
+        return transformers.PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+    arguments = {key: value for key, value in config.items() if key not in _SAVED_CONFIG_NOT_ARGUMENTS}
+    template = directory / "chat_template.jinja"
+    if template.is_file():
+        arguments["chat_template"] = template.read_text()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), name_or_path=str(directory), **arguments
+    )
+
+
+def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges, through its GGUF reader
+    (which imports torch): ~3 s of the default model's start-up. What it builds is kept under lmserve's cache
+    (tokenizer.json and its config, save_pretrained's files), one folder per file (path, size, modification time)
+    and transformers and tokenizers version, and later starts load that (~0.3 s)."""
+    import tokenizers
+    import transformers
+
+    stat = path.stat()
+    key = f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns} {transformers.__version__} {tokenizers.__version__}"
+    cached = cache_directory() / "tokenizers" / f"{path.stem[:60]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    if cached.is_dir():
+        try:
+            return _saved_tokenizer(cached)
+        except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
+            logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
+    # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
+    # gguf.GGUFReader, which costs seconds and is not needed here.
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+        path.parent, gguf_file=path.name, local_files_only=True
+    )
+    if tokenizer.chat_template is None:  # older transformers drop it
+        tokenizer.chat_template = read_gguf_header(path).metadata.get("tokenizer.chat_template")
+    staging = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+        tokenizer.save_pretrained(staging)
+        staging.rename(cached)  # whole or not at all; a concurrent start that saved first wins
+    except OSError as exc:
+        logger.info("tokenizer of %s not cached: %s", path, exc)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
