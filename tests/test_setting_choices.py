@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from lmserve.config import CacheConfig, ModelConfig
-from lmserve.worker import attention, kernels, quantization
+from lmserve.worker import attention, kernel_choice, kernels
 
 
 def cli_choices(config: type, name: str) -> tuple[str, ...]:
@@ -18,9 +18,9 @@ def cli_choices(config: type, name: str) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize(("config", "name", "accepted"), [
-    (ModelConfig, "quantization", quantization.QUANTIZATION_METHODS),
-    (ModelConfig, "batched_weights", quantization.BATCHED_WEIGHTS),
-    (ModelConfig, "block_activations", quantization.BLOCK_ACTIVATIONS),
+    (ModelConfig, "quantization", kernel_choice.QUANTIZATION_METHODS),
+    (ModelConfig, "batched_weights", kernel_choice.BATCHED_WEIGHTS),
+    (ModelConfig, "block_activations", kernel_choice.BLOCK_ACTIVATIONS),
     (ModelConfig, "attention_backend", attention.ATTENTION_BACKENDS),
     (ModelConfig, "fused_ops", kernels.FUSED_OPS),
     (CacheConfig, "kv_cache_dtype", ("auto", *attention.KV_CACHE_DTYPES)),
@@ -33,8 +33,8 @@ def test_every_batched_weights_choice_is_one_the_dispatch_knows() -> None:
     """Each choice either resolves to a path or is refused with a reason naming what the CPU lacks, never as unknown."""
     for choice in cli_choices(ModelConfig, "batched_weights"):
         try:
-            quantization.batched_path(choice)
+            kernel_choice.batched_path(choice)
         except ValueError as exc:
             assert "unknown" not in str(exc), choice
     with pytest.raises(ValueError, match="unknown batched weights"):
-        quantization.batched_path("prompt-int4")
+        kernel_choice.batched_path("prompt-int4")

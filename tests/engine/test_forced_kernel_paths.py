@@ -63,21 +63,21 @@ def test_engine_invariance_under_forced_kernel_path(env: dict[str, str], unavail
 
 def test_forced_features_reach_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """What LMSERVE_DISABLE_CPU_FEATURES names is off for every auto choice; an unknown name is refused."""
-    from lmserve.worker import quantization
+    from lmserve.worker import kernel_choice
 
     monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,vnni")
-    assert not quantization.amx_kernel_loads()
-    path = quantization.batched_path("auto")
+    assert not kernel_choice.amx_kernel_loads()
+    path = kernel_choice.batched_path("auto")
     assert path.prompt_copies and path.prompt_weights == "fp16"
     with pytest.raises(ValueError, match="prompt-bf16 needs a CPU with AMX"):
-        quantization.batched_path("prompt-bf16")
+        kernel_choice.batched_path("prompt-bf16")
     if kernels.cpu_kernels().int16_uses_vnni():  # the VNNI build's int16 kernels are off; an AVX2 build's stay on
-        assert not quantization.int16_kernel_loads() and quantization.block_activations("auto") == "float32"
+        assert not kernel_choice.int16_kernel_loads() and kernel_choice.block_activations("auto") == "float32"
         with pytest.raises(ValueError, match="int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI"):
-            quantization.block_activations("int16")
+            kernel_choice.block_activations("int16")
     else:  # the AVX2 build: int16 for every block format (float32 only when asked: it is not batch-invariant)
-        assert quantization.int16_kernel_loads() and quantization.block_activations("int16") == "int16"
-        assert quantization.block_activations("auto") == "int16"
+        assert kernel_choice.int16_kernel_loads() and kernel_choice.block_activations("int16") == "int16"
+        assert kernel_choice.block_activations("auto") == "int16"
     monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,sse9")
     with pytest.raises(ValueError, match="unknown feature sse9"):
         kernels.disabled_features()

@@ -10,18 +10,11 @@ from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
+from lmserve.worker.block_packing import StoredBlocks, pack_q4_1, pack_q8_0
+from lmserve.worker.kernel_choice import BLOCK_METHODS
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.quantization import (
-    BLOCK_METHODS,
-    BlockQuantizedLinear,
-    PendingBlockLinear,
-    Q4_1Linear,
-    Q8_0Linear,
-    StoredBlocks,
-    pack_q4_1,
-    pack_q8_0,
-)
+from lmserve.worker.quantization import BlockQuantizedLinear, PendingBlockLinear, Q4_1Linear, Q8_0Linear
 
 CPU = torch.device("cpu")
 

@@ -11,11 +11,11 @@ import transformers
 
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.models import load_hf_config, resolve_model
+from lmserve.worker.batched_copies import Float16WeightLinear
 from lmserve.worker.float16_layers import PendingFloat16Linear
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import Float16WeightLinear
 from lmserve.worker.stored_formats import BLOCK_FORMATS, STORED_BLOCK_TYPES, runnable_types
 
 CPU = torch.device("cpu")

@@ -7,22 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.worker import quantization
+from lmserve.worker import kernel_choice
+from lmserve.worker.batched_copies import AmxBfloat16Linear
+from lmserve.worker.block_packing import pack_blocks, quantize_blocks, unpack_blocks
+from lmserve.worker.kernel_choice import BatchedPath, block_activations
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
-    AmxBfloat16Linear,
-    BatchedPath,
-    Q4_1Linear,
-    Q8_0Linear,
-    block_activations,
-    pack_blocks,
-    quantize_blocks,
-    unpack_blocks,
-    use_block_activations,
-)
+from lmserve.worker.quantization import Q4_1Linear, Q8_0Linear, use_block_activations
 
-needs_vnni = pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="the int16 kernels did not build (no AVX2)")
+needs_vnni = pytest.mark.skipif(not kernel_choice.int16_kernel_loads(), reason="the int16 kernels did not build (no AVX2)")
 
 
 def block_weight(method: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -173,13 +166,13 @@ def test_use_block_activations_moves_every_layer_it_can_tile() -> None:
 
 def test_auto_picks_int16_only_where_the_kernel_runs(monkeypatch) -> None:
     assert block_activations("float32") == "float32"
-    monkeypatch.setattr(quantization, "int16_kernel_loads", lambda: False)
+    monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: False)
     assert block_activations("auto") == "float32"
     with pytest.raises(ValueError, match="AVX-512 VNNI"):
         block_activations("int16")
     with pytest.raises(ValueError, match="unknown block activations"):
         block_activations("int4")
-    monkeypatch.setattr(quantization, "int16_kernel_loads", lambda: True)
+    monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: True)
     assert block_activations("int16") == "int16"
     # auto: int16 wherever the kernels run, the AVX2 build too (its float32 kernel is faster for q4_1 and q8_0 above a
     # few rows, but sums a row in an order set by its batch's size).
@@ -187,11 +180,11 @@ def test_auto_picks_int16_only_where_the_kernel_runs(monkeypatch) -> None:
 
 
 @needs_vnni
-@pytest.mark.skipif(not quantization.amx_kernel_loads(), reason="needs a CPU with AMX")
+@pytest.mark.skipif(not kernel_choice.amx_kernel_loads(), reason="needs a CPU with AMX")
 def test_prompt_rows_keep_the_amx_copy_and_generated_rows_take_the_int16_kernel() -> None:
     gen = torch.Generator().manual_seed(9)
     weight, bias = q4_1_weight(64, 96, seed=9), torch.randn(64, generator=gen)
-    layer = Q4_1Linear(weight, bias, BatchedPath("fp16", quantization.BLOCK_KERNEL_MAX_ROWS, prompt_copies=True))
+    layer = Q4_1Linear(weight, bias, BatchedPath("fp16", kernel_choice.BLOCK_KERNEL_MAX_ROWS, prompt_copies=True))
     layer.prompt_copies = True
     assert layer.use_int16_activations()
     x = torch.randn(50, 96, generator=gen)

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from lmserve.models import load_hf_config, resolve_model
+from lmserve.worker.batched_copies import Float16WeightLinear
+from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.kernel_choice import int16_kernel_loads
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.kquant_formats import (
     KQuantLinear,
@@ -20,7 +23,6 @@ from lmserve.worker.kquant_formats import (
 )
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.quantization import Float16WeightLinear, StoredBlocks, int16_kernel_loads
 from lmserve.worker.row_segments import RowSegmentsLinear
 from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
 

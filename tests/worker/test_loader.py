@@ -20,9 +20,9 @@ from lmserve.models import (
     load_hf_config,
     resolve_model,
 )
+from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.loader import hf_name_from_gguf, load_weights
 from lmserve.worker.models.llama import RotaryEmbedding
-from lmserve.worker.quantization import StoredBlocks
 
 Q = gguf.GGMLQuantizationType
 

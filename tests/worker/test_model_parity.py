@@ -39,18 +39,12 @@ from lmserve.kv_groups import model_kv_groups
 from lmserve.models import DEFAULT_MODEL, load_hf_config, load_model_config, resolve_model
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import ScheduledRequest
-from lmserve.worker import quantization
+from lmserve.worker import kernel_choice
+from lmserve.worker.batched_copies import AmxBfloat16Linear, Float16WeightLinear
+from lmserve.worker.kernel_choice import BatchedPath, amx_kernel_loads
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import (
-    AmxBfloat16Linear,
-    BatchedPath,
-    Float16WeightLinear,
-    Q4_1Linear,
-    Q8_0Linear,
-    amx_kernel_loads,
-    use_batched_path,
-)
+from lmserve.worker.quantization import Q4_1Linear, Q8_0Linear, use_batched_path
 
 BLOCK_SIZE = KV_BLOCK_SIZE
 # Measured max abs error in float32 (printed with -s): tiny models 3e-7 on logits up to ~1; the default model
@@ -390,7 +384,7 @@ def test_default_model_q4_1_blocks_compute_the_files_own_model(monkeypatch) -> N
     print(f"\n{DEFAULT_MODEL} q4_1: max abs logit error {max(error, error_mixed):.3g}")
 
 
-@pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="the int16 kernels did not build")
+@pytest.mark.skipif(not kernel_choice.int16_kernel_loads(), reason="the int16 kernels did not build")
 def test_default_model_q4_1_with_int16_activations_stays_within_their_rounding_of_the_files_model() -> None:
     """The block kernel with 16-bit integer activations (`--block-activations int16`) for every row, prefill chunks
     and decodes in shared batches: each input is rounded to 1/65,000 of its block's range, which moves the logits
@@ -428,7 +422,7 @@ def test_tiny_k_quant_file_at_its_stored_size_stays_within_int16_rounding_of_its
     parity = Parity(tiny_kquant_gguf, max_model_len=256, num_blocks=32, atol=DEFAULT_ATOL, quantization="auto",
                     reference=tiny_kquant_dir, batched_weights="none", block_activations="auto")
     layer0 = parity.runner.model.layers[0]
-    if quantization.int16_kernel_loads():
+    if kernel_choice.int16_kernel_loads():
         assert parity.runner.quantization == "q4_k"
         assert isinstance(layer0.self_attn.qkv_proj, RowSegmentsLinear)
         assert isinstance(layer0.mlp.down_proj, KQuantLinear) and layer0.mlp.down_proj.method == "q6_k"
@@ -515,7 +509,7 @@ def test_default_model_prompt_rows_on_amx_stay_within_bfloat16_rounding_and_do_n
           f"{same_top:.0%}, KL {kl:.2g}")
 
 
-@pytest.mark.skipif(not quantization.int16_kernel_loads(), reason="prompt-int8 needs the int16 block kernels")
+@pytest.mark.skipif(not kernel_choice.int16_kernel_loads(), reason="prompt-int8 needs the int16 block kernels")
 def test_default_model_prompt_rows_on_8_bit_activations_stay_near_the_files_model() -> None:
     """prompt-int8: the prompt's rows through the stored blocks with 8-bit activations, as llama.cpp computes every
     row. This model's MLP inputs carry outliers ~1,000x their median, which 8 bits a block round hard: a 40-token

@@ -13,23 +13,22 @@ import torch
 from torch import nn
 
 from lmserve.models import DEFAULT_MODEL, resolve_model, stored_linear_format
-from lmserve.worker import kernels, quantization
+from lmserve.worker import batched_copies, kernel_choice, kernels
+from lmserve.worker.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear, Float16WeightLinear
+from lmserve.worker.block_packing import pack_q4_1, pack_q8_0
+from lmserve.worker.kernel_choice import (
+    AMX_BLOCK_KERNEL_MAX_ROWS,
+    BLOCK_KERNEL_MAX_ROWS,
+    BatchedPath,
+    batched_path,
+    check_quantization,
+)
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.loader import load_weights
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
-    AMX_BLOCK_KERNEL_MAX_ROWS,
-    BLOCK_KERNEL_MAX_ROWS,
-    AmxBfloat16Linear,
-    BatchedPath,
-    Bfloat16WeightLinear,
-    Float16WeightLinear,
     Q4_1Linear,
     Q8_0Linear,
-    batched_path,
-    check_quantization,
-    pack_q4_1,
-    pack_q8_0,
     prepare_batched_copies,
     quantize_linears,
     use_batched_path,
@@ -58,9 +57,9 @@ def test_auto_gives_k_quant_files_their_kernel_where_it_runs_else_fp16(tiny_kqua
     assert stored_linear_format(resolve_model(str(tiny_kquant_gguf))) is None  # mixed types
     types = stored_matrix_types(resolve_model(str(tiny_kquant_gguf))).values()
     formats = kernel_formats()
-    assert ("q4_k" in formats) == quantization.int16_kernel_loads()
+    assert ("q4_k" in formats) == kernel_choice.int16_kernel_loads()
     stored_as = preferred_kernel_format(types, formats)
-    assert stored_as == ("q4_k" if quantization.int16_kernel_loads() else None)
+    assert stored_as == ("q4_k" if kernel_choice.int16_kernel_loads() else None)
     assert check_quantization("auto", CPU, torch.float32, stored_as) == (stored_as or "fp16")
     assert preferred_kernel_format(types, BLOCK_FORMATS) is None
     assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
@@ -306,8 +305,8 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
 ) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
-    monkeypatch.setattr(quantization, "int16_vnni_kernel_runs", lambda: False)
+    monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: False)
+    monkeypatch.setattr(kernel_choice, "int16_vnni_kernel_runs", lambda: False)
     monkeypatch.delenv(kernels.DISABLED_FEATURES_VARIABLE, raising=False)  # the CPU is what the patches above say
     # Without lmserve's AMX kernel or the VNNI build of the int16 kernels, auto keeps float32 activations and fixes
     # each row's path by what the row is: prompt rows on the float16 copy, generated rows on the block kernel (a
@@ -326,19 +325,19 @@ def test_batched_path_keeps_float32_activations_unless_bf16_is_asked_for(
 def test_auto_keeps_every_row_on_the_blocks_where_the_vnni_int16_kernels_run(monkeypatch) -> None:
     """There the int16 kernels multiply prompts faster than fbgemm's float16 copy would: no copy is made (the file's
     size in memory), unless the layers were asked to take float32 activations, whose kernels are slower there."""
-    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: False)
-    monkeypatch.setattr(quantization, "int16_vnni_kernel_runs", lambda: True)
+    monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: False)
+    monkeypatch.setattr(kernel_choice, "int16_vnni_kernel_runs", lambda: True)
     assert batched_path("auto") == batched_path("auto", "int16") == batched_path("none")
     assert batched_path("none") == BatchedPath("none", sys.maxsize)
     prompt_fp16 = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
     assert batched_path("auto", "float32") == prompt_fp16
     assert batched_path("prompt-fp16") == prompt_fp16  # still there when asked for
-    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: True)  # AMX's bfloat16 prompt kernel first
+    monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: True)  # AMX's bfloat16 prompt kernel first
     assert batched_path("auto") == batched_path("prompt-bf16")
 
 
 def test_auto_sends_prompt_rows_to_the_amx_kernel_where_it_runs(monkeypatch) -> None:
-    monkeypatch.setattr(quantization, "amx_kernel_loads", lambda: True)
+    monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: True)
     expected = BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
     assert batched_path("auto") == batched_path("prompt-bf16") == expected
     assert batched_path("fp16") == BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS)  # still there when asked for
@@ -353,7 +352,7 @@ def test_prompt_rows_are_slices_where_contiguous_and_indices_elsewhere() -> None
     assert mixed.generated.tolist() == [0, 2] and mixed.prompt.tolist() == [1, 3]
 
 
-needs_amx = pytest.mark.skipif(not quantization.amx_kernel_loads(), reason="needs a CPU with AMX")
+needs_amx = pytest.mark.skipif(not kernel_choice.amx_kernel_loads(), reason="needs a CPU with AMX")
 
 
 @needs_amx
@@ -470,7 +469,7 @@ def test_batched_weights_none_keeps_every_row_on_the_kernel_and_builds_no_copy(m
     assert layer.batched is None and layer.prompt_copy is None
     # With int16 activations a row's bits are its own; float32 ones sum in an order set by the
     # batch's size (1-2, 3-8, 9+ rows; issue 32's note).
-    invariant = quantization.int16_kernel_loads() and layer.use_int16_activations()
+    invariant = kernel_choice.int16_kernel_loads() and layer.use_int16_activations()
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
     kernel = layer.linear_op(x, layer.blocks, 32, None)
     with prompt_rows(PromptRows.from_mask(np.arange(300) < 200)):
@@ -524,8 +523,8 @@ def test_a_float16_weight_rows_result_does_not_depend_on_its_batch(monkeypatch) 
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
     x = torch.randn(40, 96, generator=gen)
-    for tile in (quantization.fbgemm_row_tile(), quantization.FBGEMM_AVX2_ROWS):  # this CPU's, and the AVX2 one
-        monkeypatch.setattr(quantization, "fbgemm_row_tile", lambda tile=tile: tile)
+    for tile in (kernel_choice.fbgemm_row_tile(), kernel_choice.FBGEMM_AVX2_ROWS):  # this CPU's, and the AVX2 one
+        monkeypatch.setattr(batched_copies, "fbgemm_row_tile", lambda tile=tile: tile)
         layer = Float16WeightLinear(weight, bias)
         together = layer(x)
         torch.testing.assert_close(together, x @ weight.half().float().T + bias, rtol=1e-5, atol=1e-5)

@@ -14,21 +14,19 @@ import torch
 from torch import nn
 
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker import quantization
+from lmserve.worker import kernel_choice
+from lmserve.worker.batched_copies import Float16WeightLinear
 from lmserve.worker.block_embedding import BlockEmbedding
+from lmserve.worker.block_packing import StoredBlocks, as_blocks
+from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
 from lmserve.worker.kquant_formats import KQuantLinear, Q5_0Linear, kernel_formats
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
     LAYER_TYPES,
-    Float16WeightLinear,
     Q4_1Linear,
     Q8_0Linear,
-    StoredBlocks,
-    as_blocks,
-    batched_path,
-    int16_kernel_loads,
     prepare_batched_copies,
     use_prompt_copies,
 )
@@ -318,9 +316,9 @@ def test_prompt_int8_sends_prompt_rows_to_8_bits_and_generated_rows_to_16_withou
 
 
 def test_prompt_int8_is_refused_where_the_int16_kernels_do_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quantization, "int16_kernel_loads", lambda: False)
+    monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: False)
     with pytest.raises(ValueError, match="prompt-int8 needs the int16 block kernels"):
-        quantization.batched_path("prompt-int8")
-    monkeypatch.setattr(quantization, "int16_kernel_loads", lambda: True)
-    path = quantization.batched_path("prompt-int8")
-    assert path == quantization.BatchedPath("none", sys.maxsize, prompt_copies=True, prompt_weights="int8")
+        kernel_choice.batched_path("prompt-int8")
+    monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: True)
+    path = kernel_choice.batched_path("prompt-int8")
+    assert path == kernel_choice.BatchedPath("none", sys.maxsize, prompt_copies=True, prompt_weights="int8")

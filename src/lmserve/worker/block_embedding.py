@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
-from lmserve.worker.quantization import BlockQuantizedLinear, StoredBlocks
+from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.quantization import BlockQuantizedLinear
 from lmserve.worker.stored_formats import STORED_BLOCK_BYTES, block_width
 
 

@@ -1,7 +1,7 @@
 """Float layers that load straight into their float16 weights: no float32 copy of a checkpoint's matrices.
 
 `--quantization fp16` (auto's choice on CPU for a Hugging Face directory, and for a GGUF's layers that have no
-kernel format) runs each linear layer on float16 weights through fbgemm (quantization.Float16WeightLinear). Built as
+kernel format) runs each linear layer on float16 weights through fbgemm (batched_copies.Float16WeightLinear). Built as
 float32 parameters and converted after loading, a 16-bit checkpoint (bfloat16 safetensors, most of the Hub) would
 first be widened in full: twice its bytes, 4 GiB for a 1B model, before the float16 weights exist. Here those layers
 are PendingFloat16Linear from the start (built on the meta device with the rest of the model): each checkpoint tensor
@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.quantization import Float16WeightLinear, PendingLayer, StoredBlocks
+from lmserve.worker.batched_copies import Float16WeightLinear
+from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.quantization import PendingLayer
 
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 

@@ -4,7 +4,7 @@ their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q
 
 The rearrangement is exact: every code and every scale the file holds goes into the kernel's layout as it is
 (tests/worker/test_kquant_formats.py checks the kernel's dequantization against gguf's, value for value). Done in
-NumPy, on one thread, for the reason quantization.pack_blocks gives.
+NumPy, on one thread, for the reason block_packing.pack_blocks gives.
 """
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.kernel_choice import BatchedPath, block_kernels_load, int16_kernel_loads
 from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.quantization import (
-    BatchedPath,
-    BlockQuantizedLinear,
-    StoredBlocks,
-    block_kernels_load,
-    int16_kernel_loads,
-    register_layer_type,
-)
+from lmserve.worker.quantization import BlockQuantizedLinear, register_layer_type
 from lmserve.worker.stored_formats import BLOCK_FORMATS, KERNEL_FORMATS
 
 SUPER_BLOCK = 256

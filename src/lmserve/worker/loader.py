@@ -18,7 +18,7 @@ import torch
 from lmserve.config import GEMMA_MODEL_TYPES
 from lmserve.gguf_file import ggml_type_name, read_gguf_blocks, read_gguf_header, read_gguf_tensor
 from lmserve.models import GGUFConfig, ModelSource, load_model_config
-from lmserve.worker.quantization import StoredBlocks
+from lmserve.worker.block_packing import StoredBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -249,5 +249,5 @@ def split_fused(
 def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute`: per head, rows [i, half] back to [half, i] (HF's rotate_half layout). Only rows
     move, so `w` may be [rows, columns] floats or [rows, blocks, bytes] of a file's blocks. In NumPy, like every byte
-    moved while loading (quantization.pack_blocks says why)."""
+    moved while loading (block_packing.pack_blocks says why)."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

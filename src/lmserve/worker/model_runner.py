@@ -29,6 +29,7 @@ from lmserve.worker.attention import (
     kv_cache_shapes,
 )
 from lmserve.worker.draft_model import DraftModel, draft_configs
+from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_activations, check_quantization
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_transfer import KVBlockFiles
@@ -39,10 +40,6 @@ from lmserve.worker.models.llama import NUMPY_BLAS
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
-    LAYER_METHODS,
-    batched_path,
-    block_activations,
-    check_quantization,
     prepare_batched_copies,
     use_batched_path,
     use_block_activations,

@@ -1,467 +1,63 @@
-"""Weights stored in fewer bytes than the activations, applied after loading: `--quantization fp16|q8_0|q4_1`.
+"""Linear layers whose weights are stored in fewer bytes than the activations, and the model-wide conversions that
+put them in place (`--quantization auto|fp16|q8_0|q4_1|none`).
 
-Decoding a small model on a CPU is bound by the bytes of weights read per step. fp16 keeps every weight in float16
-(half of float32's bytes) and computes in float32: fbgemm, PyTorch's x86 GEMM library, widens the weights inside its
-kernel, which on this project's AVX2 machines also beats float32 OpenBLAS at the few-row products of decoding.
-Against the float32 model the output distribution is unchanged to within rounding (benchmarks/quantization.py:
-perplexity 63.080 vs 63.075, 99.6% same top token), so `auto` picks fp16 on CPU with float32 for models whose file
-holds no block format below. That includes llama.cpp's K-quants (Q4_K_M, Q6_K... files): the loader dequantizes them
-and no kernel here reads their 256-wide super-blocks, so they run as float16 weights (2 bytes per weight rather than
-the file's ~0.6), with the file's values to within float16 rounding.
+Decoding on a CPU is bound by the bytes of weights read per step, so a layer keeps its weights as small as its file
+holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; q4_k,
+q5_k, q6_k, q5_0, q5_1 in worker/kquant_formats.py) and multiplies through C++ kernels that widen the blocks in
+registers (worker/kernels). Under `auto` each matrix of a GGUF file keeps the format it is stored in
+(worker/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from the file
+(StoredBlocks, PendingBlockLinear: no float copy on the way); a matrix no kernel format holds, and a Hugging Face
+directory's, runs as float16 weights through fbgemm (worker/batched_copies.py, float16_layers.py), within rounding
+of float32 (benchmarks/quantization.py: perplexity 63.080 against 63.075).
 
-q4_1 and q8_0 are llama.cpp's block formats (0.625 and 1.0625 bytes per weight). The C++ kernels in
-kernels/quantized_linear.cpp widen them in registers and multiply in float32, so only the weights are rounded, never
-the activations. Where a GGUF file stores its linear layers in one of them, `auto` picks that format and the layers
-take the file's own blocks, rearranged into the kernels' panels byte for byte (StoredBlocks, PendingBlockLinear; no
-float copy on the way): the model computes with exactly the weights it shipped with, in fewer bytes per decode step. Up to BLOCK_KERNEL_MAX_ROWS rows (decodes, and the prefill chunks that run beside them)
-the kernels beat fbgemm's float16 GEMM; larger batches, bound by arithmetic, go through a float16 copy of the same
-weights and fbgemm, which is faster there (benchmarks/quantization.py, docs/benchmarks.md), or with
-`--batched-weights bf16` a bfloat16 copy through oneDNN (AMX, AVX-512 BF16), faster still but batch-dependent.
-Where the CPU has AMX, `auto` (`prompt-bf16`) sends the prompt tokens of the decoder layers through lmserve's own AMX
-kernel on a bfloat16 copy (kernels/amx_linear.cpp), 2-10x faster prefill, and keeps every generated token on the
-block kernel: each row's result depends only on the row (prompt or generated), never on the batch or the chunking.
-On AVX-512 VNNI without AMX, `auto` (`none`) makes no copy: the int16 block kernels below beat fbgemm's float16 GEMM
-at prompt sizes there. Elsewhere `auto` (`prompt-fp16`) does the same with fbgemm's float16 copy for the prompt tokens.
-Where the kernels build (AVX-512 VNNI or AVX2), `--block-activations auto` (int16) runs the block kernels with the
-activations as 16-bit integers per block of 32 inputs (kernels/int16_activations.cpp): exact integer dot products, so a row's result
-still does not depend on the batch, 1.2-2.7x faster at 1-64 rows, and a next-token KL below 1e-5 from the float32
-model (bfloat16 activations: 1e-4).
+Which kernel a row takes is worker/kernel_choice.py's: with `--block-activations auto` (int16 wherever those kernels
+build) the block kernels split each block of 32 inputs into 16-bit integers, exact integer dot products, so that a
+row's result does not depend on its batch, at a next-token KL below 1e-5 from the float32 model; prompt rows take the
+path `--batched-weights` names (the same kernels, 8-bit activations on the same blocks, or a float16 or bfloat16
+copy of the weights: worker/batched_copies.py). The blocks' byte layouts are worker/block_packing.py's.
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
-but ruins this model (perplexity 195; its MLP inputs carry outliers ~1,000× their median), and int8 weight-only
+but ruins the default model (perplexity 195; its MLP inputs carry outliers ~1,000x their median), and int8 weight-only
 (`_weight_int8pack_mm`) is no faster than fp16 here.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from lmserve.gguf_file import dequantize_gguf_blocks
-from lmserve.worker.kernels import cpu_flags, cpu_kernels, cpu_kernels_load, disabled_features
+from lmserve.worker.batched_copies import (
+    BATCHED_LAYER_TYPES,
+    PROMPT_LAYER_TYPES,
+    AmxBfloat16Linear,
+    Float16WeightLinear,
+)
+from lmserve.worker.block_packing import (
+    BLOCK_BYTES,
+    PANEL_ROWS,
+    StoredBlocks,
+    as_blocks,
+    pack_blocks,
+    unpack_blocks,
+)
+from lmserve.worker.kernel_choice import (
+    BLOCK_SIZE,
+    KQUANT_METHODS,
+    BatchedPath,
+    batched_path,
+)
+from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
 from lmserve.worker.stored_formats import (
-    BLOCK_FORMATS,
-    EXACT_INTO,
     STORED_BLOCK_BYTES,
     block_width,
-    convert_blocks,
 )
-
-logger = logging.getLogger(__name__)
-
-QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
-BLOCK_METHODS = ("q8_0", "q4_1")
-# Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): int16 activations only.
-KQUANT_METHODS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
-LAYER_METHODS = BLOCK_METHODS + KQUANT_METHODS
-BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none")
-BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
-BLOCK_SIZE = 32
-# Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
-# 32 and 64); above it the layer uses its fp16 copy, which fbgemm multiplies 5-14% faster (benchmarks/block_gemm.py).
-BLOCK_KERNEL_MAX_ROWS = 64
-FBGEMM_AVX2_ROWS = 6  # fbgemm's float16 GEMM kernels on AVX2: rows a tile (fbgemm_row_tile)
-# With AMX, oneDNN's bfloat16 GEMM overtakes the block kernel at a few rows (benchmarks/block_gemm.py --batched bf16).
-AMX_BLOCK_KERNEL_MAX_ROWS = 8
-
-
-@dataclass(frozen=True)
-class BatchedPath:
-    """How a block layer multiplies batches above `block_kernel_max_rows` rows: a copy of its weights in `weights`
-    (bf16: oneDNN's bfloat16 GEMM, activations rounded to bfloat16; fp16: fbgemm, activations kept in float32).
-    prompt_copies: the decoder layers send prompt rows to a copy in `prompt_weights` instead (use_prompt_copies: bf16
-    on the AMX kernel, or fp16 through fbgemm; int8: no copy, the int16 layout's blocks with 8-bit activations) and
-    every generated row to the block kernel, at any batch size."""
-
-    weights: str
-    block_kernel_max_rows: int
-    prompt_copies: bool = False
-    prompt_weights: str = "bf16"
-
-
-def batched_path(setting: str | None = "auto", activations: str = "int16") -> BatchedPath:
-    """Each row's path fixed by what the row is, never by the batch: prompt-bf16 (auto where the CPU has AMX): prompt
-    rows through the AMX kernel on a bfloat16 copy, 2-10x faster prefill; none (auto where the block kernels take
-    int16 activations on AVX-512 VNNI: `activations`, the layers' resolved --block-activations): every row on the
-    block kernels, no copy, the file's size in memory; prompt-fp16 (auto elsewhere): prompt rows through fbgemm on a
-    float16 copy, float32 activations. Generated rows go through the block kernel in all three, at any batch size. A
-    row's result then depends only on the row (fbgemm's, like the AMX kernel's, does not depend on the other rows of
-    its call). On VNNI the int16 kernels multiply a 512-row prompt 1.2-1.4x faster than fbgemm's float16 GEMM (q4_1,
-    q8_0, q5_0, q4_k; q6_k 0.75x), so the copy (2 bytes a weight beside the file's ~0.6) bought no speed there
-    (docs/benchmarks.md, "Prompt rows on the stored blocks"); the AVX2 build's kernels are ~2x slower than fbgemm
-    at prompt sizes and keep it.
-    prompt-int8 (asked for): prompt rows through the same int16-layout blocks with 8-bit activations per block of 32
-    (x_hi alone: llama.cpp's q8 activations, half the integer products: 1.5-2.1x the int16 kernels' prompt speed on
-    VNNI), generated rows with 16-bit ones; no copy. Layers in the float32 kernels' layout run every row there.
-    fp16: the block kernel up to BLOCK_KERNEL_MAX_ROWS rows, the float16 copy above, for prompt and generated rows
-    alike: a row's result then depends on its batch's size, by the float16 rounding of the blocks' weights (on an AVX2
-    build a seeded request drew another first token in a batch of 16 than alone; logprobs moved by 3e-4). bf16: the bfloat16 copy through oneDNN above a few
-    rows, fast, but oneDNN's rounding and choice of kernel make greedy tokens depend on the batch a request ran in, so
-    it is asked for, not chosen (docs/benchmarks.md). bf16 on a CPU without AVX-512 BF16 runs, slowly."""
-    setting = setting or "auto"
-    if setting not in BATCHED_WEIGHTS:
-        raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
-    if setting == "auto":
-        if amx_kernel_loads():
-            setting = "prompt-bf16"
-        elif activations == "int16" and int16_vnni_kernel_runs():
-            setting = "none"
-        else:
-            setting = "prompt-fp16"
-    if setting == "prompt-bf16":
-        if not amx_kernel_loads():
-            raise ValueError("--batched-weights prompt-bf16 needs a CPU with AMX (amx_tile, amx_bf16, avx512_bf16)")
-        return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True)
-    if setting == "prompt-fp16":
-        return BatchedPath("fp16", BLOCK_KERNEL_MAX_ROWS, prompt_copies=True, prompt_weights="fp16")
-    if setting == "prompt-int8":
-        if not int16_kernel_loads():
-            raise ValueError("--batched-weights prompt-int8 needs the int16 block kernels (AVX2 with FMA and F16C, or "
-                             "AVX-512 VNNI)")
-        return BatchedPath("none", sys.maxsize, prompt_copies=True, prompt_weights="int8")
-    if setting == "none":  # every row on the block kernels: no copy of any weight, the file's size in memory
-        return BatchedPath("none", sys.maxsize)
-    if setting == "bf16" and torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_amx_tile_supported() and (
-        "amx" not in disabled_features()
-    ):
-        return BatchedPath("bf16", AMX_BLOCK_KERNEL_MAX_ROWS)
-    return BatchedPath(setting, BLOCK_KERNEL_MAX_ROWS)
-
-
-def block_activations(setting: str | None = "auto") -> str:
-    """How the q4_1 and q8_0 block kernels take their activations: float32 (kernels/quantized_linear.cpp) or int16,
-    16-bit integers per block of 32 inputs through exact integer dot products (kernels/int16_activations.cpp: with
-    AVX-512 VNNI 1.2-2.7x faster at 1-64 rows, next-token KL below 1e-5 from the float32 model). auto: int16 wherever
-    the int16 kernels run, the AVX2 build included: a row's result is then its own whatever its batch, where the float32
-    kernel sums a row in an order set by the batch's size (1-2, 3-8, 9+ rows; on the AVX2 build a seeded request drew
-    another token in a batch of 16 than alone). The price on AVX2 (benchmarks/int16_activations.py): 0.92x the float32
-    kernel's speed at 1 row, 0.65-0.8x at 16-64; `float32` stays there to be asked for."""
-    setting = setting or "auto"
-    if setting not in BLOCK_ACTIVATIONS:
-        raise ValueError(f"unknown block activations {setting!r}: use one of {', '.join(BLOCK_ACTIVATIONS)}")
-    if setting == "float32":
-        return setting
-    runs = int16_kernel_loads()
-    if setting == "int16" and not runs:
-        raise ValueError("--block-activations int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI, where the "
-                         "kernels build (LMSERVE_DISABLE_CPU_FEATURES=vnni turns the VNNI build's off)")
-    return "int16" if runs else "float32"
-
-
-def int16_kernel_loads() -> bool:
-    """Whether the int16-activation kernels (kernels/int16_activations.cpp, kernels/kquant_int16.cpp) were built here
-    (for AVX-512 VNNI or for AVX2) and can run: the VNNI build not turned off (LMSERVE_DISABLE_CPU_FEATURES=vnni, as
-    a CPU without VNNI would run before these kernels had an AVX2 build; the AVX2 build is LMSERVE_KERNEL_MARCH=haswell)."""
-    try:
-        ops = cpu_kernels()
-    except RuntimeError:
-        return False
-    if not hasattr(ops, "q4_1_int16_linear"):
-        return False
-    return not (ops.int16_uses_vnni() and "vnni" in disabled_features())
-
-
-def int16_vnni_kernel_runs() -> bool:
-    """Whether the int16-activation kernels run here in their AVX-512 VNNI build (not the AVX2 one)."""
-    return int16_kernel_loads() and cpu_kernels().int16_uses_vnni()
-
-
-def amx_kernel_loads() -> bool:
-    """Whether kernels/amx_linear.cpp runs here: built (the compiler saw AMX in -march=native) and the tile state
-    granted by the OS, and not turned off (LMSERVE_DISABLE_CPU_FEATURES=amx)."""
-    if "amx" in disabled_features():
-        return False
-    try:
-        ops = cpu_kernels()
-    except RuntimeError:
-        return False
-    return hasattr(ops, "amx_linear") and bool(ops.amx_available())
-
-
-def check_quantization(
-    method: str | None, device: torch.device, dtype: torch.dtype, stored_as: str | None = None
-) -> str:
-    """The method to apply; a method that cannot run raises. auto, on CPU with float32: the block format the model file
-    stores its linear layers in (`stored_as`, e.g. q4_1 for the default GGUF) when the kernels load, else fp16;
-    elsewhere none."""
-    method = method or "auto"
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"unknown quantization {method!r}: use one of {', '.join(QUANTIZATION_METHODS)}")
-    supported = device.type == "cpu" and dtype == torch.float32
-    if method == "auto":
-        if not supported:
-            return "none"
-        if stored_as in BLOCK_METHODS and block_kernels_load(stored_as, explicit=False):
-            return stored_as
-        if stored_as in KQUANT_METHODS:  # the caller found the kernel that runs it (kquant_formats.kernel_formats)
-            return stored_as
-        return "fp16"
-    if method != "none" and not supported:
-        raise ValueError(
-            f"--quantization {method} runs on CPU with float32 activations only (--device cpu --dtype float32)"
-        )
-    if method in BLOCK_METHODS:
-        block_kernels_load(method, explicit=True)
-    return method
-
-
-def block_kernels_load(method: str, explicit: bool) -> bool:
-    """Whether the C++ kernel for a block format loads (it needs a compiler and, being AVX2 code, an x86 CPU with
-    AVX2, FMA and F16C). An explicit request that cannot be met raises; auto logs and falls back to fp16."""
-    fallback = "the linear layers keep float16 weights"
-    if not cpu_kernels_load(explicit, fallback):
-        return False
-    if not hasattr(cpu_kernels(), f"{method}_linear"):
-        message = f"--quantization {method} needs a CPU with AVX2, FMA and F16C"
-        if explicit:
-            raise ValueError(message)
-        logger.warning("%s; %s", message, fallback)
-        return False
-    return True
-
-
-def fbgemm_row_tile() -> int:
-    """Rows that fbgemm's float16 GEMM computes alike in every call when it is given a multiple of them: its AVX2
-    kernels take 6 rows at a time and a remainder of 1 or 2 rows with another kernel, whose sums differ in their last
-    bits (a row's result then depends on the batch's size); its AVX-512 ones give each row the same bits at any size.
-    fbgemm picks by the CPU (avx512f, bw, dq and vl), not by how lmserve's kernels were built."""
-    return 1 if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags() else FBGEMM_AVX2_ROWS
-
-
-class Float16WeightLinear(nn.Module):
-    """y = x @ W.T + b with W stored in float16 and the arithmetic in float32, through fbgemm at every batch size: it
-    also beats a float32 GEMM of the weights widened per call at 256 and 1,024 rows (benchmarks/quantization.py).
-    The rows go in padded with zero rows to a multiple of fbgemm_row_tile(), so that each row's result is its own.
-    The bias is added after the product, in float32 as fbgemm adds a packed one (the same bits), so that the weights
-    can be packed before the bias is known (float16_layers.PendingFloat16Linear)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
-        self.bias = None if bias is None else bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
-        self.row_tile = fbgemm_row_tile()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        padding = -rows.shape[0] % self.row_tile
-        if not padding:
-            y = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
-        else:
-            padded = torch.cat([rows, rows.new_zeros(padding, self.in_features)])
-            y = torch.ops.quantized.linear_dynamic_fp16(padded, self.packed)[: rows.shape[0]]
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y.add_(self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"
-
-
-class Bfloat16WeightLinear(nn.Module):
-    """y = x @ W.T + b with W and x rounded to bfloat16, products summed in float32 by oneDNN (AMX tiles or AVX-512
-    BF16 where the CPU has them) and the sum rounded to bfloat16 (torch's bfloat16 linear), the bias added in float32:
-    for batches where arithmetic, not the weights' bytes, bounds the layer. Against the 4-bit weights it serves, the
-    rounding is small (perplexity and KL in docs/benchmarks.md)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
-        self.bias = None if bias is None else bias.detach().float()
-        self.weight = weight.detach().to(torch.bfloat16).contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
-        return y if self.bias is None else y.add_(self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights"
-
-
-class AmxBfloat16Linear(nn.Module):
-    """y = bfloat16(x) @ W.T + b with W in bfloat16, products summed in float32 on AMX tiles and float32 out
-    (kernels/amx_linear.cpp): each row's result is the same whatever other rows share the call."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        ops = cpu_kernels()
-        self.packed = ops.amx_pack_weight(weight.detach())
-        self.linear_op = ops.amx_linear
-
-    @staticmethod
-    def fits(out_features: int, in_features: int) -> bool:
-        return out_features % 32 == 0 and in_features % 32 == 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_op(x, self.packed, self.out_features, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 weights on AMX tiles"
-
-
-BATCHED_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": Bfloat16WeightLinear}
-PROMPT_LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "bf16": AmxBfloat16Linear}
-
-
-# llama.cpp's block formats as a GGUF file stores them, per 32 weights of a row: block_q4_1 is float16 d, float16 m,
-# then 16 bytes whose byte j holds q[j] in its low nibble and q[j + 16] in its high one (w = d q + m); block_q8_0 is
-# float16 d, then 32 int8 q (w = d q).
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-_SCALE_BYTES = {"q4_1": 4, "q8_0": 2}  # the float16 fields before the quants
-
-
-@dataclass(frozen=True)
-class StoredBlocks:
-    """A weight in one of the block formats, as its file stores it: `data` is uint8 [rows, in_features / 32, bytes per
-    block] in llama.cpp's layout (BLOCK_BYTES). The loader hands GGUF tensors over in this form so that a block layer
-    takes the file's own blocks, with no float copy of the weights on the way."""
-
-    method: str
-    data: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.data.shape[1] * block_width(self.method)
-
-    def with_data(self, data: torch.Tensor) -> StoredBlocks:
-        """The same format over other rows or blocks of it (a shard, a permutation)."""
-        return StoredBlocks(self.method, data)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weights, [rows, in_features]: lmserve.models' reader's values (a stored type without a fast
-        reader goes through the kernel format that holds it exactly, stored_formats)."""
-        method, data = self.method, self.data.numpy()
-        if method not in BLOCK_FORMATS and EXACT_INTO.get(method, ("",))[-1] in BLOCK_FORMATS:
-            kernel_format = EXACT_INTO[method][-1]
-            method, data = kernel_format, convert_blocks(self.method, data, kernel_format)
-        return torch.from_numpy(dequantize_gguf_blocks(method, data))
-
-
-def check_block_width(in_features: int) -> None:
-    if in_features % BLOCK_SIZE:
-        raise ValueError(
-            f"block quantization needs in_features that are a multiple of {BLOCK_SIZE}; a layer has {in_features}"
-        )
-
-
-def _blocks(weight: torch.Tensor) -> torch.Tensor:
-    out_features, in_features = weight.shape
-    check_block_width(in_features)
-    return weight.detach().float().reshape(out_features, in_features // BLOCK_SIZE, BLOCK_SIZE)
-
-
-def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-
-
-def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
-    """[N, blocks] float16 as [N, blocks, 2] bytes."""
-    return values.unsqueeze(-1).contiguous().view(torch.uint8)
-
-
-def quantize_blocks(method: str, weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float weights as rows of `method`'s blocks, uint8 [N, K / 32, bytes] (StoredBlocks.data), rounded as
-    llama.cpp rounds. q4_1: d = (max - min) / 15 and m = min, both float16, q = round((w - m) / d) in 0..15; q8_0:
-    d = max |w| / 127 in float16, q = round(w / d). Rounding uses the float16 d and m, so weights that came out of
-    blocks give back the same blocks."""
-    blocks = _blocks(weight)
-    if method == "q4_1":
-        low, high = blocks.amin(-1), blocks.amax(-1)
-        scale, minimum = ((high - low) / 15).half(), low.half()
-        q = ((blocks - minimum.float()[..., None]) * _reciprocal(scale.float())[..., None]).round().clamp(0, 15)
-        q = q.to(torch.uint8)
-        nibbles = q[..., :16] | (q[..., 16:] << 4)
-        return torch.cat([_fp16_bytes(scale), _fp16_bytes(minimum), nibbles], dim=-1)
-    if method == "q8_0":
-        scale = (blocks.abs().amax(-1) / 127).half()
-        q = (blocks * _reciprocal(scale.float())[..., None]).round().clamp(-128, 127).to(torch.int8)
-        return torch.cat([_fp16_bytes(scale), q.view(torch.uint8)], dim=-1)
-    raise ValueError(f"unknown block format {method!r}")
-
-
-def as_blocks(method: str, weight: torch.Tensor | StoredBlocks) -> torch.Tensor:
-    """`weight` as rows of `method`'s blocks: a file's blocks of that format as they are, or converted into it where
-    that keeps every value (stored_formats: q5_0 and q4_0 into q8_0, q4_0 into q4_1); anything else rounded."""
-    if isinstance(weight, StoredBlocks):
-        if weight.method == method:
-            return weight.data
-        if method in EXACT_INTO.get(weight.method, ()):
-            return torch.from_numpy(convert_blocks(weight.method, weight.data.numpy(), method))
-        weight = weight.dequantize()
-    return quantize_blocks(method, weight)
-
-
-PANEL_ROWS = 8  # output rows whose blocks the kernels read together (kernels/quantized_linear.cpp)
-
-
-def pack_blocks(method: str, blocks: torch.Tensor) -> torch.Tensor:
-    """Rows of `method`'s blocks ([N, K / 32, bytes], llama.cpp's layout) in the kernels' layout: panels of 8 rows,
-    each panel's blocks one after another; per block the 8 rows' d's, (q4_1) the 8 m's, then the quants column by
-    column, one byte per row (q4_1: 16 columns of nibble pairs, q8_0: 32 of int8). A pure rearrangement of bytes,
-    returned as [N rounded up to whole panels, bytes per row]; the padding rows are zero.
-
-    In NumPy, one thread: torch's copies of these small strided pieces run on every compute thread, and at start-up,
-    on a busy 2-core machine, waiting for each other cost ~25x as much (4 s instead of 0.2 for the default model)."""
-    rows, num_blocks, block_bytes = blocks.shape
-    if block_bytes != BLOCK_BYTES[method]:
-        raise ValueError(f"{method} blocks have {BLOCK_BYTES[method]} bytes, got {block_bytes}")
-    panels = -(-rows // PANEL_ROWS)
-    source = blocks.numpy()
-    if panels * PANEL_ROWS != rows:
-        source = np.concatenate([source, np.zeros((panels * PANEL_ROWS - rows, num_blocks, block_bytes), np.uint8)])
-    by_block = source.reshape(panels, PANEL_ROWS, num_blocks, block_bytes).transpose(0, 2, 1, 3)  # panel, block, row
-    packed = np.empty((panels, num_blocks, PANEL_ROWS * block_bytes), np.uint8)
-    head = _SCALE_BYTES[method]
-    for i in range(0, head, 2):  # each float16 field: the 8 rows' values one after another
-        packed[:, :, i * PANEL_ROWS : (i + 2) * PANEL_ROWS].reshape(panels, num_blocks, PANEL_ROWS, 2)[...] = (
-            by_block[..., i : i + 2]
-        )
-    quants = packed[:, :, head * PANEL_ROWS :].reshape(panels, num_blocks, block_bytes - head, PANEL_ROWS)
-    quants[...] = by_block[..., head:].transpose(0, 1, 3, 2)  # column by column, one byte per row
-    return torch.from_numpy(packed.reshape(panels * PANEL_ROWS, -1))
-
-
-def unpack_blocks(method: str, packed: torch.Tensor, rows: int) -> torch.Tensor:
-    """pack_blocks undone: the first `rows` rows of llama.cpp's blocks, uint8 [rows, K / 32, bytes]."""
-    block_bytes = BLOCK_BYTES[method]
-    panels = packed.shape[0] // PANEL_ROWS
-    num_blocks = packed.shape[1] // block_bytes
-    source = packed.numpy().reshape(panels, num_blocks, PANEL_ROWS * block_bytes)
-    by_block = np.empty((panels, num_blocks, PANEL_ROWS, block_bytes), np.uint8)
-    head = _SCALE_BYTES[method]
-    for i in range(0, head, 2):
-        by_block[..., i : i + 2] = source[:, :, i * PANEL_ROWS : (i + 2) * PANEL_ROWS].reshape(
-            panels, num_blocks, PANEL_ROWS, 2
-        )
-    quants = source[:, :, head * PANEL_ROWS :].reshape(panels, num_blocks, block_bytes - head, PANEL_ROWS)
-    by_block[..., head:] = quants.transpose(0, 1, 3, 2)
-    blocks = by_block.transpose(0, 2, 1, 3).reshape(panels * PANEL_ROWS, num_blocks, block_bytes)
-    return torch.from_numpy(np.ascontiguousarray(blocks[:rows]))
-
-
-def pack_q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weights as block_q4_1 values (quantize_blocks) in the kernels' panels (pack_blocks): 20 bytes per 32
-    weights, N padded to a multiple of 8."""
-    return pack_blocks("q4_1", quantize_blocks("q4_1", weight))
-
-
-def pack_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] weights as block_q8_0 values (quantize_blocks) in the kernels' panels (pack_blocks): 34 bytes per 32
-    weights, N padded to a multiple of 8."""
-    return pack_blocks("q8_0", quantize_blocks("q8_0", weight))
 
 
 class BlockQuantizedLinear(nn.Module):

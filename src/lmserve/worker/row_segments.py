@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.quantization import PendingBlockLinear, PendingLayer, StoredBlocks
+from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.quantization import PendingBlockLinear, PendingLayer
 
 
 class PendingSegmentsLinear(PendingLayer):

@@ -31,13 +31,13 @@ from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MOD
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
+from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.quantization import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
     PendingBlockLinear,
     PendingLayer,
-    StoredBlocks,
     finish_block_linears,
     layer_fits,
     pend_block_linears,
