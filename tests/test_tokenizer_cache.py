@@ -1,17 +1,21 @@
-"""A GGUF's tokenizer is converted by transformers once (seconds: its GGUF reader imports torch) and kept under
-lmserve's cache; later loads read the cached files and give the same tokenizer."""
+"""A GGUF's tokenizer is converted once (seconds for a large vocabulary) and kept under lmserve's cache; later loads
+read the cached files and give the same tokenizer. The conversion is transformers' own, fed by lmserve's header
+reader: the same tokenizer as `from_pretrained(gguf_file=...)` builds, without importing torch."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import transformers
 
-from lmserve.model_tokenizer import _saved_tokenizer, load_tokenizer
+from lmserve import model_tokenizer
+from lmserve.model_tokenizer import _converted_from_gguf, _saved_tokenizer, load_tokenizer
 from lmserve.models import ModelSource
 
 TEXTS = [
@@ -63,7 +67,12 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
         calls.append(kwargs.get("gguf_file"))
         return original(cls, *args, **kwargs)
 
+    def convert(path: Path):
+        calls.append(path.name)
+        return _converted_from_gguf(path)
+
     monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", classmethod(from_pretrained))
+    monkeypatch.setattr(model_tokenizer, "_converted_from_gguf", convert)
     cached = load_tokenizer(default_source)
     assert calls == []  # read from the cache's folder by the constructor, not converted from the GGUF again
     assert_same_tokenizer(cached, converted)
@@ -107,3 +116,37 @@ def test_a_cached_gemma_tokenizer_reads_back_as_from_pretrained_builds_it(
     assert cached.chat_template and "<start_of_turn>" in cached.chat_template
     assert_same_tokenizer(cached, converted)
     assert_same_tokenizer(_saved_tokenizer(entry), transformers.PreTrainedTokenizerFast.from_pretrained(entry))
+
+
+@pytest.mark.parametrize("fixture", ["default_source", "tiny_gemma3_chat_gguf"])  # a BPE and a SentencePiece vocabulary
+def test_the_conversion_builds_what_transformers_gguf_path_builds(request: pytest.FixtureRequest, fixture: str) -> None:
+    source = request.getfixturevalue(fixture)
+    path = source.path if isinstance(source, ModelSource) else source
+    expected = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name,
+                                                                    local_files_only=True)
+    assert_same_tokenizer(_converted_from_gguf(path), expected)
+
+
+def test_a_first_start_converts_without_importing_torch(default_source: ModelSource, tmp_path: Path) -> None:
+    """The API process converts the vocabulary on a model's first start: transformers' GGUF reader would import torch
+    there (~1.2 s and ~200 MiB, for the server's lifetime)."""
+    code = ("import sys; from lmserve.model_tokenizer import load_tokenizer; from lmserve.models import resolve_model; "
+            "t = load_tokenizer(resolve_model()); print(len(t), 'torch' in sys.modules)")
+    env = {**os.environ, "LMSERVE_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(len(load_tokenizer(default_source))), "False"]
+    assert (next((tmp_path / "tokenizers").iterdir()) / "tokenizer.json").is_file()  # converted here, not read
+
+
+def test_a_transformers_without_the_pieces_converts_through_from_pretrained(
+    default_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+
+    def missing(path: Path):
+        raise ImportError("no gguf_tokenizer_mapping in this transformers")
+
+    monkeypatch.setattr(model_tokenizer, "_converted_from_gguf", missing)
+    expected = transformers.PreTrainedTokenizerFast.from_pretrained(
+        default_source.path.parent, gguf_file=default_source.path.name, local_files_only=True)
+    assert_same_tokenizer(load_tokenizer(default_source), expected)

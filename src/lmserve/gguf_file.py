@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import mmap
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,44 @@ def _gguf_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
                 _, pos = _gguf_value(blob, pos, item_type)
         return count, pos
     raise ValueError(f"unknown GGUF metadata value type {value_type}")
+
+
+def read_gguf_arrays(path: Path, keys: Collection[str]) -> dict[str, list]:
+    """The named metadata arrays in full (a vocabulary's tokens, scores and types, its merges), which
+    read_gguf_header gives as their lengths: only a tokenizer's conversion reads them. Strings decoded strictly, as
+    transformers' reader decodes them."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        unpack = struct.unpack_from
+        magic, version, _, n_kv = unpack("<4sIQQ", data, 0)
+        if magic != GGUF_MAGIC or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file")
+        pos, found = 24, {}
+        for _ in range(n_kv):
+            if len(found) == len(keys):
+                break
+            (length,) = unpack("<Q", data, pos)
+            key = data[pos + 8 : pos + 8 + length].decode()
+            (value_type,) = unpack("<I", data, pos + 8 + length)
+            pos += 12 + length
+            if key not in keys or value_type != _GGUF_ARRAY:
+                _, pos = _gguf_value(data, pos, value_type)
+                continue
+            item_type, count = unpack("<IQ", data, pos)
+            pos += 12
+            if item_type in _GGUF_SCALARS:
+                fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
+                found[key] = list(unpack(fmt, data, pos))
+                pos += struct.calcsize(fmt)
+            elif item_type == _GGUF_STRING:
+                values = []
+                for _ in range(count):
+                    (length,) = unpack("<Q", data, pos)
+                    values.append(data[pos + 8 : pos + 8 + length].decode())
+                    pos += 8 + length
+                found[key] = values
+            else:
+                raise ValueError(f"{path}: {key} is an array of GGUF type {item_type}")
+        return found
 
 
 def gguf_stored_bits(path: Path) -> float:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
 from lmserve.config import cache_directory
-from lmserve.gguf_file import read_gguf_header
+from lmserve.gguf_file import read_gguf_arrays, read_gguf_header
 from lmserve.heap import release_freed_heap
 from lmserve.models import ModelSource
 
@@ -93,8 +93,8 @@ def _saved_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
 
 
 def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
-    """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges, through its GGUF reader
-    (which imports torch): ~3 s of the default model's start-up. What it builds is kept under lmserve's cache
+    """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges (_converted_from_gguf):
+    seconds for a large vocabulary (Gemma 3's 262,144 tokens: ~2.5 s). What it builds is kept under lmserve's cache
     (tokenizer.json and its config, save_pretrained's files), one folder per file (path, size, modification time)
     and transformers and tokenizers version, and later starts load that (~0.3 s)."""
     import tokenizers
@@ -109,11 +109,15 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
         except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
             logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
-    # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
-    # gguf.GGUFReader, which costs seconds and is not needed here.
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True
-    )
+    try:
+        tokenizer = _converted_from_gguf(path)
+    except (ImportError, AttributeError, KeyError, TypeError) as exc:  # a transformers without those pieces
+        logger.info("converting the tokenizer of %s through transformers' GGUF reader: %s", path.name, exc)
+        # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
+        # gguf.GGUFReader, which costs seconds and is not needed here.
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
     if tokenizer.chat_template is None:  # older transformers drop it
         tokenizer.chat_template = read_gguf_header(path).metadata.get("tokenizer.chat_template")
     staging = None
@@ -126,4 +130,39 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
         logger.info("tokenizer of %s not cached: %s", path, exc)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
+
+
+# The metadata arrays transformers' GGUF tokenizer mapping reads; lmserve's header reader leaves them as lengths.
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.merges", "tokenizer.ggml.precompiled_charsmap")
+
+
+def _converted_from_gguf(path: Path) -> transformers.PreTrainedTokenizerFast:
+    """What `PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)` builds, step for step as transformers'
+    get_gguf_tokenizer and convert_gguf_tokenizer do it (tested equal), with two costs left out of a first start:
+    the file's metadata comes from lmserve's reader (transformers' imports torch: ~1.2 s and ~200 MiB in the API
+    process, and decodes every array), and the built tokenizer goes into the wrapper as transformers' own GGUF path
+    puts it, uncopied (`tokenizer_object=` would deep-copy it: ~1 s for Gemma's vocabulary)."""
+    import transformers
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    metadata = {**read_gguf_header(path).metadata, **read_gguf_arrays(path, _TOKENIZER_ARRAYS)}
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    tokenizer_type = tokenizer_dict.get("tokenizer_type")
+    if tokenizer_type == "llama":
+        config.setdefault("add_bos_token", True)
+    elif tokenizer_type == "gemma4":
+        config["add_bos_token"] = False
+    for name, key in mapping._SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = mapping.convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    tokenizer = transformers.PreTrainedTokenizerFast.__new__(transformers.PreTrainedTokenizerFast)
+    tokenizer._tokenizer = backend  # as __init__ keeps the backend that a gguf_file= call converts
+    tokenizer.__init__(name_or_path=str(path.parent), **config, **extra)
     return tokenizer

@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -116,6 +117,16 @@ def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: S
     for t in threads:
         t.join(300)
     assert len(results) == 16
+    # Which of the 16 requests each engine step served (their recorded timelines): decodes batched together, not
+    # merely fewer steps than one at a time (which batches of two would also give).
+    def burst() -> list[dict] | None:
+        data = httpx.get(f"{server.base_url}/dashboard/api/requests", params={"limit": 16}, timeout=10).json()["data"]
+        return data if len(data) == 16 and all(t["num_output_tokens"] == 24 for t in data) else None
+
+    timelines = wait_until(burst, timeout=30)
+    assert timelines, "the 16 requests were not recorded"
+    served = Counter(span[0] for t in timelines for span in t["steps"] if not span[4])  # decode steps' indices
+    assert max(served.values()) >= 12, served
     for i, (text, usage) in results.items():
         assert text
         one = client.completions.create(model="smollm2-135m-instruct", prompt=f"Story number {i}: once upon a time",
