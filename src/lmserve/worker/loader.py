@@ -9,6 +9,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -29,15 +30,19 @@ logger = logging.getLogger(__name__)
 def load_weights(
     source: ModelSource, dtype: torch.dtype | None, blocks: Collection[str] = (),
     wanted: Callable[[str], bool] | None = None,
+    part: Callable[[str, tuple[int, ...]], TensorPart | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     """Every weight as (Hugging Face name, tensor in `dtype`; None: in the dtype the checkpoint stores it, for
     targets that convert as they copy). `blocks`: block formats (worker/quantization.py's names, q4_1, q8_0) whose
     GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block layers take those bytes as
     they are (LlamaForCausalLM.load_weights). `wanted` (a Hugging Face name -> bool, a pipeline stage's
-    LlamaForCausalLM.wants): the others are skipped before they are read or converted."""
+    LlamaForCausalLM.wants): the others are skipped before they are read or converted. `part` (a Hugging Face name and
+    the tensor's shape -> the rows or columns this rank keeps, LlamaForCausalLM.checkpoint_part): a safetensors
+    tensor is read and converted only there (a tensor-parallel rank reads its share, not every rank everything);
+    a GGUF's are memory-mapped, so a rank's cut of them reads only its pages anyway."""
     config = load_model_config(source)  # rejects unsupported architectures before any weight is read
     start, count, nbytes = time.perf_counter(), 0, 0
-    weights = (_hf_weights(source.path, wanted) if source.kind == "hf"
+    weights = (_hf_weights(source.path, wanted, part) if source.kind == "hf"
                else _gguf_weights(source.path, config, blocks, wanted))
     # Gemma's RMSNorm scales by (1 + weight): the model's norm scales by its weight, so the 1 is added here, in
     # float32 as transformers adds it. llama.cpp's converter stored it added already.
@@ -89,7 +94,19 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _hf_weights(directory: Path, wanted: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class TensorPart:
+    """The slice [start, stop) of a tensor's dimension `dim` (0: rows, 1: columns) that this rank keeps."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+def _hf_weights(
+    directory: Path, wanted: Callable[[str], bool] | None,
+    part: Callable[[str, tuple[int, ...]], TensorPart | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open  # HF directories only
 
     for file in _safetensors_files(directory):
@@ -99,7 +116,13 @@ def _hf_weights(directory: Path, wanted: Callable[[str], bool] | None) -> Iterat
                 # Old checkpoints saved this buffer; it is derived from the config.
                 if name.endswith("rotary_emb.inv_freq") or (wanted is not None and not wanted(name)):
                     continue
-                yield name, f.get_tensor(name)
+                cut = part(name, tuple(f.get_slice(name).get_shape())) if part is not None else None
+                if cut is None:
+                    yield name, f.get_tensor(name)
+                elif cut.dim == 0:
+                    yield name, f.get_slice(name)[cut.start : cut.stop]
+                else:
+                    yield name, f.get_slice(name)[:, cut.start : cut.stop]
 
 
 GGMLType = gguf.GGMLQuantizationType

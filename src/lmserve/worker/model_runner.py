@@ -157,7 +157,8 @@ class ModelRunner:
         model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method,
                             per_layer, formats, activations, float16_layers, embedding_dtype)
         model.load_weights(load_weights(source, None if float16_layers else self.dtype,
-                                        blocks=STORED_BLOCK_TYPES if block_method else (), wanted=model.wants))
+                                        blocks=STORED_BLOCK_TYPES if block_method else (), wanted=model.wants,
+                                        part=model.checkpoint_part))
         self.prompt_copies = False
         self.block_activations = "float32"
         if self.quantization in LAYER_METHODS:

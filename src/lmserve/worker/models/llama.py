@@ -33,6 +33,7 @@ from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
+from lmserve.worker.loader import TensorPart
 from lmserve.worker.quantization import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
@@ -324,10 +325,15 @@ class SandwichDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x))[0], residual
 
 
-def vocab_rows(full: torch.Tensor, parallel: ParallelGroups) -> torch.Tensor:
-    """This tensor rank's rows of a [vocab, hidden] tensor, zero-padded so that every rank holds as many."""
-    per_rank = -(-full.shape[0] // parallel.tp_size)
-    rows = full[parallel.tp_rank * per_rank : (parallel.tp_rank + 1) * per_rank]
+def vocab_rows(full: torch.Tensor, parallel: ParallelGroups, vocab_size: int | None = None) -> torch.Tensor:
+    """This tensor rank's rows of a [vocab, hidden] tensor, zero-padded so that every rank holds as many. Given the
+    vocabulary's size, a tensor of at most one rank's rows is taken as this rank's already (the loader read only
+    those: LlamaForCausalLM.checkpoint_part)."""
+    per_rank = -(-(vocab_size or full.shape[0]) // parallel.tp_size)
+    if vocab_size is not None and full.shape[0] <= per_rank < vocab_size:
+        rows = full
+    else:
+        rows = full[parallel.tp_rank * per_rank : (parallel.tp_rank + 1) * per_rank]
     if rows.shape[0] < per_rank:
         rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], *rows.shape[1:])])
     return rows
@@ -623,8 +629,9 @@ class LlamaForCausalLM(nn.Module):
             if fused is not None:
                 parts[-2] = fused[0]
                 target = ".".join(parts)
-                shard = _rows(tensor, lambda t: t.chunk(tp, dim=0)[tp_rank])
                 offset, size = self._shard_rows(fused[0], fused[1])
+                # The loader may have read this rank's rows only (checkpoint_part): then the tensor is its share.
+                shard = tensor if _num_rows(tensor) == size else _rows(tensor, lambda t: t.chunk(tp, dim=0)[tp_rank])
                 if shard.shape[0] != size:
                     raise ValueError(f"{hf_name!r} has {shard.shape[0]} rows for this rank, expected {size}")
                 if target in pending:
@@ -636,8 +643,9 @@ class LlamaForCausalLM(nn.Module):
                 if target not in params and target not in pending:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 if name in self._VOCAB_PARALLEL:
-                    tensor = _rows(tensor, lambda t: vocab_rows(t, self.parallel))
-                elif len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight":
+                    tensor = _rows(tensor, lambda t: vocab_rows(t, self.parallel, self.vocab_size))
+                elif (len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight"
+                      and tensor.shape[1] != self._rank_columns(parts)):  # not already this rank's columns
                     tensor = _column_shard(tensor, tp, tp_rank)
                 if target in pending:
                     pending[target].load_rows(0, tensor)
@@ -653,6 +661,32 @@ class LlamaForCausalLM(nn.Module):
         finish_block_linears(self)
         if self.tie_word_embeddings and isinstance(self.embed_tokens, BlockEmbedding) and self.lm_head is not None:
             self.embed_tokens.share_rows_of(self.lm_head)  # the tied blocks held once, where the layouts allow
+
+    def checkpoint_part(self, hf_name: str, shape: tuple[int, ...]) -> TensorPart | None:
+        """The rows or columns of a checkpoint tensor that this tensor rank keeps (None: all of it, or not split here),
+        so that the loader reads and converts only those (worker/loader.py): q, k, v, gate and up by rows (weights
+        and biases), o_proj and down_proj by columns, the vocabulary by rows, as load_weights splits them."""
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        name = hf_name.removeprefix("model.")
+        parts = name.split(".")
+        if tp == 1 or not shape or self._is_other_ranks(name):
+            return None
+        if len(parts) >= 2 and parts[-2] in self._FUSED and shape[0] % tp == 0:
+            rows = shape[0] // tp
+            return TensorPart(0, rank * rows, (rank + 1) * rows)
+        if name in self._VOCAB_PARALLEL and shape[0] == self.vocab_size:
+            per_rank = -(-self.vocab_size // tp)
+            return TensorPart(0, min(rank * per_rank, shape[0]), min((rank + 1) * per_rank, shape[0]))
+        if (len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight" and len(shape) == 2
+                and shape[1] == self._rank_columns(parts) * tp):
+            columns = shape[1] // tp
+            return TensorPart(1, rank * columns, (rank + 1) * columns)
+        return None
+
+    def _rank_columns(self, parts: list[str]) -> int:
+        """This rank's input columns of a row-parallel weight (["layers", index, ..., "o_proj" | "down_proj", ...])."""
+        layer = self.layers[int(parts[1])]
+        return layer.self_attn.q_size if parts[-2] == "o_proj" else layer.mlp.intermediate
 
     def _shard_rows(self, fused_name: str, shard: int, layer: nn.Module | None = None) -> tuple[int, int]:
         """Where this tensor rank's rows of q, k, v, gate or up go in the fused matrix: (first row, rows)."""
@@ -679,6 +713,10 @@ def _column_shard(tensor: torch.Tensor | StoredBlocks, tp: int, tp_rank: int) ->
             return tensor.with_data(tensor.data.chunk(tp, dim=1)[tp_rank])
         tensor = tensor.dequantize()
     return tensor.chunk(tp, dim=1)[tp_rank]
+
+
+def _num_rows(tensor: torch.Tensor | StoredBlocks) -> int:
+    return (tensor.data if isinstance(tensor, StoredBlocks) else tensor).shape[0]
 
 
 def _floats(tensor: torch.Tensor | StoredBlocks) -> torch.Tensor:
