@@ -48,3 +48,38 @@ def test_tensor_parallel_server_serves_and_a_dead_rank_fails_it_cleanly(tmp_path
         assert wait_for(lambda: not any(alive(pid) for pid in ranks + engines), timeout=5), "a process outlived it"
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_rank_killed_mid_step_ends_the_stream_and_the_server(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Issue 37: a rank that dies while the others wait for it in a collective (every decode step all-reduces): the
+    stream ends with an error rather than hanging, the server fails as an engine death does, and the rank left
+    waiting in the collective goes with it."""
+    server = start_server(tmp_path, str(tiny_llama_dir), "-tp", "2", "--dtype", "float32", "--quantization", "none",
+                          "--kv-cache-memory", "16MiB", "--max-model-len", "2048", timeout=180)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        engines, ranks = children(server.process.pid), rank_pids(server.process.pid)
+        assert len(ranks) == 2, ranks
+        stream = client.completions.create(model=str(tiny_llama_dir), prompt="Once upon a time", max_tokens=2000,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        received, finish, error = 0, None, None
+        killed = None
+        try:
+            for chunk in stream:
+                received += 1
+                finish = chunk.choices[0].finish_reason if chunk.choices else finish
+                if received == 20:  # decoding: both ranks step and all-reduce in lockstep
+                    killed = time.monotonic()
+                    os.kill(ranks[1], signal.SIGKILL)
+        except (openai.APIError, httpx.HTTPError) as exc:
+            error = exc
+        assert killed is not None and finish != "length", (received, finish)  # it did not run to its end
+        assert time.monotonic() - killed < 15, "the stream hung after the rank died"
+        assert error is not None or received < 2000
+        assert server.process.wait(timeout=15) == 1
+        # The reason names the rank that died, not only what the survivor saw in its all-reduce.
+        reason = next(line for line in server.log().splitlines() if "exiting because the engine died" in line)
+        assert re.search(rf"rank 1 \(pid {ranks[1]}\) exited with code -9", reason), reason
+        assert wait_for(lambda: not any(alive(pid) for pid in ranks + engines), timeout=5), "a process outlived it"
+    finally:
+        server.stop(signal.SIGKILL)

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often a wait for ranks checks that they are all alive
 SHUTDOWN_S = 5.0
+DEATH_SEEN_S = 1.0  # how long a rank's failure waits to see whether another rank's exit caused it
 
 
 def free_local_port() -> int:
@@ -128,7 +129,23 @@ class MultiprocExecutor(Executor):
             elif kind == "stats":
                 self._stats[rank] = payload
             elif kind == "failed":
-                raise RankFailedError(f"rank {rank} failed: {payload}")
+                # A rank's error inside a collective is most often another rank's death (gloo: "Connection reset by
+                # peer"): name the rank that died first, then what the survivor saw.
+                cause = self._another_rank_exited(rank)
+                failed = f"rank {rank} failed: {payload}"
+                raise RankFailedError(f"{cause}; then {failed}" if cause else failed)
+
+    def _another_rank_exited(self, failed_rank: int, wait_s: float = DEATH_SEEN_S) -> str | None:
+        """How another rank than `failed_rank` exited, if one did (waiting up to wait_s for the exit to be seen)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll() if rank != failed_rank else None
+                if code is not None:
+                    return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self.procs):
