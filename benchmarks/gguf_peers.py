@@ -10,6 +10,8 @@ to /health answering 200 ("ready"), read the resident memory of its processes th
 Prompts are the same token ids for both (the file's own tokenizer, seed 0). llama-server runs as the issue ran it:
 `-t 2` (this machine's cores), continuous batching, 8 slots of 1,024 positions, `--no-repack` unless LLAMA_REPACK=1. lmserve runs with its defaults and
 --max-model-len 4096 (plus --lmserve-args). Medians over rounds; the ratio is lmserve over llama.cpp.
+--first-start: before each lmserve start, the file's converted tokenizer is removed from lmserve's cache, so that
+every start is a first start of that file (the kernels stay built, as after any earlier run of lmserve).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -99,7 +102,17 @@ def bench(model: str, port: int, workload: list[str]) -> dict:
         return result
 
 
-def run_once(server: str, model: str, lmserve_args: list[str]) -> dict:
+def forget_tokenizer(model: str) -> None:
+    """A first start of this file: its tokenizer converted again (lmserve.model_tokenizer's cache entries)."""
+    from lmserve.config import cache_directory
+
+    for entry in (cache_directory() / "tokenizers").glob(f"{Path(model).stem[:60]}-*"):
+        shutil.rmtree(entry)
+
+
+def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool = False) -> dict:
+    if server == "lmserve" and first_start:
+        forget_tokenizer(model)
     port = free_port()
     started = time.perf_counter()
     proc = start(server, model, port, lmserve_args)
@@ -126,12 +139,13 @@ def main() -> None:
     parser.add_argument("--servers", default="lmserve,llama")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--lmserve-args", default="")
+    parser.add_argument("--first-start", action="store_true", help="convert the file's tokenizer on every start")
     args = parser.parse_args()
     servers = args.servers.split(",")
     results: dict[str, list[dict]] = {s: [] for s in servers}
     for _ in range(args.rounds):
         for server in servers:
-            results[server].append(run_once(server, args.model, args.lmserve_args.split()))
+            results[server].append(run_once(server, args.model, args.lmserve_args.split(), args.first_start))
             print(server, json.dumps(results[server][-1]), flush=True)
     keys = ("ready_s", "rss_mib", "rss_after_mib", "tpot_ms", "tok_s_8")
     medians = {s: {k: statistics.median(r[k] for r in results[s]) for k in keys} for s in servers}
