@@ -30,7 +30,7 @@ from timing import start_lmserve
 from lmserve import LLM, SamplingParams
 from lmserve.config import DEFAULT_MODEL
 from lmserve.plan.comm import comm_per_token
-from lmserve.plan.memory import Layout, load_spec
+from lmserve.plan.model_spec import Layout, load_spec
 
 LAYOUTS = {"tp1": {}, "tp3": {"tensor_parallel_size": 3}, "pp2": {"pipeline_parallel_size": 2},
            "pp3": {"pipeline_parallel_size": 3}}

@@ -6,7 +6,7 @@ import json
 
 from lmserve.cli import main
 from lmserve.plan.comm import comm_per_token
-from lmserve.plan.memory import Layout, load_spec
+from lmserve.plan.model_spec import Layout, load_spec
 
 
 def test_tp3_pp2_of_smollm2_in_float32_by_hand():

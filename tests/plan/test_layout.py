@@ -10,7 +10,8 @@ from lmserve.config import make_engine_config
 from lmserve.models import DEFAULT_MODEL, load_hf_config, read_config_dict, resolve_model
 from lmserve.plan import fit
 from lmserve.plan.layout import check_layout, engine_model_spec
-from lmserve.plan.memory import GiB, ModelSpec
+from lmserve.plan.memory import GiB
+from lmserve.plan.model_spec import ModelSpec
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

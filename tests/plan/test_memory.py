@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from lmserve.cli import main
-from lmserve.plan import memory
-from lmserve.plan.memory import GiB, Layout, PlanSettings, load_spec, make_plan, stage_params
+from lmserve.plan import memory, model_spec
+from lmserve.plan.memory import GiB, PlanSettings, make_plan
+from lmserve.plan.model_spec import Layout, load_spec, stage_params
 
 
 def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
@@ -139,8 +140,8 @@ def test_engine_sizes_its_kv_cache_with_the_planner_formula(kv_cache_dtype: str)
 
 
 def test_configs_ship_as_package_data():
-    for file in memory.SHIPPED_CONFIGS.values():
-        assert (memory.CONFIG_DIR / file).is_file()
+    for file in model_spec.SHIPPED_CONFIGS.values():
+        assert (model_spec.CONFIG_DIR / file).is_file()
     pyproject = Path(__file__).parents[2] / "pyproject.toml"
     assert '"plan/configs/*.json"' in pyproject.read_text()
 

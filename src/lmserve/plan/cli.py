@@ -55,13 +55,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from lmserve.plan.memory import (
         DEFAULT_OVERHEAD_GIB,
         GiB,
-        Layout,
         PlanSettings,
         compare_layouts,
-        load_spec,
         make_plan,
         render_plan,
     )
+    from lmserve.plan.model_spec import Layout, load_spec
     from lmserve.plan.serve_command import recommended_plan, serve_command
 
     spec = load_spec(args.model if args.model or args.config else DEFAULT_MODEL, args.config)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmserve.kv_sizing import blocks_needed
-from lmserve.plan.memory import Layout, ModelSpec, bytes_of_dtype, layers_in_stage
+from lmserve.plan.model_spec import Layout, ModelSpec, bytes_of_dtype, layers_in_stage
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,13 @@ from pathlib import Path
 
 from lmserve.config import EngineConfig, MiB, parse_memory
 from lmserve.kv_sizing import kv_bytes_per_block
-from lmserve.plan.memory import (
-    GiB,
+from lmserve.plan.memory import GiB, PlanSettings, activation_bytes, gib, logits_bytes, machine_memory
+from lmserve.plan.model_spec import (
     Layout,
     ModelSpec,
-    PlanSettings,
-    activation_bytes,
     bytes_of_dtype,
-    gib,
     kv_heads_per_rank,
     layers_in_stage,
-    logits_bytes,
-    machine_memory,
     stage_params,
 )
 
@@ -84,7 +79,7 @@ def compute_dtype(config: EngineConfig) -> str:
 
 
 def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
-    """The planner's per-rank bytes for the configuration: weights / (tp × pp) (plan.memory.stage_params), the KV
+    """The planner's per-rank bytes for the configuration: weights / (tp × pp) (plan.model_spec.stage_params), the KV
     budget each rank allocates, the planner's activation and logits model, and CPU_RANK_OVERHEAD."""
     layout, dtype = engine_layout(config), compute_dtype(config)
     nbytes = bytes_of_dtype(dtype)

@@ -2,7 +2,7 @@
 
 Reads the model's config only (a GGUF header or config.json, no torch, no weights), so that a layout the engine
 cannot run fails in about a second with its reason, instead of after every rank has imported torch and loaded its
-weights. The rule is the planner's (plan.memory.check_layout) and so are the bytes (plan.fit): `lmserve plan` never
+weights. The rule is the planner's (plan.model_spec.check_layout) and so are the bytes (plan.fit): `lmserve plan` never
 recommends what `lmserve serve` refuses.
 """
 
@@ -12,9 +12,10 @@ import logging
 
 from lmserve.config import EngineConfig, ModelConfig
 from lmserve.models import read_config_dict, resolve_model
-from lmserve.plan import memory
+from lmserve.plan import model_spec
 from lmserve.plan.fit import check_fits, engine_layout
-from lmserve.plan.memory import ModelSpec, gib
+from lmserve.plan.memory import gib
+from lmserve.plan.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def check_layout(config: EngineConfig) -> None:
     -tp × -pp × -dp ranks (weights, per-rank KV cache, activations, runtime) must fit the memory available."""
     spec = engine_model_spec(config.model)
     layout = engine_layout(config)
-    memory.check_layout(spec, layout)
+    model_spec.check_layout(spec, layout)
     need = check_fits(spec, config)
     if need is not None:
         logger.info("layout -tp %d -pp %d -dp %d of %s: %s over %d rank(s), largest rank %s",

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from lmserve.config import MiB, SchedulerConfig
 from lmserve.kv_sizing import blocks_needed
-from lmserve.plan.memory import CONFIG_DIR, SHIPPED_CONFIGS, LayoutOption, Plan
+from lmserve.plan.memory import LayoutOption, Plan
+from lmserve.plan.model_spec import CONFIG_DIR, SHIPPED_CONFIGS
 
 # The engine's --kv-cache-dtype choices (config.CacheConfig); a bfloat16 KV cache is the engine's 'auto' for it.
 ENGINE_KV_DTYPES = ("float32", "float16")

@@ -1,0 +1,228 @@
+"""What the planner knows of a model and of a split of it: the config's sizes (no weights read), from a local model, a
+config file or one of the shipped configs (plan/configs/), so that planning works offline and without torch; the
+splits the engine runs (check_layout, which `lmserve serve` uses too) and what one rank of a layout holds."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from lmserve.config import (
+    GEMMA_MODEL_TYPES,
+    QK_NORM_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    default_layer_types,
+)
+from lmserve.kv_groups import KVCacheGroups, kv_cache_groups
+from lmserve.kv_sizing import blocks_needed
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CONFIG_DIR = Path(__file__).parent / "configs"
+# Shipped configs so that planning works offline for models not on disk. The default engine model
+# (smollm2-135m-instruct) has the same architecture as SmolLM2-135M.
+SHIPPED_CONFIGS = {
+    "llama-3-8b": "llama-3-8b.json",
+    "llama-3-70b": "llama-3-70b.json",
+    "qwen2.5-7b": "qwen2.5-7b.json",
+    "mistral-7b": "mistral-7b.json",
+    "smollm2-135m": "smollm2-135m.json",
+    "smollm2-135m-instruct": "smollm2-135m.json",
+}
+
+
+# ---------------------------------------------------------------------------------------------- KV sizing
+
+
+def bytes_of_dtype(name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+# ------------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The sizes of a Llama-family decoder that memory depends on."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    qk_norm: bool = False  # Qwen3 and Gemma 3 normalize each head's q and k (one RMSNorm weight of head_dim each)
+    norms_per_layer: int = 2  # Gemma's sandwich: four
+    # Each layer's attention ("full_attention" / "sliding_attention") and the window: a sliding layer's KV holds
+    # its window, not the whole context (lmserve.kv_groups, as the engine groups them).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def kv_groups(self, hybrid: bool = True) -> KVCacheGroups:
+        return kv_cache_groups(self.layer_types or ("full_attention",) * self.num_layers, self.sliding_window, hybrid)
+    # Bits a parameter as a GGUF stores its weights (a Q4_K_M file: ~5), which the engine keeps (worker/
+    # stored_formats.py); None for float checkpoints, whose weights take the plan's dtype.
+    stored_bits: float | None = None
+
+    def weight_bytes(self, params: int, dtype_bytes: int) -> int:
+        """What `params` of this model's parameters take in memory with weights of `dtype_bytes` (a file's stored
+        size where it has one)."""
+        return int(params * self.stored_bits / 8) if self.stored_bits else params * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, name: str, cfg: dict) -> ModelSpec:
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        missing = [key for key in required if not cfg.get(key)]
+        if missing:
+            raise ValueError(f"config of {name} lacks {', '.join(missing)}")
+        model_type = cfg.get("model_type", "<missing>")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r} in {name}: lmserve plans {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        heads = int(cfg["num_attention_heads"])
+        vocab = cfg["vocab_size"]
+        return cls(
+            name=name,
+            model_type=model_type,
+            vocab_size=int(vocab if isinstance(vocab, int) else len(vocab)),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # As the model code decides it (worker/models/llama.py): Qwen2 always has q/k/v biases.
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            norms_per_layer=4 if model_type in GEMMA_MODEL_TYPES else 2,
+            layer_types=tuple(cfg.get("layer_types") or default_layer_types(
+                model_type, int(cfg["num_hidden_layers"]), cfg.get("sliding_window"))),
+            sliding_window=cfg.get("sliding_window"),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        return sum(stage_params(self, Layout(), 0).values())
+
+
+def load_spec(model: str | None = None, config_file: str | None = None) -> ModelSpec:
+    """A shipped config by name, an HF directory or config.json, or a GGUF file / registered name (metadata only)."""
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"no such config file: {path}")
+        return ModelSpec.from_hf_dict(path.stem, _read_json(path))
+    if model is None:
+        raise ValueError("give --model NAME|PATH or --config FILE")
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSpec.from_hf_dict(path.name, _read_json(path / "config.json"))
+    if path.is_file() and path.suffix == ".json":
+        return ModelSpec.from_hf_dict(path.stem, _read_json(path))
+    # "meta-llama/Meta-Llama-3-8B" and "Llama-3-8B" both name the shipped llama-3-8b.
+    shipped = SHIPPED_CONFIGS.get(model.lower().rsplit("/", 1)[-1].removeprefix("meta-"))
+    if shipped is not None and not path.exists():
+        return ModelSpec.from_hf_dict(model, _read_json(CONFIG_DIR / shipped))
+    # GGUF files and registered names: the engine's own reader of the header (imported late: it needs transformers).
+    from lmserve.models import REGISTERED_MODELS, read_config_dict, resolve_model
+
+    if path.exists() or model in REGISTERED_MODELS:
+        from lmserve.gguf_file import gguf_stored_bits
+
+        source = resolve_model(model)
+        spec = ModelSpec.from_hf_dict(model, read_config_dict(source))
+        return replace(spec, stored_bits=gguf_stored_bits(source.path)) if source.kind == "gguf" else spec
+    names = sorted({*SHIPPED_CONFIGS, *REGISTERED_MODELS})
+    raise ValueError(
+        f"unknown model {model!r}: not a shipped config ({', '.join(names)}), and no such path "
+        "(an HF directory, a config.json or a .gguf file)"
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.replicas
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}×PP{self.pp}×{self.replicas} replica{'s' if self.replicas > 1 else ''}"
+
+
+def check_layout(spec: ModelSpec, layout: Layout) -> None:
+    """The splits lmserve's engine runs, so that the planner never recommends one `lmserve serve` refuses (it checks
+    with this same function, plan/layout.py): TP divides the attention heads, the KV heads (each rank caches whole
+    heads of its own, none replicated) and the MLP's intermediate size; PP gives every stage at least one layer."""
+    tp, pp = layout.tp, layout.pp
+    if min(tp, pp, layout.replicas) < 1:
+        raise ValueError(f"-tp, -pp and -dp must be >= 1, got {tp}, {pp} and {layout.replicas}")
+    sizes = {"attention heads": spec.num_heads, "KV heads": spec.num_kv_heads,
+             "MLP intermediate size": spec.intermediate_size}
+    undivided = [f"{n} {what}" if what.endswith("heads") else f"{what} {n}" for what, n in sizes.items() if n % tp]
+    if undivided:
+        common = math.gcd(*sizes.values())
+        fitting = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+        raise ValueError(f"-tp {tp} does not divide the {' / '.join(undivided)} of {spec.name}; "
+                         f"sizes that do: {fitting}")
+    if pp > spec.num_layers:
+        raise ValueError(f"-pp {pp} is more stages than the {spec.num_layers} layers of {spec.name}; "
+                         f"at most {spec.num_layers}")
+
+
+def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
+    # check_layout admits only a TP that divides the KV heads (lmserve replicates none, unlike vLLM).
+    return max(1, spec.num_kv_heads // tp)
+
+
+def layers_in_stage(num_layers: int, pp: int, stage: int) -> int:
+    return num_layers // pp + (1 if stage < num_layers % pp else 0)
+
+
+def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> dict[str, int]:
+    """Parameters held by one tensor-parallel rank of a pipeline stage, by part."""
+    tp, h = layout.tp, spec.hidden_size
+    q = spec.q_size // tp
+    kv = kv_heads_per_rank(spec, tp) * spec.head_dim
+    inter = blocks_needed(spec.intermediate_size, tp)
+    attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0)
+    qk_norms = 2 * spec.head_dim if spec.qk_norm else 0  # replicated on every rank, as the other norms
+    per_layer = attention + 3 * h * inter + spec.norms_per_layer * h + qk_norms  # q/k/v/o, gate/up/down, norms
+    embedding = blocks_needed(spec.vocab_size, tp) * h  # vocabulary-parallel under TP
+    first, last = stage == 0, stage == layout.pp - 1
+    # Tied embeddings under PP: the last stage keeps its own copy of the embedding to serve as the head.
+    head = embedding if last and (not spec.tie_word_embeddings or not first) else 0
+    return {
+        "embedding": embedding if first else 0,
+        "layers": layers_in_stage(spec.num_layers, layout.pp, stage) * per_layer,
+        "final_norm_and_head": (h + head) if last else 0,
+    }
