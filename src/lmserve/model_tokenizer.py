@@ -111,7 +111,8 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
             shutil.rmtree(cached, ignore_errors=True)
     try:
         tokenizer = _converted_from_gguf(path)
-    except (ImportError, AttributeError, KeyError, TypeError) as exc:  # a transformers without those pieces
+    # A transformers without those pieces, or a vocabulary lmserve's reader does not take: transformers' own path.
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError) as exc:
         logger.info("converting the tokenizer of %s through transformers' GGUF reader: %s", path.name, exc)
         # PreTrainedTokenizerFast rather than AutoTokenizer: the latter also rebuilds the model config through
         # gguf.GGUFReader, which costs seconds and is not needed here.

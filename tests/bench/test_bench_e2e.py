@@ -89,7 +89,8 @@ def test_closed_loop_keeps_the_server_at_its_concurrency(server, tmp_path):
     out = tmp_path / "closed.json"
     try:
         status = cli.main(["--base-url", server.base_url, "--num-prompts", "6", "--max-concurrency", "2",
-                           "--random-input-len", "32", "--random-output-len", "10", "--ignore-eos",
+                           # 40 tokens a request: at 10 the run could end within five 50 ms polls on a fast machine
+                           "--random-input-len", "32", "--random-output-len", "40", "--ignore-eos",
                            "--tokenizer", "smollm2-135m-instruct", "--num-warmups", "1", "--disable-tqdm",
                            "--output", str(out)])
     finally:
@@ -98,7 +99,7 @@ def test_closed_loop_keeps_the_server_at_its_concurrency(server, tmp_path):
     assert status == 0
     result = json.loads(out.read_text())
     assert (result["completed"], result["num_warmups"], result["tokenizer"]) == (6, 1, "smollm2-135m-instruct")
-    assert all(s["output_len"] == 10 for s in result["samples"])  # ignore_eos: every request runs to max_tokens
+    assert all(s["output_len"] == 40 for s in result["samples"])  # ignore_eos: every request runs to max_tokens
     assert len(seen) > 5 and max(seen) == 2, seen  # the server saw 2 at a time, never more
 
 

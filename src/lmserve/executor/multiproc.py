@@ -1,9 +1,9 @@
 """Ranks as processes on this machine (`--distributed-executor-backend mp`).
 
 The engine process spawns one process per rank (lmserve.executor.rank_process) and talks to them over ZMQ on ipc
-sockets: each step's plan goes to every rank (pickled once, each
-request's lists as what changed since the last step: executor/step_messages.py), and the driver rank sends back its output; the ranks
-talk among themselves through torch.distributed (gloo on CPU, NCCL on CUDA). Outputs come back in the order the
+sockets: each step's plan goes to every rank (pickled once, each request's lists as what changed since the last
+step: executor/step_messages.py), and the driver rank sends back its output; the ranks talk among themselves
+through torch.distributed (gloo on CPU, NCCL on CUDA). Outputs come back in the order the
 steps were submitted, so several steps may be in flight (pipeline parallel).
 
 A rank that dies or raises fails the engine with the reason (RankFailedError); the ranks die with the engine
