@@ -90,10 +90,11 @@ def test_engine_exits_soon_after_the_api_process_is_killed_mid_step(tmp_path: Pa
 
 def test_max_queued_requests_answers_429_with_retry_after(tmp_path: Path, tiny_llama_dir: Path) -> None:
     # The running request must outlast the checks below: 480 tokens of the tiny model can end within a second,
-    # before the second request is even queued, on a loaded machine (the test then saw no waiting request).
+    # before the second request is even queued, on a loaded machine (the test then saw no waiting request); on a
+    # fast one 2,000 tokens could end before a poll saw the second waiting.
     server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-queued-requests", "1",
-                         "--max-model-len", "2048")
-    longer = {**LONG, "max_tokens": 2000}
+                         "--max-model-len", "8192")
+    longer = {**LONG, "max_tokens": 8000}
     try:
         running, queued = threading.Event(), threading.Event()
         stream_in_background(server, longer, running)  # takes the only running slot
