@@ -2,6 +2,7 @@
 
     benchmarks/setup_peers.sh llama                              # once: builds llama-server (outside the repo)
     .venv/bin/python benchmarks/gguf_peers.py MODEL.gguf [--servers lmserve,llama] [--rounds 2]
+    (servers: lmserve, lmserve-eager = lmserve --enforce-eager, llama)
 
 For each server, in turns (lmserve, llama.cpp, lmserve, ... for --rounds): start it on 127.0.0.1, time the command
 to /health answering 200 ("ready"), read the resident memory of its processes then, run the two workloads, stop it.
@@ -41,6 +42,9 @@ WORKLOADS = {
                      "--max-concurrency", "8"],
 }
 
+# lmserve as it runs by default, and with its decoder layers from Python (the layer program off) for an A/B in one run.
+LMSERVE_VARIANTS = {"lmserve": [], "lmserve-eager": ["--enforce-eager"]}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -63,9 +67,9 @@ def tree_rss_mib(pid: int) -> float:
 
 
 def start(server: str, model: str, port: int, lmserve_args: list[str]) -> subprocess.Popen:
-    if server == "lmserve":
+    if server.startswith("lmserve"):
         command = [str(VENV_BIN / "lmserve"), "serve", model, "--port", str(port), "--max-model-len", "4096",
-                   *lmserve_args]
+                   *lmserve_args, *LMSERVE_VARIANTS[server]]
     else:
         # --no-repack: on the AMX VM its repacking of weights for AVX-512 segfaults right after `llama threadpool
         # init` (docs/benchmarks.md, issue 22); elsewhere drop it with LLAMA_REPACK=1.
@@ -111,7 +115,7 @@ def forget_tokenizer(model: str) -> None:
 
 
 def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool = False) -> dict:
-    if server == "lmserve" and first_start:
+    if server.startswith("lmserve") and first_start:
         forget_tokenizer(model)
     port = free_port()
     started = time.perf_counter()
@@ -152,8 +156,10 @@ def main() -> None:
     print(f"\n{'':<14}" + "".join(f"{k:>15}" for k in keys))
     for server in servers:
         print(f"{server:<14}" + "".join(f"{medians[server][k]:>15.2f}" for k in keys))
-    if "lmserve" in medians and "llama" in medians:
-        print(f"{'lmserve/llama':<14}" + "".join(f"{medians['lmserve'][k] / medians['llama'][k]:>15.2f}" for k in keys))
+    for first, second in (("lmserve", "llama"), ("lmserve-eager", "llama"), ("lmserve", "lmserve-eager")):
+        if first in medians and second in medians:
+            print(f"{first + '/' + second:<14}"
+                  + "".join(f"{medians[first][k] / medians[second][k]:>15.2f}" for k in keys))
 
 
 if __name__ == "__main__":

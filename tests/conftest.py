@@ -498,11 +498,31 @@ def k_quant_type_for(gguf_name: str) -> Q:
     return Q.Q6_K  # the (tied) embedding, as llama.cpp's Q4_K_M stores the output layer
 
 
+def q4_k_m_type_for(gguf_name: str) -> Q:
+    """Every layer as llama.cpp's Q4_K_M stores its first ones (Q4_K, and Q6_K for V and down)."""
+    parts = gguf_name.split(".")
+    return K_QUANT_LAYER_TYPES[parts[2]][0] if parts[0] == "blk" else Q.Q6_K
+
+
 @pytest.fixture(scope="session")
 def tiny_kquant(
     tmp_path_factory: pytest.TempPathFactory, default_tokenizer
 ) -> tuple[Path, dict[str, tuple[np.ndarray, Q]]]:
     """An HF directory whose weights are exactly those of random K-quant blocks, and the blocks by GGUF name."""
+    return _k_quant_model(tmp_path_factory, default_tokenizer, k_quant_type_for, "tiny-kquant")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """A GGUF whose every layer is as a Q4_K_M file's first layer (q and k Q4_K with v Q6_K: one fused layer in two
+    formats), its vocabulary given by the HF directory beside it (returned as the file's parent)."""
+    directory, blocks = _k_quant_model(tmp_path_factory, default_tokenizer, q4_k_m_type_for, "tiny-q4-k-m")
+    return write_gguf(directory, directory / "tiny-q4-k-m.gguf", blocks=blocks)
+
+
+def _k_quant_model(
+    tmp_path_factory: pytest.TempPathFactory, default_tokenizer, type_for: Callable[[str], Q], name: str
+) -> tuple[Path, dict[str, tuple[np.ndarray, Q]]]:
     config = transformers.LlamaConfig(
         **TINY_K_SIZES, **_token_ids(default_tokenizer), rope_theta=10000.0, tie_word_embeddings=True
     )
@@ -514,11 +534,11 @@ def tiny_kquant(
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.1)
                 continue
-            name = _gguf_name(hf_name)
-            qtype = k_quant_type_for(name)
-            blocks[name] = (random_k_quant(*param.shape, qtype, rng), qtype)
-            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks[name][0], qtype)))
-    directory = tmp_path_factory.mktemp("tiny-kquant")
+            gguf_name = _gguf_name(hf_name)
+            qtype = type_for(gguf_name)
+            blocks[gguf_name] = (random_k_quant(*param.shape, qtype, rng), qtype)
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks[gguf_name][0], qtype)))
+    directory = tmp_path_factory.mktemp(name)
     model.save_pretrained(directory)
     default_tokenizer.save_pretrained(directory)
     return directory, blocks

@@ -33,10 +33,11 @@ from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_acti
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_transfer import KVBlockFiles
+from lmserve.worker.layer_program import ProgramRefused
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.models.llama import NUMPY_BLAS
+from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
@@ -239,6 +240,8 @@ class ModelRunner:
             self.max_model_len, tokens / self.max_model_len,
         )
         self.kv_bytes_per_block = per_block
+        self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
+        logger.info("decoder layers: %s", self.layer_program)
         self.kv_files = self._kv_files(cache_config, source, model_config)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -252,6 +255,16 @@ class ModelRunner:
             draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
             draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
             self.drafter = DraftModel(spec.model, draft_runner, placement, self)
+
+    def _use_layer_program(self, model: LlamaForCausalLM) -> str:
+        """How the decoder layers run: one C++ program where the model's layers are what it runs, else from Python."""
+        if self.attention_backend != "paged-cpu":
+            return f"from Python (the program runs paged-cpu attention, not {self.attention_backend})"
+        try:
+            model.use_layer_program(self.kv_caches)
+        except ProgramRefused as refused:
+            return f"from Python (no layer program: {refused})"
+        return "one C++ program for batches of block-kernel rows (--enforce-eager: from Python)"
 
     def _kv_files(self, cache_config: CacheConfig, source: ModelSource, model_config: ModelConfig) -> KVBlockFiles | None:
         """Prefill/decode disaggregation's block files (worker/kv_transfer.py), keyed to this model as it runs."""

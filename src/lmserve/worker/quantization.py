@@ -23,6 +23,7 @@ but ruins the default model (perplexity 195; its MLP inputs carry outliers ~1,00
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from lmserve.worker.kernel_choice import (
     batched_path,
 )
 from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.layer_program import KernelCall, LinearPlan
 from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
 from lmserve.worker.stored_formats import (
     STORED_BLOCK_BYTES,
@@ -185,6 +187,13 @@ class BlockQuantizedLinear(nn.Module):
             return self.linear_op(x, self.blocks, self.out_features, self.bias)
         # The same path for a large batch whether or not the background thread got here first: same numbers.
         return self.prepare_batched()(x)
+
+    def program_plan(self) -> LinearPlan:
+        """What forward() is for the batches it sends to the block kernel alone (worker/layer_program.py)."""
+        call = KernelCall(self.linear_op._qualified_op_name, self.blocks, self.out_features, self.bias)
+        if self.prompt_copies:  # generated rows take the kernel at any batch size; prompt rows go elsewhere
+            return LinearPlan([call], sys.maxsize, prompt_rows_apart=True)
+        return LinearPlan([call], self.batched_path.block_kernel_max_rows, prompt_rows_apart=False)
 
     def _split(self, x: torch.Tensor, rows: PromptRows) -> torch.Tensor:
         if rows.generated is None:

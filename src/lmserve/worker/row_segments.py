@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.layer_program import LinearPlan
 from lmserve.worker.quantization import PendingBlockLinear, PendingLayer
 
 
@@ -63,6 +64,14 @@ class RowSegmentsLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([segment(x) for segment in self.segments], dim=-1)
+
+    def program_plan(self) -> LinearPlan | None:
+        """The segments' kernel calls, for the batches every segment sends to its block kernel alone."""
+        plans = [getattr(segment, "program_plan", lambda: None)() for segment in self.segments]
+        if any(plan is None for plan in plans):
+            return None
+        return LinearPlan([call for plan in plans for call in plan.calls], min(plan.max_rows for plan in plans),
+                          any(plan.prompt_rows_apart for plan in plans))
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([segment.dequantized() for segment in self.segments])

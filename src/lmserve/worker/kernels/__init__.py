@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 SOURCES = (
     "paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp",
-    "amx_linear.cpp", "int16_activations.cpp", "kquant_int16.cpp",
+    "amx_linear.cpp", "int16_activations.cpp", "kquant_int16.cpp", "layer_program.cpp",
 )
 HEADERS = ("paged_attention.h", "int16_activations.h", "int16_simd.h")  # included by SOURCES: part of what a build is made of
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the

@@ -33,6 +33,7 @@ from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
+from lmserve.worker.layer_program import LayerProgram, ProgramRefused, add_linear, new_program
 from lmserve.worker.loader import TensorPart
 from lmserve.worker.quantization import (
     LAYER_TYPES,
@@ -421,6 +422,7 @@ class LlamaForCausalLM(nn.Module):
         )
         last = layout.is_last_stage
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        self.program: LayerProgram | None = None  # use_layer_program
         rows_per_rank = -(-config.vocab_size // parallel.tp_size)
         self.lm_head = (
             Linear(config.hidden_size, rows_per_rank, bias=False) if last and not self.tie_word_embeddings else None
@@ -447,6 +449,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = intermediate
         rope = {kind: rotary.tables(positions) for kind, rotary in self.rotary.items()}
+        if self.program is not None and self.program.takes(x.shape[0], md):
+            x, residual = self.program.run(x, residual, list(rope.values()), md)
+            return self.norm(x, residual)[0]
         groups = getattr(md, "groups", None)  # per KV-cache group, where sliding layers have tables of their own
         for index, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             layer = self.layers[index]
@@ -466,6 +471,45 @@ class LlamaForCausalLM(nn.Module):
         if self.parallel.tp_size == 1:
             return logits
         return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
+
+    def use_layer_program(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run the decoder layers of the batches it takes as one C++ program (worker/layer_program.py) over these
+        KV caches; raises ProgramRefused, naming why, where this model's layers are not what the program runs."""
+        self.program = None
+        parallel = self.parallel
+        if parallel.tp_size != 1 or not (parallel.layout.is_first_stage and parallel.layout.is_last_stage):
+            raise ProgramRefused("tensor or pipeline parallel ranks")
+        layers = [self.layers[i] for i in self.stage_layers]
+        first = layers[0]
+        if first.input_layernorm.fused is None:
+            raise ProgramRefused("no fused ops (--fused-ops none, or not float32 on CPU)")
+        attn, mlp = first.self_attn, first.mlp
+        if mlp.activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ProgramRefused(f"activation {mlp.activation}")
+        sandwich = isinstance(first, SandwichDecoderLayer)
+        program = new_program(attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate,
+                              first.input_layernorm.eps, sandwich, mlp.activation == "gelu_pytorch_tanh")
+        kinds = list(self.rotary)
+        limits = []
+        for index, layer, (k_cache, v_cache) in zip(self.stage_layers, layers, kv_caches, strict=True):
+            attn = layer.self_attn
+            if not attn.full_rotary:
+                raise ProgramRefused("partial rotary embeddings")
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if sandwich:
+                norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+            program.add_layer([n.weight for n in norms], *qk_norms, kinds.index(attn.layer_type),
+                              self.kv_layer_groups[index], attn.attn.scale, attn.attn.window, attn.attn.softcap,
+                              k_cache, v_cache)
+            for slot, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
+                                 ("down", layer.mlp.down_proj)):
+                plan = getattr(linear, "program_plan", lambda: None)()
+                limits.append(add_linear(program, slot, plan, f"layer {index}'s {slot}"))
+        self.program = LayerProgram(
+            program, first.self_attn.num_kv_heads, max(self.kv_layer_groups) + 1,
+            max_rows=min(rows for rows, _ in limits), prompt_rows_apart=any(apart for _, apart in limits),
+        )
 
     def use_fused_ops(self, ops) -> None:
         """Run RMSNorm + residual, SiLU-and-multiply and RoPE through `ops` (torch.ops.lmserve: kernels/fused_ops.cpp)

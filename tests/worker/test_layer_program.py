@@ -1,0 +1,103 @@
+"""The decoder layers as one C++ program (worker/layer_program.py) give the same bits as the Python loop
+(`--enforce-eager`): greedy and seeded tokens and their logprobs, over mixed batches of decodes and prompt chunks,
+prefix hits and n > 1, for each kind of layer it runs (Llama, Qwen2's biases, Qwen3's q/k norms, Gemma 2's soft-caps
+and sandwich norms, Gemma 3's sliding layers in KV groups of their own, K-quant layers stored in several formats);
+it runs where it says it does, and says why where it does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+from lmserve.worker.kernel_choice import int16_kernel_loads
+from lmserve.worker.layer_program import LayerProgram
+
+OPTIONS = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 32, "max_num_seqs": 8}
+QUANTIZED = {**OPTIONS, "quantization": "q8_0"}
+
+
+def prompts() -> list[list[int]]:
+    shared = list(range(300, 340))  # a prefix the later requests find cached
+    return [shared + list(range(500 + 7 * i, 512 + 11 * i)) for i in range(4)] + [list(range(600, 611))]
+
+
+def params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=20, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, logprobs=2)]
+
+
+def run(model: str, monkeypatch: pytest.MonkeyPatch, enforce_eager: bool, **options) -> tuple[list, str, int]:
+    """Every completion's tokens and logprobs, how the runner said its layers run, and how many steps the program
+    ran."""
+    calls = []
+    original = LayerProgram.run
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerProgram, "run", counting)
+    with LLM(model, enforce_eager=enforce_eager, **options) as llm:
+        first = llm.generate(prompts()[:1], params()[:1])  # caches the shared prefix
+        outputs = first + llm.generate(prompts()[1:], params()[1:])
+        how = llm.engine.executor.runner.layer_program
+    completions = [(list(c.token_ids), repr(c.logprobs), c.cumulative_logprob) for o in outputs for c in o.outputs]
+    return completions, how, len(calls)
+
+
+MODELS = [
+    ("default_source", {**OPTIONS}),
+    ("tiny_llama_dir", QUANTIZED),
+    ("tiny_qwen2_dir", {**OPTIONS, "quantization": "q4_1"}),
+    ("tiny_qwen3_dir", QUANTIZED),
+    ("tiny_gemma2_dir", QUANTIZED),
+    ("tiny_gemma3_dir", QUANTIZED),
+    ("tiny_q4_k_m_gguf", OPTIONS),
+]
+
+
+@pytest.mark.parametrize(("fixture", "options"), MODELS, ids=[m[0] for m in MODELS])
+def test_program_gives_the_python_loops_bits(fixture: str, options: dict, request: pytest.FixtureRequest,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    model = request.getfixturevalue(fixture)
+    model = str(getattr(model, "path", model))
+    if fixture == "tiny_q4_k_m_gguf":  # its file holds no vocabulary: the directory beside it does
+        options = {**options, "tokenizer": str(Path(model).parent)}
+    program, how, steps = run(model, monkeypatch, False, **options)
+    eager, eager_how, eager_steps = run(model, monkeypatch, True, **options)
+    assert eager_how.startswith("off (--enforce-eager)") and eager_steps == 0
+    if fixture == "tiny_q4_k_m_gguf" and not int16_kernel_loads():  # K-quants run as float16 weights on this path
+        assert how.startswith("from Python") and "not a block-format layer" in how and steps == 0, how
+    else:
+        assert how.startswith("one C++ program"), how
+        assert steps > 20, "the program ran the prompt chunks and the decodes"
+    assert program == eager
+
+
+@pytest.mark.parametrize("batched", ["fp16", "prompt-fp16"])
+def test_batches_the_program_does_not_take_run_from_python(batched: str, default_source,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16: batches above the block kernel's rows take a float16 copy; prompt-fp16: prompt rows do. Those steps run
+    from Python, the others as the program, and the tokens are the Python loop's."""
+    options = {**OPTIONS, "batched_weights": batched}
+    program, _, steps = run(str(default_source.path), monkeypatch, False, **options)
+    eager, _, _ = run(str(default_source.path), monkeypatch, True, **options)
+    assert steps > 0
+    assert program == eager
+
+
+def test_program_says_why_it_does_not_run(tiny_phi3_dir: Path, tiny_llama_dir: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = [(tiny_phi3_dir, QUANTIZED, "partial rotary"),
+             (tiny_llama_dir, {**OPTIONS, "quantization": "none"}, "is not a block-format layer"),
+             (tiny_llama_dir, {**QUANTIZED, "fused_ops": "none"}, "no fused ops"),
+             (tiny_llama_dir, {**QUANTIZED, "attention_backend": "sdpa"}, "paged-cpu attention, not sdpa")]
+    for model, options, reason in cases:
+        _, how, steps = run(str(model), monkeypatch, False, **options)
+        assert how.startswith("from Python") and reason in how, how
+        assert steps == 0
