@@ -246,13 +246,14 @@ class RefusingModel(LookupModel):
 
 def test_a_request_whose_drafts_fail_stops_proposing() -> None:
     """Acceptance falls, the request pauses for 4, 8, ... 64 of its own tokens: over 400 tokens of a model that
-    refuses every draft, 3 steps before the first pause and one after each (12 in all) carry drafts; a model that
-    keeps them drafts on every step."""
+    refuses every draft, 3 steps before the first pause and one after each (12 in all) carry drafts, k times the
+    running acceptance of them (4, 2, 1, then one a trial); a model that keeps them drafts k on every step."""
     scheduler = make(ngram(k=4, low=1, high=1), max_model_len=1024, num_blocks=300)
     r = request([5, 6, 5, 6], max_tokens=400)
     run(scheduler, RefusingModel(cycle(2)), [r])
     stats = scheduler.speculator.stats
     assert stats.num_accepted_tokens == 0 and stats.num_drafts == 3 + 9, stats  # pauses: 4 8 16 32 64 64 64 64 64
+    assert stats.num_draft_tokens == 4 + 2 + 1 + 9, stats
     scheduler = make(ngram(k=4, low=1, high=1), max_model_len=1024, num_blocks=300)
     r = request([5, 6, 5, 6], max_tokens=400)
     steps = run(scheduler, LookupModel(cycle(2)), [r])

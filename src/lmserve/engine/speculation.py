@@ -7,10 +7,12 @@ one fixed guess (prompt lookup's), this is rejection sampling exactly: a draft i
 of that token, and on rejection the token drawn is distributed as the target with the draft's token taken out. So
 greedy output equals decoding without speculation, and a random request's output has its distribution unchanged.
 
-Speculation must never cost: each request keeps a running acceptance rate (half the weight on its last draft step),
-and when it falls below PAUSE_BELOW the request stops proposing for a number of its own tokens that doubles on each
-pause in a row (4, 8, ... 64), then tries again; one step after a pause that keeps fewer than a quarter of its drafts
-pauses it again, and a step that keeps half of them or more resets the pause to 4. Penalties and min_tokens see each
+Speculation must never cost: each request keeps a running acceptance rate (half the weight on its last draft step)
+and proposes k times that rate, rounded up, so that a failing request's steps verify one or two drafts, not k (a
+verified row is a row of compute). When the rate falls below PAUSE_BELOW the request stops proposing for a number of
+its own tokens that doubles on each pause in a row (4, 8, ... 64), then tries again with one draft; one step after a
+pause that keeps fewer than a quarter of its drafts pauses it again, and a step that keeps half of them or more
+resets the pause to 4. Penalties and min_tokens see each
 row's drafts before it as output (worker's ModelRunner._draft_rows). A constrained request's grammar vets its lookup
 drafts here (they are cut at the first token it refuses, and the matcher rolled back), and the runner samples each
 drafted row under the grammar advanced by the drafts before it (ModelRunner._sample_drafted_under_grammar); that
@@ -21,6 +23,7 @@ without drafts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lmserve.config import SpeculativeConfig
@@ -67,8 +70,10 @@ class Speculator:
         if room <= 0 or (request.grammar is not None and not self._grammar_drafts(request)):
             return []
         gate = self.gates.get(request.request_id)
-        if gate is not None and request.num_output_tokens < gate.paused_until:
-            return []
+        if gate is not None:
+            if request.num_output_tokens < gate.paused_until:
+                return []
+            room = min(room, max(1, math.ceil(self.config.num_speculative_tokens * gate.acceptance)))
         if self.config.model is not None:  # the draft model fills these positions in, in the worker
             return [PLACEHOLDER_TOKEN_ID] * min(room, self.config.num_speculative_tokens)
         drafts = self.proposer.propose(request, room)
