@@ -1,7 +1,8 @@
 """The decoder layers as one C++ program (worker/layer_program.py) give the same bits as the Python loop
 (`--enforce-eager`): greedy and seeded tokens and their logprobs, over mixed batches of decodes and prompt chunks,
 prefix hits and n > 1, for each kind of layer it runs (Llama, Qwen2's biases, Qwen3's q/k norms, Gemma 2's soft-caps
-and sandwich norms, Gemma 3's sliding layers in KV groups of their own, K-quant layers stored in several formats);
+and sandwich norms, Gemma 3's sliding layers in KV groups of their own, K-quant layers stored in several formats,
+fbgemm's float16 layers);
 it runs where it says it does, and says why where it does not."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmserve import LLM, SamplingParams
-from lmserve.worker.kernel_choice import int16_kernel_loads
+from lmserve.worker import batched_copies
 from lmserve.worker.layer_program import LayerProgram
 
 OPTIONS = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -58,24 +59,25 @@ MODELS = [
     ("tiny_gemma2_dir", QUANTIZED),
     ("tiny_gemma3_dir", QUANTIZED),
     ("tiny_q4_k_m_gguf", OPTIONS),
+    ("tiny_llama_dir", {**OPTIONS, "quantization": "fp16"}),  # every layer on fbgemm's float16 weights
+    ("mixed_gguf", OPTIONS),  # block formats, segments, and a float16 layer (down in Q6_K rows of 64)
 ]
 
 
-@pytest.mark.parametrize(("fixture", "options"), MODELS, ids=[m[0] for m in MODELS])
+@pytest.mark.parametrize(("fixture", "options"), MODELS, ids=[f"{m[0]}-{m[1].get('quantization', 'auto')}" for m in MODELS])
 def test_program_gives_the_python_loops_bits(fixture: str, options: dict, request: pytest.FixtureRequest,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     model = request.getfixturevalue(fixture)
     model = str(getattr(model, "path", model))
     if fixture == "tiny_q4_k_m_gguf":  # its file holds no vocabulary: the directory beside it does
         options = {**options, "tokenizer": str(Path(model).parent)}
+    if fixture == "mixed_gguf":
+        options = {**options, "tokenizer": str(request.getfixturevalue("tiny_kquant_dir"))}
     program, how, steps = run(model, monkeypatch, False, **options)
     eager, eager_how, eager_steps = run(model, monkeypatch, True, **options)
     assert eager_how.startswith("off (--enforce-eager)") and eager_steps == 0
-    if fixture == "tiny_q4_k_m_gguf" and not int16_kernel_loads():  # K-quants run as float16 weights on this path
-        assert how.startswith("from Python") and "not a block-format layer" in how and steps == 0, how
-    else:
-        assert how.startswith("one C++ program"), how
-        assert steps > 20, "the program ran the prompt chunks and the decodes"
+    assert how.startswith("one C++ program"), how
+    assert steps > 20, "the program ran the prompt chunks and the decodes"
     assert program == eager
 
 
@@ -91,10 +93,21 @@ def test_batches_the_program_does_not_take_run_from_python(batched: str, default
     assert program == eager
 
 
+def test_float16_rows_padded_to_fbgemms_row_tile(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AVX2 CPU fbgemm gets rows in multiples of its tile (Float16WeightLinear pads them with zero rows); the
+    program pads and cuts them as the layer does, whatever this machine's tile."""
+    monkeypatch.setattr(batched_copies, "fbgemm_row_tile", lambda: 4)
+    options = {**OPTIONS, "quantization": "fp16"}
+    program, how, steps = run(str(tiny_llama_dir), monkeypatch, False, **options)
+    eager, _, _ = run(str(tiny_llama_dir), monkeypatch, True, **options)
+    assert how.startswith("one C++ program") and steps > 20, how
+    assert program == eager
+
+
 def test_program_says_why_it_does_not_run(tiny_phi3_dir: Path, tiny_llama_dir: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     cases = [(tiny_phi3_dir, QUANTIZED, "partial rotary"),
-             (tiny_llama_dir, {**OPTIONS, "quantization": "none"}, "is not a block-format layer"),
+             (tiny_llama_dir, {**OPTIONS, "quantization": "none"}, "neither a block-format nor a float16 layer"),
              (tiny_llama_dir, {**QUANTIZED, "fused_ops": "none"}, "no fused ops"),
              (tiny_llama_dir, {**QUANTIZED, "attention_backend": "sdpa"}, "paged-cpu attention, not sdpa")]
     for model, options, reason in cases:

@@ -4,11 +4,14 @@ A block layer builds the one its BatchedPath names (worker/kernel_choice.py), fo
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from lmserve.worker.kernel_choice import fbgemm_row_tile
 from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.layer_program import Float16Call, LinearPlan
 
 
 class Float16WeightLinear(nn.Module):
@@ -36,6 +39,11 @@ class Float16WeightLinear(nn.Module):
             y = torch.ops.quantized.linear_dynamic_fp16(padded, self.packed)[: rows.shape[0]]
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y.add_(self.bias)
+
+    def program_plan(self) -> LinearPlan:
+        """What forward() is, for worker/layer_program.py: one fbgemm call at every batch size."""
+        call = Float16Call(self.packed, self.in_features, self.out_features, self.row_tile, self.bias)
+        return LinearPlan([call], sys.maxsize, prompt_rows_apart=False)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float16 weights"

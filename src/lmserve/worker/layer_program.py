@@ -3,8 +3,8 @@
 On a small model Python between the ops is a quarter of a decode step (Gemma 3 270M: ~2 ms of ~9). The program holds
 each layer's weights and settings once and calls the same kernels, in the same order, on the same tensors as the
 eager forward, so a batch gets the same bits either way; it only takes batches whose eager forward would be exactly
-those calls (every linear layer on its block kernel, paged-cpu attention). `--enforce-eager` keeps the Python loop,
-as vLLM's flag keeps it from CUDA graphs.
+those calls (every linear layer on its block kernel or on fbgemm's float16 weights, paged-cpu attention).
+`--enforce-eager` keeps the Python loop, as vLLM's flag keeps it from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -33,11 +33,22 @@ class KernelCall:
 
 
 @dataclass(frozen=True)
+class Float16Call:
+    """fbgemm's product on float16 weights (batched_copies.Float16WeightLinear): rows padded to row_tile."""
+
+    packed: Any  # torch.ops.quantized.linear_prepack_fp16's object
+    in_features: int
+    out_features: int
+    row_tile: int
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class LinearPlan:
     """What a linear layer does for the batches a program takes: its kernel calls, concatenated over their rows;
     up to max_rows rows (larger ones take another path), and when prompt_rows_apart, no prompt rows at all."""
 
-    calls: list[KernelCall]
+    calls: list[KernelCall | Float16Call]
     max_rows: int
     prompt_rows_apart: bool
 
@@ -80,7 +91,10 @@ def new_program(heads: int, kv_heads: int, head_dim: int, intermediate: int, eps
 
 def add_linear(program: Any, slot: str, plan: LinearPlan | None, name: str) -> tuple[int, bool]:
     if plan is None:
-        raise ProgramRefused(f"{name} is not a block-format layer")
+        raise ProgramRefused(f"{name} is neither a block-format nor a float16 layer")
     for call in plan.calls:
-        program.add_segment(slot, call.op_name, call.weight, call.out_features, call.bias)
+        if isinstance(call, Float16Call):
+            program.add_fp16_segment(slot, call.packed, call.in_features, call.out_features, call.row_tile, call.bias)
+        else:
+            program.add_segment(slot, call.op_name, call.weight, call.out_features, call.bias)
     return plan.max_rows, plan.prompt_rows_apart

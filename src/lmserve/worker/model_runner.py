@@ -264,7 +264,7 @@ class ModelRunner:
             model.use_layer_program(self.kv_caches)
         except ProgramRefused as refused:
             return f"from Python (no layer program: {refused})"
-        return "one C++ program for batches of block-kernel rows (--enforce-eager: from Python)"
+        return "one C++ program for the batches it takes (--enforce-eager: from Python)"
 
     def _kv_files(self, cache_config: CacheConfig, source: ModelSource, model_config: ModelConfig) -> KVBlockFiles | None:
         """Prefill/decode disaggregation's block files (worker/kv_transfer.py), keyed to this model as it runs."""

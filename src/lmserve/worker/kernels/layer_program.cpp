@@ -3,8 +3,8 @@
 // A decode step of a small model spends a quarter of its time in Python between ops (Gemma 3 270M: ~100 us a layer
 // around ~130 us of kernels). LayerProgram holds each layer's weights and settings once and runs the same ops, in the
 // same order, on the same tensors as the eager forward of worker/models/llama.py (DecoderLayer, SandwichDecoderLayer
-// with fused ops, paged-cpu attention, block-format linear layers). Each op is reached through the dispatcher, so
-// every kernel is the one the eager path calls and a row's result is the same bits either way
+// with fused ops, paged-cpu attention, linear layers on block formats or fbgemm's float16 weights). Each op is
+// reached through the dispatcher, so every kernel is the one the eager path calls and a row's result is the same bits either way
 // (tests/worker/test_layer_program.py). worker/layer_program.py decides when a batch may take it.
 
 #include <ATen/ATen.h>
@@ -32,12 +32,41 @@ c10::TypedOperatorHandle<Fn> op(const std::string& name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Fn>();
 }
 
-// One block layer's product; a layer stored in several formats is several, over consecutive output rows.
+// fbgemm's float16-weight product (batched_copies.Float16WeightLinear): its weights are a packed-params object, so
+// the call is boxed.
+at::Tensor fbgemm_fp16(const at::Tensor& x, const c10::IValue& packed) {
+  static const c10::OperatorHandle handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic_fp16", "");
+  torch::jit::Stack stack{x, packed};
+  handle.callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+// One product over some output rows: a block kernel's (a layer stored in several formats is several, over
+// consecutive rows), or fbgemm's on float16 weights.
 struct Segment {
-  c10::TypedOperatorHandle<LinearFn> op;
+  std::optional<c10::TypedOperatorHandle<LinearFn>> op;  // the block kernel; none for fbgemm
   at::Tensor weight;
-  int64_t out_features;
+  c10::IValue packed;  // fbgemm's weights
+  int64_t out_features = 0, in_features = 0, row_tile = 1;
   std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (op) return op->call(x, weight, out_features, bias);
+    // Float16WeightLinear.forward: rows padded with zero rows to a multiple of row_tile, the bias added after.
+    const at::Tensor rows = x.reshape({-1, in_features});
+    const int64_t padding = (row_tile - rows.size(0) % row_tile) % row_tile;
+    at::Tensor y;
+    if (padding == 0) {
+      y = fbgemm_fp16(x.contiguous(), packed);
+    } else {
+      const at::Tensor padded = at::cat({rows, at::zeros({padding, in_features}, rows.options())});
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = out_features;
+      y = fbgemm_fp16(padded, packed).slice(0, 0, rows.size(0)).reshape(shape);
+    }
+    return bias ? y.add_(*bias) : y;
+  }
 };
 
 struct Linear {
@@ -45,10 +74,10 @@ struct Linear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     TORCH_CHECK(!segments.empty(), "LayerProgram: a layer without its weights");
-    if (segments.size() == 1) return segments[0].op.call(x, segments[0].weight, segments[0].out_features, segments[0].bias);
+    if (segments.size() == 1) return segments[0](x);
     std::vector<at::Tensor> parts;
     parts.reserve(segments.size());
-    for (const Segment& s : segments) parts.push_back(s.op.call(x, s.weight, s.out_features, s.bias));
+    for (const Segment& s : segments) parts.push_back(s(x));
     return at::cat(parts, -1);
   }
 };
@@ -104,12 +133,34 @@ struct LayerProgram : torch::CustomClassHolder {
   // slot: qkv, o, gate_up or down of the last layer added; op: the block kernel's name (lmserve::q4_k_int16_linear).
   void add_segment(const std::string& slot, const std::string& op_name, at::Tensor weight, int64_t out_features,
                    std::optional<at::Tensor> bias) {
+    Segment segment;
+    segment.op = op<LinearFn>(op_name);
+    segment.weight = std::move(weight);
+    segment.out_features = out_features;
+    segment.bias = std::move(bias);
+    slot_of(slot).segments.push_back(std::move(segment));
+  }
+
+  // The same for fbgemm's float16 weights (`packed`: torch.ops.quantized.linear_prepack_fp16's object).
+  void add_fp16_segment(const std::string& slot, c10::IValue packed, int64_t in_features, int64_t out_features,
+                        int64_t row_tile, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(row_tile > 0, "LayerProgram: row_tile must be positive");
+    Segment segment;
+    segment.packed = std::move(packed);
+    segment.in_features = in_features;
+    segment.out_features = out_features;
+    segment.row_tile = row_tile;
+    segment.bias = std::move(bias);
+    slot_of(slot).segments.push_back(std::move(segment));
+  }
+
+  Linear& slot_of(const std::string& slot) {
     TORCH_CHECK(!layers.empty(), "LayerProgram: add_layer first");
     Layer& layer = layers.back();
     Linear* linear = slot == "qkv" ? &layer.qkv : slot == "o" ? &layer.o : slot == "gate_up" ? &layer.gate_up
                    : slot == "down" ? &layer.down : nullptr;
     TORCH_CHECK(linear != nullptr, "LayerProgram: unknown slot ", slot);
-    linear->segments.push_back(Segment{op<LinearFn>(op_name), std::move(weight), out_features, std::move(bias)});
+    return *linear;
   }
 
   // x: the embeddings [T, hidden] (residual absent) or a previous stage's output. cos/sin: per RoPE table; rows,
@@ -185,5 +236,6 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &LayerProgram::add_layer)
       .def("add_segment", &LayerProgram::add_segment)
+      .def("add_fp16_segment", &LayerProgram::add_fp16_segment)
       .def("run", &LayerProgram::run);
 }
