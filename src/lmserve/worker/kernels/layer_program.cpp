@@ -42,6 +42,17 @@ at::Tensor fbgemm_fp16(const at::Tensor& x, const c10::IValue& packed) {
   return stack[0].toTensor();
 }
 
+// worker/models/llama.py's apply_rotary: rotate-half RoPE in float32 over the first 2 * width dimensions of each head
+// (width: the tables' last size), the rest passed through (partial rotary, as Phi-4-mini's).
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t width = cos.size(-1);
+  if (2 * width < x.size(-1)) {
+    return at::cat({apply_rotary(x.slice(-1, 0, 2 * width), cos, sin), x.slice(-1, 2 * width)}, -1);
+  }
+  const std::vector<at::Tensor> halves = x.to(at::kFloat).chunk(2, -1);
+  return at::cat({halves[0] * cos - halves[1] * sin, halves[1] * cos + halves[0] * sin}, -1).to(x.scalar_type());
+}
+
 // One product over some output rows: a block kernel's (a layer stored in several formats is several, over
 // consecutive rows), or fbgemm's on float16 weights.
 struct Segment {
@@ -87,6 +98,7 @@ struct Layer {
   std::vector<at::Tensor> norms;  // input, post-attention; a sandwich layer's pre- and post-feedforward too
   std::optional<at::Tensor> q_norm, k_norm;
   int64_t rope = 0;   // which of run()'s cos/sin tables
+  bool full_rotary = true;  // RoPE over whole heads (the fused op); else apply_rotary
   int64_t group = 0;  // which KV-cache group's rows and tables
   double scale = 1.0;
   int64_t window = 0;
@@ -112,8 +124,8 @@ struct LayerProgram : torch::CustomClassHolder {
         sandwich(sandwich), gelu(gelu) {}
 
   void add_layer(std::vector<at::Tensor> norms, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                 int64_t rope, int64_t group, double scale, int64_t window, double softcap, at::Tensor k_cache,
-                 at::Tensor v_cache) {
+                 int64_t rope, bool full_rotary, int64_t group, double scale, int64_t window, double softcap,
+                 at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK(norms.size() == (sandwich ? 4u : 2u), "LayerProgram: ", sandwich ? 4 : 2, " norms a layer");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LayerProgram: q and k norms go together");
     Layer layer;
@@ -121,6 +133,7 @@ struct LayerProgram : torch::CustomClassHolder {
     layer.q_norm = std::move(q_norm);
     layer.k_norm = std::move(k_norm);
     layer.rope = rope;
+    layer.full_rotary = full_rotary;
     layer.group = group;
     layer.scale = scale;
     layer.window = window;
@@ -189,8 +202,15 @@ struct LayerProgram : torch::CustomClassHolder {
         rms_norm.call(q, q, *layer.q_norm, eps);
         rms_norm.call(k, k, *layer.k_norm, eps);
       }
-      rotary.call(qkv, cos[layer.rope], sin[layer.rope], qk_heads);
-      std::vector<at::Tensor> qkv_parts = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
+      std::vector<at::Tensor> qkv_parts;
+      if (layer.full_rotary) {
+        rotary.call(qkv, cos[layer.rope], sin[layer.rope], qk_heads);
+        qkv_parts = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
+      } else {
+        const std::vector<at::Tensor> qk_v = qkv.split_with_sizes({qk_heads, kv_heads}, 1);
+        qkv_parts = apply_rotary(qk_v[0], cos[layer.rope], sin[layer.rope]).split_with_sizes({heads, kv_heads}, 1);
+        qkv_parts.push_back(qk_v[1]);
+      }
       write_kv.call(layer.k_cache, layer.v_cache, qkv_parts[1], qkv_parts[2], rows[layer.group]);
       at::Tensor attended = at::empty_like(qkv_parts[0]);
       const at::Tensor& group_requests = requests[layer.group];

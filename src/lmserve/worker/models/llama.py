@@ -493,13 +493,11 @@ class LlamaForCausalLM(nn.Module):
         limits = []
         for index, layer, (k_cache, v_cache) in zip(self.stage_layers, layers, kv_caches, strict=True):
             attn = layer.self_attn
-            if not attn.full_rotary:
-                raise ProgramRefused("partial rotary embeddings")
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if sandwich:
                 norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-            program.add_layer([n.weight for n in norms], *qk_norms, kinds.index(attn.layer_type),
+            program.add_layer([n.weight for n in norms], *qk_norms, kinds.index(attn.layer_type), attn.full_rotary,
                               self.kv_layer_groups[index], attn.attn.scale, attn.attn.window, attn.attn.softcap,
                               k_cache, v_cache)
             for slot, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
