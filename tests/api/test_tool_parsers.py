@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from lmserve.api.tool_parsers import (
     TOOL_PARSERS,
-    CanonicalJson,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
@@ -19,6 +18,7 @@ from lmserve.api.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
+from lmserve.api.tool_parsers.common import CanonicalJson
 
 hermes = HermesToolParser()
 llama = Llama3JsonToolParser()

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmserve.api.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut
-from lmserve.api.tool_parsers import DeltaToolCall as ParsedDelta
-from lmserve.api.tool_parsers import ToolCall, ToolParser
+from lmserve.api.tool_parsers.common import DeltaToolCall as ParsedDelta
+from lmserve.api.tool_parsers.common import ToolCall, ToolParser
 from lmserve.api.tools import ConstrainedToolStream, NamedToolChoice, ToolChoice, tool_calls_from_constrained
 
 

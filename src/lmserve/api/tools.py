@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lmserve.api.request_error import RequestError
-from lmserve.api.tool_parsers import (
+from lmserve.api.tool_parsers.common import (
     CALL_HEAD_WITHIN,
     DeltaToolCall,
     ObjectScanner,
