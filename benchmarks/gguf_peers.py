@@ -34,7 +34,8 @@ import httpx
 
 VENV_BIN = Path(sys.executable).parent
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "lmserve-peers"))
-LLAMA_SERVER = PEERS_DIR / "llama.cpp" / "bin" / "llama-server"
+# LLAMA_SERVER=...: another build (benchmarks/setup_peers.sh llama-avx2: the AVX2 kind's peer of a forced AVX2 lmserve).
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", PEERS_DIR / "llama.cpp" / "bin" / "llama-server"))
 WORKLOADS = {
     "one stream": ["--random-input-len", "128", "--random-output-len", "64", "--num-prompts", "4",
                    "--max-concurrency", "1"],
