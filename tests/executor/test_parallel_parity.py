@@ -94,6 +94,21 @@ def test_tensor_parallel_under_ray_on_two_nodes(one_rank, tiny_llama_dir: Path, 
     assert tokens == one_rank[0]
 
 
+def test_a_ray_rank_that_dies_is_named_first(tiny_llama_dir: Path, two_node_ray_cluster) -> None:
+    """A killed actor fails the next step with its rank named as the cause, before its peer's error from the
+    collective it was left in."""
+    import ray
+
+    from lmserve.executor.base import RankFailedError
+
+    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, distributed_executor_backend="ray") as llm:
+        llm.generate(["warm"], SamplingParams(max_tokens=2))
+        ray.kill(llm.engine.executor.actors[1], no_restart=True)
+        with pytest.raises(RankFailedError) as failure:
+            llm.generate(["after the death"], SamplingParams(max_tokens=4))
+    assert str(failure.value).startswith("rank 1's actor died"), str(failure.value)
+
+
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}],
                          ids=["tp3", "pp2"])
 def test_default_model_splits_and_gives_one_ranks_greedy_tokens(layout: dict) -> None:

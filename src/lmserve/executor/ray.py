@@ -6,7 +6,7 @@ local Ray instance. A placement group reserves one bundle (one CPU, or one GPU o
 through torch.distributed at the address and a free port of rank 0's node, which rank 0's actor reports.
 
 Each step's plan goes to every actor as an actor call; the driver rank's result is the step's output. A failed or
-dead actor fails the engine (RankFailedError) with Ray's reason.
+dead actor fails the engine (RankFailedError) with Ray's reason, a rank whose actor died named first.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60
 POLL_S = 0.1
+DEATH_SEEN_S = 1.0  # how long a failed step waits for the other ranks' results, to name a dead rank first
 # How long a health check waits for every actor: a busy control store on a real cluster answers in seconds, not ms.
 HEALTH_TIMEOUT_S = float(os.environ.get("LMSERVE_RAY_HEALTH_TIMEOUT_S", "60"))
 # Environment that must reach the ranks on other machines (Ray starts actors with the node's, not the driver's).
@@ -103,8 +104,28 @@ class RayOutput(Future):
                     ray.get(ready)  # raises if that rank failed
                 self.set_result(ray.get(self._refs[self._driver]))
             except (ray.exceptions.RayError, ray.exceptions.RayActorError) as exc:
-                raise RankFailedError(f"a Ray rank failed: {exc}") from exc
+                raise RankFailedError(self._cause_first(exc)) from exc
         return super().result(timeout)
+
+    def _cause_first(self, first: Exception) -> str:
+        """Which ranks failed, a rank whose actor died first: its peers then fail in their collectives, and
+        whichever of them Ray reports first would otherwise hide the cause (as the multiproc executor orders them)."""
+        import ray
+
+        ray.wait(self._refs, num_returns=len(self._refs), timeout=DEATH_SEEN_S)  # let the others settle
+        died, failed = [], []
+        for rank, ref in enumerate(self._refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue  # still running (in a collective with the dead rank)
+            except ray.exceptions.RayActorError as exc:
+                died.append(f"rank {rank}'s actor died ({type(exc).__name__})")
+            except ray.exceptions.RayError as exc:
+                failed.append(f"rank {rank} failed: {str(exc).strip().splitlines()[-1][:500]}")
+        if not died and not failed:
+            return f"a Ray rank failed: {first}"
+        return "; then ".join(died + failed)
 
 
 class RayExecutor(Executor):
