@@ -44,3 +44,14 @@ def test_regex_lookaround_and_bad_grammars_are_refused() -> None:
         build_grammar("regex", "(?!a)b")
     with pytest.raises(GrammarError, match="grammar"):
         build_grammar("grammar", "root ::= ")
+
+
+@pytest.mark.parametrize("kind", ["json", "json_object"])
+def test_json_is_compact_unless_free_whitespace_is_asked_for(kind: str) -> None:
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    text = schema if kind == "json" else ""
+    assert accepts(build_grammar(kind, text), '{"a": 1}')
+    assert not accepts(build_grammar(kind, text), '{\n  "a": 1\n}')
+    assert accepts(build_grammar(kind, text, json_whitespace=True), '{\n  "a": 1\n}')

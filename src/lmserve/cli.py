@@ -64,12 +64,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def stop(signum: int, _frame: object) -> None:
         raise ShutdownRequested(signum)
 
+    config = make_engine_config(**engine_kwargs(args))
+    if config.parallel.node_rank and not args.headless:
+        raise ValueError(f"--node-rank {config.parallel.node_rank}: nodes other than 0 run only their ranks; add "
+                         "--headless (node 0 serves the API)")
+    if args.headless:
+        from lmserve.executor.headless import run_headless
+
+        return run_headless(config.parallel)
     # uvicorn handles SIGINT/SIGTERM while it serves and re-raises them when it stops; turn that re-raise into an
     # exception that serve() expects, so the engine process is shut down before we exit 0.
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     return asyncio.run(serve(
-        make_engine_config(**engine_kwargs(args)), host=args.host, port=args.port, api_key=args.api_key,
+        config, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
         api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -131,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
                           "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
+    srv.add_argument("--headless", action="store_true",
+                     help="with --nnodes > 1 on nodes other than 0 (--node-rank): run this node's ranks only, no API; "
+                          "node 0's engine configures them (give every node the same model path and layout flags)")
     srv.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", help="one OpenAI endpoint in front of a prefill and a decode instance "

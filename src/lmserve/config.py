@@ -406,12 +406,32 @@ class ParallelConfig:
         None, "how an engine runs its ranks: uni (in the engine process, one rank), mp (one process per rank), "
         "ray (Ray actors, possibly on several machines); default: uni for one rank, mp for more",
         choices=EXECUTOR_BACKENDS)
+    # Several machines without Ray, as vLLM's mp executor: every node runs `lmserve serve` with the same model and
+    # layout flags; node 0 serves the API and runs the engine, the others run only their ranks (--headless).
+    nnodes: int = setting(1, "machines this engine's tensor x pipeline ranks run on (mp executor): ranks "
+                          "node_rank * world_size / nnodes ... on each; nodes other than 0 run with --headless")
+    node_rank: int = setting(0, "this machine's index among --nnodes (0: the one that serves the API)")
+    master_addr: str = setting("127.0.0.1", "with --nnodes > 1: node 0's address that every node can reach; the "
+                               "ranks' rendezvous and the engine's step sockets listen there")
+    master_port: int = setting(29501, "with --nnodes > 1: torch.distributed's rendezvous port on --master-addr; "
+                               "the engine's step sockets take the next 1 + tensor x pipeline ports")
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be an integer in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) \
+                or not 1 <= self.master_port <= 65535 - 1 - self.world_size:
+            raise ValueError(f"master_port must be a port in [1, {65535 - 1 - self.world_size}] (the step sockets "
+                             f"take the next {1 + self.world_size}), got {self.master_port!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr or len(self.master_addr) > 255:
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        if self.nnodes > 1:
+            self._check_multi_node()
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"unknown distributed_executor_backend {self.distributed_executor_backend!r}: "
                              f"use one of {', '.join(EXECUTOR_BACKENDS)}")
@@ -419,10 +439,30 @@ class ParallelConfig:
             raise ValueError(f"distributed_executor_backend uni runs one rank; tensor x pipeline parallel "
                              f"{self.world_size} needs mp or ray")
 
+    def _check_multi_node(self) -> None:
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise ValueError(f"nnodes={self.nnodes} runs ranks with the mp executor; "
+                             f"{self.distributed_executor_backend} cannot (Ray places its ranks on its own nodes)")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor x pipeline parallel {self.world_size} ranks cannot be split evenly over "
+                             f"nnodes={self.nnodes}")
+        if self.data_parallel_size > 1:
+            raise ValueError("data parallel replicas with nnodes > 1: not supported (run one multi-node engine, or "
+                             "replicas with Ray: --distributed-executor-backend ray)")
+
     @property
     def world_size(self) -> int:
         """Ranks of one engine (data-parallel replicas each have this many)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        """The engine ranks that run on machine `node` (consecutive, so that a tensor-parallel group stays on one
+        machine wherever the layout allows)."""
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     @property
     def executor_backend(self) -> str:

@@ -48,10 +48,15 @@ class StructuredOutputsParams:
     # The grammar starts after this token (a reasoning model's end of thinking, `</think>`): the thinking before it
     # is free, the answer after it constrained. Set by the server under --reasoning-parser, not by clients.
     after_token_id: int | None = None
+    # Free whitespace between a JSON answer's tokens (vLLM's `disable_any_whitespace: false`). Off by default: the
+    # answer is compact JSON, and a small model cannot wander into an endless run of spaces or newlines.
+    json_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
             self.json = json.dumps(self.json, ensure_ascii=False)  # key order kept: it is the generation order
+        if not isinstance(self.json_whitespace, bool):
+            raise ValueError("invalid sampling parameter structured_outputs.json_whitespace: must be a boolean")  # noqa: TRY004 - a 400, as every bad parameter
         set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         set_fields += ["json_object"] if self.json_object else []
         if len(set_fields) != 1:
@@ -74,11 +79,12 @@ class StructuredOutputsParams:
         return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
 
     @property
-    def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar (the cache key)."""
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar (the cache key): kind, text, and free JSON whitespace."""
         kind = self.kind
         value = getattr(self, kind)
-        return kind, "\x00".join(value) if kind == "choice" else ("" if kind == "json_object" else str(value))
+        text = "\x00".join(value) if kind == "choice" else ("" if kind == "json_object" else str(value))
+        return kind, text, self.json_whitespace and kind in ("json", "json_object")
 
 
 @dataclass

@@ -2,8 +2,9 @@
 StructuredOutputsParams into an xgrammar Grammar, used by the front-end to check a request (a 400 naming the problem,
 before anything is queued) and by the engine to compile it against the vocabulary.
 
-JSON schemas compile without free whitespace (`any_whitespace=False`): the output is compact JSON, and a small model
-cannot wander into an endless run of spaces or newlines that a grammar would have to allow.
+JSON schemas compile without free whitespace (`any_whitespace=False`) unless a request asks for it (vLLM's
+`disable_any_whitespace: false`): the output is compact JSON, and a small model cannot wander into an endless run of
+spaces or newlines that a grammar would have to allow.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def build_grammar(kind: str, text: str) -> Any:
+def build_grammar(kind: str, text: str, json_whitespace: bool = False) -> Any:
     """The xgrammar Grammar of one constraint (cached by its key). GrammarError says what is wrong with it."""
     xgr = xgrammar()
     try:
@@ -55,9 +56,10 @@ def build_grammar(kind: str, text: str) -> Any:
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
             _check_schema(schema)
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            return xgr.Grammar.from_json_schema(text, any_whitespace=json_whitespace, strict_mode=True)
         if kind == "json_object":  # any object, compact like the schemas (strict_mode off: any keys)
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=json_whitespace,
+                                                strict_mode=False)
         if kind == "regex":
             if _LOOKAROUND.search(text):  # xgrammar would warn and drop it
                 raise GrammarError("invalid regex for structured output: lookaround is not supported")

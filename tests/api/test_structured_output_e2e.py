@@ -153,6 +153,23 @@ def test_json_object_regex_and_choice(client: openai.OpenAI) -> None:
         assert choice.choices[0].message.content in ("yes", "no", "maybe not")
 
 
+def test_disable_any_whitespace_false_lets_the_json_have_free_whitespace(client: openai.OpenAI) -> None:
+    """vLLM's `structured_outputs.disable_any_whitespace`: lmserve's JSON is compact unless a request sets it to
+    false (then the model may write newlines and indentation between tokens), and it shapes response_format's
+    constraint when structured_outputs asks for none itself."""
+    def answer(structured: dict | None) -> str:
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a cat as a JSON object."}], max_tokens=60,
+            temperature=0, response_format={"type": "json_object"},
+            extra_body={"structured_outputs": structured} if structured is not None else None)
+        return out.choices[0].message.content
+
+    compact = answer(None)
+    assert "\n" not in compact and json.loads(compact)
+    assert answer({"disable_any_whitespace": True}) == compact
+    assert re.match(r"\{\s*\n\s*\"", answer({"disable_any_whitespace": False}))  # this model's habit: pretty JSON
+
+
 def tool_call(client: openai.OpenAI, tool_choice: Any, stream: bool) -> tuple[list[tuple[str, str]], str]:
     messages = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
     response = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=200,
@@ -219,6 +236,7 @@ def test_forced_tool_calls_validate_and_stream_the_same(client: openai.OpenAI) -
     ({"structured_outputs": {"json": {"type": "string", "maxLength": 10**9}}}, None, "maxLength"),
     ({"structured_outputs": {"grammar": "root ::= "}}, None, "grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"disable_any_whitespace": False}}, "structured_outputs", "got only options"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
      "send one"),
     ({"response_format": {"type": "yaml"}}, "response_format", "type"),

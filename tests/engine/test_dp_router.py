@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from lmserve.config import make_engine_config
-from lmserve.distributed.parallel_state import RankLayout
 from lmserve.engine.dp_client import DataParallelClient, replica_config
 from lmserve.engine.dp_router import LOAD_SLACK, DataParallelRouter, prompt_block_hashes
 from lmserve.engine.kv_cache import KVCacheManager
@@ -145,17 +144,24 @@ def test_each_replica_gets_its_own_share_of_the_cpus(cpus: int, dp: int, threads
 def test_the_ranks_of_a_replica_split_its_share() -> None:
     """-dp 2 -tp 2 on 8 CPUs: each rank pinned to 2 CPUs of its own with 2 threads, 8 threads in all (each rank took
     cpus / dp = 4 threads on every CPU before: 16 threads on 8 cores)."""
-    from lmserve.worker.worker import Worker
+    from lmserve.worker.worker import rank_placement
 
     config = make_engine_config(data_parallel_size=2, tensor_parallel_size=2, engine_cpus="0-7")
     seen = []
     for replica in range(2):
         for rank in range(2):
-            worker = Worker.__new__(Worker)
-            worker.layout = RankLayout(rank, 2, 1)
-            placement = worker._placement(replica_config(config, replica))
+            placement = rank_placement(replica_config(config, replica), rank)
             seen.append((placement.engine_cpus, placement.engine_threads))
     assert seen == [([0, 1], 2), ([2, 3], 2), ([4, 5], 2), ([6, 7], 2)]
+
+
+def test_ranks_on_several_machines_split_their_own_machines_cpus() -> None:
+    """-tp 4 --nnodes 2: ranks 0-1 on node 0 and ranks 2-3 on node 1 each take half of their machine's 8 CPUs."""
+    from lmserve.worker.worker import rank_placement
+
+    config = make_engine_config(tensor_parallel_size=4, nnodes=2, engine_cpus="0-7")
+    seen = [rank_placement(config, rank) for rank in range(4)]
+    assert [(p.engine_cpus, p.engine_threads) for p in seen] == [([0, 1, 2, 3], 4), ([4, 5, 6, 7], 4)] * 2
 
 
 # ------------------------------------------------------------------------------------------------ the client

@@ -94,7 +94,7 @@ class SlowGrammars(GrammarManager):
         super().__init__("unused", vocab_size=64, eos_token_ids=[0])
         self.release = threading.Event()
 
-    def _compile(self, kind: str, text: str) -> object:
+    def _compile(self, kind: str, text: str, json_whitespace: bool) -> object:
         self.release.wait(10)
         if text == "fail":
             raise RuntimeError("cannot compile")

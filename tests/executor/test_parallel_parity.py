@@ -4,6 +4,12 @@ ranks run by the mp executor and by Ray actors on a simulated two-node cluster."
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +148,115 @@ def test_phi3_and_gemma_split_across_tensor_parallel_ranks(request, model: str) 
     if model == "tiny_gemma3_dir":  # and its local layers' KV-cache groups split across pipeline stages
         with LLM(path, **options, pipeline_parallel_size=2) as llm:
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == one
+
+
+def non_loopback_address() -> str:
+    """This machine's address on its network, as another machine would reach it (the loopback where it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # UDP: picks the route, sends nothing
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def free_port_block(host: str, count: int) -> int:
+    """A port such that it and the count - 1 after it are free on host (--master-port and the step sockets)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        held = []
+        try:
+            for port in range(base, base + count):
+                held.append(socket.socket())
+                held[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+@pytest.fixture
+def two_nodes(tiny_llama_dir: Path, tmp_path: Path):
+    """Node 0's engine settings, and a function that starts node 1 (`lmserve serve --headless`) as another machine
+    would: the same model and flags, the rendezvous on this machine's network address, not the loopback."""
+    host = non_loopback_address()
+    port = free_port_block(host, 4)
+    nodes: list[subprocess.Popen] = []
+
+    def start_node(*layout: str) -> subprocess.Popen:
+        log = (tmp_path / f"node{len(nodes) + 1}.log").open("w")
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "lmserve.cli", "serve", str(tiny_llama_dir), *layout, "--node-rank", "1",
+             "--master-addr", host, "--master-port", str(port), "--headless"], stdout=log, stderr=log))
+        return nodes[-1]
+
+    yield {"nnodes": 2, "master_addr": host, "master_port": port}, start_node
+    for node in nodes:
+        node.kill()
+        node.wait()
+
+
+def test_tensor_parallel_over_two_nodes_without_ray(one_rank, tiny_llama_dir: Path, two_nodes) -> None:
+    """vLLM's multi-node mp executor: node 0 runs the engine and rank 0, node 1 (--headless) rank 1; the greedy
+    tokens are one rank's, and the engine's shutdown ends node 1 cleanly."""
+    settings, start_node = two_nodes
+    node1 = start_node("-tp", "2", "--nnodes", "2")
+    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings) as llm:
+        assert len(llm.engine.executor.procs) == 1  # rank 1 is node 1's
+        tokens, stats = workload(llm)
+    assert tokens == one_rank[0]
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert node1.wait(timeout=30) == 0
+
+
+def test_a_rank_that_dies_on_another_node_is_named(tiny_llama_dir: Path, two_nodes) -> None:
+    from lmserve.executor.base import RankFailedError
+
+    settings, start_node = two_nodes
+    node1 = start_node("-tp", "2", "--nnodes", "2")
+    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings) as llm:
+        llm.generate(["warm"], SamplingParams(max_tokens=2))
+        (rank1,) = (int(pid) for pid in Path(f"/proc/{node1.pid}/task/{node1.pid}/children").read_text().split())
+        os.kill(rank1, signal.SIGKILL)
+        with pytest.raises(RankFailedError) as failure:
+            llm.generate(["after the death"], SamplingParams(max_tokens=4))
+    assert str(failure.value).startswith(f"rank 1 (pid {rank1}) on node 1 exited with code -9"), str(failure.value)
+    assert node1.wait(timeout=30) == 1
+
+
+def test_a_node_started_with_another_layout_is_refused(tiny_llama_dir: Path, two_nodes) -> None:
+    from lmserve.executor.base import RankFailedError
+
+    settings, start_node = two_nodes
+    start_node("-tp", "2", "-pp", "2", "--nnodes", "4")  # its rank 1 meets the engine's, with another world
+    with pytest.raises(RankFailedError, match=r"rank 1 failed: ValueError: this node was started for 4 ranks over 4 "
+                                              r"node\(s\), the engine runs 2 over 2: give every node the same"):
+        LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings)
+
+
+def test_a_node_stops_its_ranks_when_node_0_goes_away(two_nodes) -> None:
+    """Node 0 stood in for by its results socket: node 1 connects, then the socket goes (an engine killed, a machine
+    lost); node 1 stops its rank and exits 1 rather than leave it waiting."""
+    import zmq
+
+    settings, start_node = two_nodes
+    context = zmq.Context()
+    results = context.socket(zmq.PULL)
+    results.bind(f"tcp://{settings['master_addr']}:{settings['master_port'] + 1}")
+    node1 = start_node("-tp", "2", "--nnodes", "2")
+    children = Path(f"/proc/{node1.pid}/task/{node1.pid}/children")
+    deadline = time.monotonic() + 60
+    while not children.read_text().split():
+        assert time.monotonic() < deadline and node1.poll() is None
+        time.sleep(0.05)
+    (rank1,) = (int(pid) for pid in children.read_text().split())
+    time.sleep(1.0)  # connected
+    results.close(linger=0)
+    context.term()
+    assert node1.wait(timeout=30) == 1
+    assert not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()

@@ -28,8 +28,11 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputsRequest(_Strict):
-    """vLLM's `structured_outputs` (its whitespace and fallback knobs are accepted: lmserve's JSON is compact and
-    xgrammar is its only backend)."""
+    """vLLM's `structured_outputs`: one constraint, and options that shape the request's JSON constraint (this one,
+    or response_format's). `disable_any_whitespace: false` lets the JSON have free whitespace (lmserve's default is
+    compact JSON, which `true` or leaving it out keeps). The fallback knob is accepted (xgrammar is the only backend,
+    so nothing falls back), and so is `disable_additional_properties` (xgrammar's strict mode already keeps objects
+    to their schema's properties unless the schema allows more, as in vLLM's xgrammar backend)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -39,6 +42,12 @@ class StructuredOutputsRequest(_Strict):
     disable_any_whitespace: bool | None = None
     disable_fallback: bool | None = None
     disable_additional_properties: bool | None = None
+
+    @property
+    def asks_for_a_constraint(self) -> bool:
+        """False when only options are set (they then apply to response_format's constraint, as in vLLM)."""
+        return any(value is not None for value in (self.json_, self.regex, self.choice, self.grammar)) \
+            or bool(self.json_object)
 
 
 def structured_outputs_of(
@@ -54,7 +63,7 @@ def structured_outputs_of(
                 raise ValueError("response_format json_schema needs json_schema.schema")
             asked.append(("response_format", StructuredOutputsParams(json=_schema_text(
                 response_format.json_schema.schema_))))
-    if structured is not None:
+    if structured is not None and structured.asks_for_a_constraint:
         value = structured.json_
         asked.append(("structured_outputs", StructuredOutputsParams(
             json=_schema_text(value) if isinstance(value, dict) else value, regex=structured.regex,
@@ -69,7 +78,15 @@ def structured_outputs_of(
     if len(asked) > 1:
         raise ValueError(f"invalid sampling parameter structured_outputs: {' and '.join(n for n, _ in asked)} each "
                          "ask for a constraint; send one")
-    return asked[0][1] if asked else None
+    if not asked:
+        if structured is not None:  # options with nothing to shape
+            raise ValueError("invalid sampling parameter structured_outputs: set exactly one of json, regex, "
+                             "choice, grammar or json_object (or response_format), got only options")
+        return None
+    params = asked[0][1]
+    if structured is not None and structured.disable_any_whitespace is False:
+        params.json_whitespace = True
+    return params
 
 
 def _schema_text(schema: dict[str, Any]) -> str:

@@ -53,14 +53,14 @@ class GrammarManager:
             if spec.after_token_id is not None and spec.after_token_id in request.output_token_ids:
                 request.grammar.waiting_for = None  # resumed after a preemption past the thinking
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, kind: str, text: str, json_whitespace: bool) -> Any:
         xgr = xgrammar()
         if self._compiler is None:
             tokenizer = load_tokenizer(resolve_model(self.tokenizer_name))
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler.compile_grammar(build_grammar(kind, text))
+        return self._compiler.compile_grammar(build_grammar(kind, text, json_whitespace))
 
     def is_ready(self, request: Request) -> bool:
         """Whether the request may be scheduled (a constrained one once its grammar compiled, or failed)."""

@@ -1,13 +1,15 @@
-"""Ranks as processes on this machine (`--distributed-executor-backend mp`).
+"""Ranks as processes (`--distributed-executor-backend mp`), on this machine or on several (`--nnodes`).
 
-The engine process spawns one process per rank (lmserve.executor.rank_process) and talks to them over ZMQ on ipc
-sockets: each step's plan goes to every rank (pickled once, each request's lists as what changed since the last
-step: executor/step_messages.py), and the driver rank sends back its output; the ranks talk among themselves
-through torch.distributed (gloo on CPU, NCCL on CUDA). Outputs come back in the order the
-steps were submitted, so several steps may be in flight (pipeline parallel).
+The engine process spawns one process per rank of its node (lmserve.executor.rank_process) and talks to every rank
+over ZMQ (ipc sockets on one machine, TCP on node 0's --master-addr over several; the other nodes' ranks are started
+by `lmserve serve --headless` there, executor/headless.py): each rank first gets the configuration, then each step's
+plan (pickled once, each request's lists as what changed since the last step: executor/step_messages.py), and the
+driver rank sends back its output; the ranks talk among themselves through torch.distributed (gloo on CPU, NCCL on
+CUDA). Outputs come back in the order the steps were submitted, so several steps may be in flight (pipeline parallel).
 
-A rank that dies or raises fails the engine with the reason (RankFailedError); the ranks die with the engine
-process (PR_SET_PDEATHSIG), and shutdown stops them, so no rank outlives its engine.
+A rank that dies or raises fails the engine with the reason (RankFailedError; another node reports its ranks' exits);
+the ranks die with the process that started them (PR_SET_PDEATHSIG), and shutdown stops them, so no rank outlives
+its engine.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, ParallelConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 from lmserve.executor.step_messages import StepEncoder
@@ -45,6 +48,37 @@ def free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankAddresses:
+    """Where an engine's ranks meet: each rank's step socket, the results socket and torch.distributed's rendezvous.
+    On one machine: ipc sockets in a private folder and a free loopback port. Over several (--nnodes): node 0's
+    --master-addr, the rendezvous at --master-port and the sockets on the ports after it, so that every node derives
+    them from the same flags."""
+
+    rank_inputs: tuple[str, ...]
+    results: str
+    init_method: str
+
+    @classmethod
+    def for_engine(cls, parallel: ParallelConfig, ipc_dir: Path | None) -> RankAddresses:
+        if parallel.nnodes == 1:
+            assert ipc_dir is not None
+            return cls(tuple(f"ipc://{ipc_dir}/rank{rank}" for rank in range(parallel.world_size)),
+                       f"ipc://{ipc_dir}/results", f"tcp://127.0.0.1:{free_local_port()}")
+        host, port = parallel.master_addr, parallel.master_port
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
+        return cls(tuple(f"tcp://{host}:{port + 2 + rank}" for rank in range(parallel.world_size)),
+                   f"tcp://{host}:{port + 1}", f"tcp://{host}:{port}")
+
+
+def start_rank(addresses: RankAddresses, parallel: ParallelConfig, rank: int) -> subprocess.Popen:
+    """One rank process (lmserve.executor.rank_process); it logs at the engine's level unless told otherwise."""
+    env = {"LMSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel()), **os.environ}
+    return subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", addresses.rank_inputs[rank],
+                             addresses.results, str(rank), addresses.init_method,
+                             f"{parallel.world_size}/{parallel.nnodes}"], env=env)
 
 
 class PendingOutput(Future):
@@ -66,37 +100,51 @@ class MultiprocExecutor(Executor):
         self.pp_size = parallel.pipeline_parallel_size
         self.driver_rank = RankLayout.driver_rank(parallel.tensor_parallel_size, self.pp_size)
         self.max_concurrent_batches = batches_in_flight(config)
+        if parallel.node_rank != 0:
+            raise ValueError(f"node_rank {parallel.node_rank} runs no engine, only its ranks: start that node with "
+                             "`lmserve serve ... --headless`")
+        self.nnodes = parallel.nnodes
         self._dir = Path(tempfile.mkdtemp(prefix="lmserve-ranks-"))
-        (self._dir / "config.pkl").write_bytes(pickle.dumps(config))
+        addresses = RankAddresses.for_engine(parallel, self._dir)
         self._ctx = zmq.Context()
         self._inputs = []
         for rank in range(self.world_size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"ipc://{self._dir}/rank{rank}")
+            sock.bind(addresses.rank_inputs[rank])
             self._inputs.append(sock)
         self._results = self._ctx.socket(zmq.PULL)
-        self._results.bind(f"ipc://{self._dir}/results")
+        self._results.bind(addresses.results)
         self._pending: deque[PendingOutput] = deque()
         self._steps = StepEncoder()  # what the ranks hold of each request: each step sends what changed
         self._stats: dict[int, dict[str, int]] = {}
         self._ready: dict[int, Any] = {}
-        init_method = f"tcp://127.0.0.1:{free_local_port()}"
-        # The ranks log at the engine's level unless told otherwise.
-        env = {"LMSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel()), **os.environ}
-        self.procs = [
-            subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", str(self._dir), str(rank),
-                              init_method], env=env)
-            for rank in range(self.world_size)
-        ]
+        # A rank takes its configuration from its step socket, first: the ranks of other nodes read no file here.
+        self._unconfigured = {rank: pickle.dumps(("config", config)) for rank in range(self.world_size)}
+        self._remote_exits: dict[int, str] = {}  # ranks on other nodes whose exit their node reported
+        self.procs = [start_rank(addresses, parallel, rank) for rank in parallel.node_ranks(0)]
+        if self.nnodes > 1:
+            logger.info("waiting for ranks %d-%d of nodes 1-%d (lmserve serve ... --node-rank N --headless; "
+                        "rendezvous %s)", len(self.procs), self.world_size - 1, self.nnodes - 1,
+                        addresses.init_method)
         try:
             self.wait_for(lambda: len(self._ready) == self.world_size)
         except BaseException:
             self.shutdown()
             raise
         self.info = reconciled_info([self._ready[rank] for rank in range(self.world_size)], self.driver_rank)
-        logger.info("%d ranks ready (pids %s)", self.world_size, ", ".join(str(p.pid) for p in self.procs))
+        logger.info("%d ranks ready (pids here %s)", self.world_size, ", ".join(str(p.pid) for p in self.procs))
+
+    def _send_configs(self) -> None:
+        """Hands each rank its configuration as soon as its step socket is connected (a PUSH socket with no peer
+        yet takes no message)."""
+        for rank, message in list(self._unconfigured.items()):
+            try:
+                self._inputs[rank].send(message, zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            del self._unconfigured[rank]
 
     def _broadcast(self, message: tuple) -> None:
         """Never blocks: a PUSH socket whose rank is gone would wait for it forever; that rank's death is
@@ -118,6 +166,8 @@ class MultiprocExecutor(Executor):
     def wait_for(self, condition) -> None:
         """Handles the ranks' messages until `condition()` holds; raises RankFailedError if a rank fails first."""
         while not condition():
+            if self._unconfigured:
+                self._send_configs()
             if not self._results.poll(POLL_MS):
                 self.check_health()
                 continue
@@ -128,6 +178,9 @@ class MultiprocExecutor(Executor):
                 self._ready[rank] = payload
             elif kind == "stats":
                 self._stats[rank] = payload
+            elif kind == "exited":  # a rank of another node, as its node saw it exit
+                self._remote_exits[rank] = payload
+                raise RankFailedError(payload)
             elif kind == "failed":
                 # A rank's error inside a collective is most often another rank's death (gloo: "Connection reset by
                 # peer"): name the rank that died first, then what the survivor saw.
@@ -143,15 +196,30 @@ class MultiprocExecutor(Executor):
                 code = proc.poll() if rank != failed_rank else None
                 if code is not None:
                     return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+            remote = [message for rank, message in self._remote_exits.items() if rank != failed_rank]
+            if remote:
+                return remote[0]
             if time.monotonic() >= deadline:
                 return None
-            time.sleep(0.02)
+            self._read_remote_exits(0.02)
+
+    def _read_remote_exits(self, wait_s: float) -> None:
+        """Waits up to wait_s for the other nodes' reports of ranks that exited (other messages are dropped: the
+        engine is failing)."""
+        if self.nnodes == 1:
+            time.sleep(wait_s)
+        elif self._results.poll(int(wait_s * 1000)):
+            kind, rank, payload = pickle.loads(self._results.recv())
+            if kind == "exited":
+                self._remote_exits[rank] = payload
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self.procs):
             code = proc.poll()
             if code is not None:
                 raise RankFailedError(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+        if self._remote_exits:
+            raise RankFailedError(next(iter(self._remote_exits.values())))
 
     def communication_stats(self) -> list[dict[str, int]]:
         self._stats.clear()
@@ -162,8 +230,9 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         if self._ctx.closed:
             return
-        if any(proc.poll() is not None for proc in self.procs):
-            # A rank is gone: the others may be stuck in a collective with it, and nothing they hold is needed.
+        if any(proc.poll() is not None for proc in self.procs) or len(self._ready) < self.world_size:
+            # A rank is gone, or never started: the others may be stuck in a collective or the rendezvous with it,
+            # and nothing they hold is needed.
             for proc in self.procs:
                 proc.kill()
         try:

@@ -1,5 +1,6 @@
-"""The main loop of one rank process (`python -m lmserve.executor.rank_process DIR RANK INIT_METHOD`), started by
-the multiproc executor: build the rank's Worker, then run every step the engine sends until told to stop."""
+"""The main loop of one rank process (`python -m lmserve.executor.rank_process INPUT RESULTS RANK INIT_METHOD
+WORLD_SIZE/NNODES`), started by the multiproc executor or, on another node, by `lmserve serve --headless`: take the
+configuration from the engine, build the rank's Worker, then run every step the engine sends until told to stop."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import os
 import pickle
 import signal
 import sys
-from pathlib import Path
 
 import zmq
+
+from lmserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,26 @@ def die_with_parent() -> None:
         pass
 
 
-def main(ipc_dir: str, rank: int, init_method: str) -> int:
+def next_message(inputs: zmq.Socket, parent: int) -> tuple[str, object] | None:
+    """The engine's next message; None once the process that started this rank is gone."""
+    while not inputs.poll(PARENT_CHECK_MS):
+        if os.getppid() != parent:
+            return None
+    return pickle.loads(inputs.recv())
+
+
+def layout_mismatch(config: EngineConfig, layout: str) -> str | None:
+    """Why this rank cannot join the engine that configured it: its node was started with another layout
+    (`layout`: "WORLD_SIZE/NNODES" as the starter saw it)."""
+    parallel = config.parallel
+    if layout == f"{parallel.world_size}/{parallel.nnodes}":
+        return None
+    world_size, nnodes = layout.split("/")
+    return (f"this node was started for {world_size} ranks over {nnodes} node(s), the engine runs "
+            f"{parallel.world_size} over {parallel.nnodes}: give every node the same -tp, -pp and --nnodes")
+
+
+def main(input_address: str, results_address: str, rank: int, init_method: str, layout: str) -> int:
     parent = os.getppid()
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
@@ -37,10 +58,10 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
                         format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
-    inputs.connect(f"ipc://{ipc_dir}/rank{rank}")
+    inputs.connect(input_address)
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.SNDHWM, 0)
-    results.connect(f"ipc://{ipc_dir}/results")
+    results.connect(results_address)
 
     def send(kind: str, payload: object) -> None:
         results.send(pickle.dumps((kind, rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
@@ -48,22 +69,26 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
     from lmserve.executor.step_messages import StepDecoder
     from lmserve.worker.worker import Worker  # after the sockets: a failed import is still reported
 
+    first = next_message(inputs, parent)
+    if first is None or first[0] != "config":  # the engine stopped before this rank started
+        ctx.destroy(linger=0)
+        return 0
+    mismatch = layout_mismatch(first[1], layout)
     try:
-        config = pickle.loads((Path(ipc_dir) / "config.pkl").read_bytes())
-        worker = Worker(config, rank, init_method)
+        if mismatch:
+            raise ValueError(mismatch)
+        worker = Worker(first[1], rank, init_method)
     except Exception as exc:
         logger.exception("rank failed to start")
         send("failed", f"{type(exc).__name__}: {exc}")
+        results.close(linger=1000)
+        ctx.destroy(linger=0)
         return 1
     send("ready", worker.info)
     steps = StepDecoder()
     code = 0
-    while True:
-        if not inputs.poll(PARENT_CHECK_MS):
-            if os.getppid() != parent:
-                break
-            continue
-        kind, payload = pickle.loads(inputs.recv())
+    while (message := next_message(inputs, parent)) is not None:
+        kind, payload = message
         if kind == "execute":
             try:
                 output = worker.execute_model(steps.decode(payload))
@@ -87,4 +112,4 @@ def main(ipc_dir: str, rank: int, init_method: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]))

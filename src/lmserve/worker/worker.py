@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmserve.config import EngineConfig, cpu_share, cuda_device_index
+from lmserve.config import EngineConfig, PlacementConfig, cpu_share, cuda_device_index
 from lmserve.distributed.parallel_state import RankLayout, destroy_parallel_groups, init_parallel_groups
 from lmserve.kv_groups import KVCacheGroups
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
@@ -36,27 +36,31 @@ class WorkerInfo:
     kv_groups: KVCacheGroups | None = None  # the layers' KV-cache groups (sliding windows in tables of their own)
 
 
+def rank_placement(config: EngineConfig, rank: int) -> PlacementConfig:
+    """Ranks on one machine share its CPUs: by default each gets its own share of them (pinned there, a thread per
+    CPU of it), not all of them. Over several machines (--nnodes) a rank shares its own machine's."""
+    placement = config.placement
+    ranks_here = config.parallel.ranks_per_node
+    if ranks_here == 1 or placement.engine_threads:
+        return placement
+    cpus = cpu_share(placement.engine_cpus or sorted(os.sched_getaffinity(0)), ranks_here, rank % ranks_here)
+    return dataclasses.replace(placement, engine_cpus=cpus, engine_threads=len(cpus))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None) -> None:
         parallel_config = config.parallel
         self.layout = RankLayout(rank, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
+        # Devices are this machine's: over several nodes (--nnodes), its ranks share them.
+        self.local_rank = rank % parallel_config.ranks_per_node
         device = resolve_device(config.model.device)
         if device.type == "cuda" and (self.layout.world_size > 1 or parallel_config.data_parallel_size > 1):
-            torch.cuda.set_device(cuda_device_index(parallel_config.data_parallel_rank, self.layout.world_size, rank,
+            torch.cuda.set_device(cuda_device_index(parallel_config.data_parallel_rank,
+                                                    parallel_config.ranks_per_node, self.local_rank,
                                                     torch.cuda.device_count()))
         self.parallel = init_parallel_groups(self.layout, init_method, device)
-        self.runner = ModelRunner(config.model, config.cache, self._placement(config), self.parallel,
+        self.runner = ModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
                                   scheduler_config=config.scheduler)
-
-    def _placement(self, config: EngineConfig):
-        """Ranks on one machine share its CPUs: by default each gets its own share of them (pinned there, a thread
-        per CPU of it), not all of them."""
-        placement = config.placement
-        if self.layout.world_size == 1 or placement.engine_threads:
-            return placement
-        cpus = cpu_share(placement.engine_cpus or sorted(os.sched_getaffinity(0)), self.layout.world_size,
-                         self.layout.rank)
-        return dataclasses.replace(placement, engine_cpus=cpus, engine_threads=len(cpus))
 
     @property
     def info(self) -> WorkerInfo:
