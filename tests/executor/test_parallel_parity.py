@@ -48,9 +48,11 @@ def one_rank(tiny_llama_dir: Path) -> tuple[list[list[int]], dict]:
     return tokens, stats
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 4}], ids=["tp2", "pp2", "tp4-kv-heads-replicated"])
 def test_tensor_and_pipeline_parallel_give_one_ranks_tokens(one_rank, tiny_llama_dir: Path, layout: dict) -> None:
+    """tp4: four ranks over the tiny model's 2 KV heads, each KV head on two ranks (as vLLM replicates them), each
+    rank reading only its rows of the checkpoint."""
     with LLM(str(tiny_llama_dir), **TINY, **layout) as llm:
         tokens, stats = workload(llm)
         sent = llm.engine.executor.communication_stats()
@@ -145,6 +147,9 @@ def test_phi3_and_gemma_split_across_tensor_parallel_ranks(request, model: str) 
     with LLM(path, **options, tensor_parallel_size=2) as llm:
         two = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
     assert two == one
+    if model == "tiny_phi3_q8_gguf":  # four ranks over 2 KV heads: each rank's k and v rows of the file's blocks
+        with LLM(path, **options, tensor_parallel_size=4) as llm:
+            assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == one
     if model == "tiny_gemma3_dir":  # and its local layers' KV-cache groups split across pipeline stages
         with LLM(path, **options, pipeline_parallel_size=2) as llm:
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == one

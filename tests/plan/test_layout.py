@@ -17,7 +17,9 @@ from lmserve.plan.model_spec import ModelSpec
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tensor_parallel_size": 2},
      "-tp 2 does not divide the 9 attention heads / 3 KV heads of smollm2-135m-instruct; sizes that do: 1, 3"),
-    ({"tensor_parallel_size": 9}, "-tp 9 does not divide the 3 KV heads / MLP intermediate size 1536"),
+    ({"tensor_parallel_size": 9}, ("-tp 9 does not divide the MLP intermediate size 1536 of smollm2-135m-instruct; "
+                                  "sizes that do: 1, 3")),  # 9 ranks would be 3 per KV head, if the MLP split
+    ({"tensor_parallel_size": 6}, "-tp 6 does not divide the 9 attention heads of smollm2-135m-instruct"),
     ({"pipeline_parallel_size": 31}, "-pp 31 is more stages than the 30 layers of smollm2-135m-instruct"),
 ])  # fmt: skip
 def test_a_split_the_model_does_not_allow_is_refused_with_its_reason(kwargs, message):
@@ -27,8 +29,10 @@ def test_a_split_the_model_does_not_allow_is_refused_with_its_reason(kwargs, mes
 
 
 def test_an_hf_directory_is_read_from_its_config(tiny_llama_dir):
-    with pytest.raises(ValueError, match="-tp 4 does not divide the 2 KV heads .*; sizes that do: 1, 2"):
-        check_layout(make_engine_config(str(tiny_llama_dir), tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="-tp 3 does not divide the 4 attention heads / 2 KV heads .*; sizes that do: "
+                                         "1, 2, 4$"):
+        check_layout(make_engine_config(str(tiny_llama_dir), tensor_parallel_size=3))
+    check_layout(make_engine_config(str(tiny_llama_dir), tensor_parallel_size=4))  # each KV head on two ranks
 
 
 def test_tp_zero_is_refused_by_the_config():

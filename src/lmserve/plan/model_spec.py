@@ -181,17 +181,23 @@ class Layout:
 
 def check_layout(spec: ModelSpec, layout: Layout) -> None:
     """The splits lmserve's engine runs, so that the planner never recommends one `lmserve serve` refuses (it checks
-    with this same function, plan/layout.py): TP divides the attention heads, the KV heads (each rank caches whole
-    heads of its own, none replicated) and the MLP's intermediate size; PP gives every stage at least one layer."""
+    with this same function, plan/layout.py): TP divides the attention heads and the MLP's intermediate size, and
+    divides the KV heads (each rank caches whole heads of its own) or is a multiple of them (each KV head replicated
+    on TP / KV heads ranks, as vLLM does); PP gives every stage at least one layer."""
     tp, pp = layout.tp, layout.pp
     if min(tp, pp, layout.replicas) < 1:
         raise ValueError(f"-tp, -pp and -dp must be >= 1, got {tp}, {pp} and {layout.replicas}")
     sizes = {"attention heads": spec.num_heads, "KV heads": spec.num_kv_heads,
              "MLP intermediate size": spec.intermediate_size}
-    undivided = [f"{n} {what}" if what.endswith("heads") else f"{what} {n}" for what, n in sizes.items() if n % tp]
+
+    def splits(size: int) -> list[str]:
+        return [f"{n} {what}" if what.endswith("heads") else f"{what} {n}" for what, n in sizes.items()
+                if n % size and not (what == "KV heads" and size % n == 0)]
+
+    undivided = splits(tp)
     if undivided:
-        common = math.gcd(*sizes.values())
-        fitting = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+        common = math.gcd(spec.num_heads, spec.intermediate_size)
+        fitting = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0 and not splits(d))
         raise ValueError(f"-tp {tp} does not divide the {' / '.join(undivided)} of {spec.name}; "
                          f"sizes that do: {fitting}")
     if pp > spec.num_layers:
@@ -200,7 +206,7 @@ def check_layout(spec: ModelSpec, layout: Layout) -> None:
 
 
 def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
-    # check_layout admits only a TP that divides the KV heads (lmserve replicates none, unlike vLLM).
+    # A TP that the KV heads do not divide is a multiple of them (check_layout): each rank holds one, replicated.
     return max(1, spec.num_kv_heads // tp)
 
 

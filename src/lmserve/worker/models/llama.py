@@ -209,13 +209,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
-    """Megatron's split needs whole heads and whole MLP columns on every rank."""
+    """Megatron's split needs whole heads and whole MLP columns on every rank; KV heads fewer than the ranks are
+    replicated (kv_head_replicas)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("KV heads", kv_heads),
-                        ("MLP columns", config.intermediate_size)):
+    for what, count in (("attention heads", heads), ("MLP columns", config.intermediate_size)):
         if count % tp_size:
             raise ValueError(f"tensor parallel size {tp_size} does not divide the model's {count} {what}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tensor parallel size {tp_size} neither divides the model's {kv_heads} KV heads nor is a "
+                         "multiple of them")
+
+
+def kv_head_replicas(config: PretrainedConfig, tp_size: int) -> int:
+    """How many tensor ranks hold each KV head: 1, or tp / KV heads when there are fewer KV heads than ranks (vLLM's
+    QKVParallelLinear): ranks r*R ... r*R + R - 1 then share KV head r, the one their query heads read."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return max(1, tp_size // kv_heads)
 
 
 class Attention(nn.Module):
@@ -226,7 +236,7 @@ class Attention(nn.Module):
         self.parallel = parallel
         total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp  # this rank's heads
-        self.num_kv_heads = total_kv_heads // tp
+        self.num_kv_heads = max(1, total_kv_heads // tp)  # one, replicated, when the ranks outnumber them
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -673,7 +683,8 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts)
                 offset, size = self._shard_rows(fused[0], fused[1])
                 # The loader may have read this rank's rows only (checkpoint_part): then the tensor is its share.
-                shard = tensor if _num_rows(tensor) == size else _rows(tensor, lambda t: t.chunk(tp, dim=0)[tp_rank])
+                rows = None if _num_rows(tensor) == size else self._rank_rows(fused, _num_rows(tensor))
+                shard = tensor if rows is None else _rows(tensor, lambda t, rows=rows: t[rows[0] : rows[1]])
                 if shard.shape[0] != size:
                     raise ValueError(f"{hf_name!r} has {shard.shape[0]} rows for this rank, expected {size}")
                 if target in pending:
@@ -713,9 +724,9 @@ class LlamaForCausalLM(nn.Module):
         parts = name.split(".")
         if tp == 1 or not shape or self._is_other_ranks(name):
             return None
-        if len(parts) >= 2 and parts[-2] in self._FUSED and shape[0] % tp == 0:
-            rows = shape[0] // tp
-            return TensorPart(0, rank * rows, (rank + 1) * rows)
+        if len(parts) >= 2 and parts[-2] in self._FUSED:
+            rows = self._rank_rows(self._FUSED[parts[-2]], shape[0])
+            return TensorPart(0, *rows) if rows is not None else None
         if name in self._VOCAB_PARALLEL and shape[0] == self.vocab_size:
             per_rank = -(-self.vocab_size // tp)
             return TensorPart(0, min(rank * per_rank, shape[0]), min((rank + 1) * per_rank, shape[0]))
@@ -724,6 +735,19 @@ class LlamaForCausalLM(nn.Module):
             columns = shape[1] // tp
             return TensorPart(1, rank * columns, (rank + 1) * columns)
         return None
+
+    def _rank_rows(self, fused: tuple[str, int], total_rows: int) -> tuple[int, int] | None:
+        """This tensor rank's rows (first, end) of a checkpoint's q, k, v, gate or up of total_rows; None when they
+        do not split evenly. K and v split by KV heads, which ranks share when they outnumber them."""
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        parts, index = tp, rank
+        if fused[0] == "qkv_proj" and fused[1] > 0:
+            replicas = kv_head_replicas(self.config, tp)
+            parts, index = tp // replicas, rank // replicas
+        if total_rows % parts:
+            return None
+        rows = total_rows // parts
+        return index * rows, (index + 1) * rows
 
     def _rank_columns(self, parts: list[str]) -> int:
         """This rank's input columns of a row-parallel weight (["layers", index, ..., "o_proj" | "down_proj", ...])."""
