@@ -50,7 +50,12 @@ def _this_checkout() -> dict[str, str]:
 @pytest.mark.parametrize(("flags", "message"), [
     (["-pp", "2", "--nnodes", "2", "--node-rank", "1"],
      "--node-rank 1: nodes other than 0 run only their ranks; add --headless"),
-    (["--headless"], "--headless runs the ranks of a node other than node 0"),
+    (["--headless"], "--headless runs a node other than node 0"),
+    (["-dp", "2", "--data-parallel-start-rank", "1"],
+     "--data-parallel-start-rank 1: machines other than the front-end's run only their replicas; add --headless"),
+    (["-dp", "2", "--data-parallel-size-local", "3"], "data_parallel_size_local must be an integer in [1, 2]"),
+    (["-dp", "2", "--data-parallel-start-rank", "2", "--headless"],
+     "data_parallel_start_rank must be an integer in [0, data_parallel_size=2)"),
     (["-pp", "2", "--nnodes", "3"], "tensor x pipeline parallel 2 ranks cannot be split evenly over nnodes=3"),
     (["-pp", "2", "--nnodes", "2", "--node-rank", "2", "--headless"], "node_rank must be an integer in [0, nnodes=2)"),
     (["-pp", "2", "--nnodes", "2", "-dp", "2"], "data parallel replicas with nnodes > 1: not supported"),
@@ -58,7 +63,7 @@ def _this_checkout() -> dict[str, str]:
      "nnodes=2 runs ranks with the mp executor; ray cannot"),
     (["-pp", "2", "--nnodes", "2", "--master-port", "65534"], "master_port must be a port in [1, 65532]"),
 ])  # fmt: skip
-def test_serve_refuses_a_multi_node_layout_it_cannot_run_in_one_line(flags, message, capsys) -> None:
+def test_serve_refuses_a_multi_machine_layout_it_cannot_run_in_one_line(flags, message, capsys) -> None:
     assert cli.main(["serve", "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(f"lmserve: error: {message}"), err

@@ -68,10 +68,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.parallel.node_rank and not args.headless:
         raise ValueError(f"--node-rank {config.parallel.node_rank}: nodes other than 0 run only their ranks; add "
                          "--headless (node 0 serves the API)")
+    if config.parallel.data_parallel_start_rank and not args.headless:
+        raise ValueError(f"--data-parallel-start-rank {config.parallel.data_parallel_start_rank}: machines other "
+                         "than the front-end's run only their replicas; add --headless")
     if args.headless:
-        from lmserve.executor.headless import run_headless
+        from lmserve.headless import run_headless
 
-        return run_headless(config.parallel)
+        return run_headless(config, args.log_level.upper())
     # uvicorn handles SIGINT/SIGTERM while it serves and re-raises them when it stops; turn that re-raise into an
     # exception that serve() expects, so the engine process is shut down before we exit 0.
     signal.signal(signal.SIGINT, stop)
@@ -140,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
                           "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
     srv.add_argument("--headless", action="store_true",
-                     help="with --nnodes > 1 on nodes other than 0 (--node-rank): run this node's ranks only, no API; "
-                          "node 0's engine configures them (give every node the same model path and layout flags)")
+                     help="on machines other than the front-end's: run only this machine's ranks (--nnodes, "
+                          "--node-rank; node 0's engine configures them) or data-parallel replicas "
+                          "(--data-parallel-start-rank, --data-parallel-size-local), no API; give every machine the "
+                          "same model path and layout flags")
     srv.set_defaults(func=cmd_serve)
 
     router = sub.add_parser("router", help="one OpenAI endpoint in front of a prefill and a decode instance "

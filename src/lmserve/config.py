@@ -416,6 +416,19 @@ class ParallelConfig:
     master_port: int = setting(29501, "with --nnodes > 1: torch.distributed's rendezvous port on --master-addr; "
                                "the engine's step sockets take the next 1 + tensor x pipeline ports")
 
+    # Data-parallel replicas on several machines, as vLLM: node 0's front-end runs replicas 0 ... L - 1 and waits for
+    # the rest, which `lmserve serve ... --data-parallel-start-rank S --headless` starts on the other nodes.
+    data_parallel_size_local: int | None = setting(
+        None, "replicas that run on this machine (default: all of -dp); the others run on other machines "
+        "(--headless there) and connect to --data-parallel-address")
+    data_parallel_start_rank: int = setting(
+        0, "the first replica this machine runs (with --headless on machines other than the front-end's)")
+    data_parallel_address: str = setting(
+        "127.0.0.1", "with replicas on other machines: the front-end machine's address that they reach; its "
+        "sockets for them listen there")
+    data_parallel_rpc_port: int = setting(
+        13345, "with replicas on other machines: the first of the 2 x -dp ports the front-end listens on for them")
+
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             value = getattr(self, name)
@@ -432,6 +445,7 @@ class ParallelConfig:
             raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
         if self.nnodes > 1:
             self._check_multi_node()
+        self._check_data_parallel_nodes()
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"unknown distributed_executor_backend {self.distributed_executor_backend!r}: "
                              f"use one of {', '.join(EXECUTOR_BACKENDS)}")
@@ -449,6 +463,32 @@ class ParallelConfig:
         if self.data_parallel_size > 1:
             raise ValueError("data parallel replicas with nnodes > 1: not supported (run one multi-node engine, or "
                              "replicas with Ray: --distributed-executor-backend ray)")
+
+    def _check_data_parallel_nodes(self) -> None:
+        size, start, local = self.data_parallel_size, self.data_parallel_start_rank, self.data_parallel_size_local
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < size:
+            raise ValueError(f"data_parallel_start_rank must be an integer in [0, data_parallel_size={size}), "
+                             f"got {start!r}")
+        if local is not None and (isinstance(local, bool) or not isinstance(local, int)
+                                  or not 1 <= local <= size - start):
+            raise ValueError(f"data_parallel_size_local must be an integer in [1, {size - start}] (replicas "
+                             f"{start} ... {size - 1} are left for this machine), got {local!r}")
+        address = self.data_parallel_address
+        if not isinstance(address, str) or not address or len(address) > 255:
+            raise ValueError(f"data_parallel_address must be a host name or address, got {address!r}")
+        if len(self.local_replicas) == size:
+            return  # every replica here: no socket listens for other machines
+        port = self.data_parallel_rpc_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65536 - 2 * size:
+            raise ValueError(f"data_parallel_rpc_port must be a port in [1, {65536 - 2 * size}] (the front-end "
+                             f"listens on 2 x data_parallel_size={size} ports from it), got {port!r}")
+
+    @property
+    def local_replicas(self) -> range:
+        """The data-parallel replicas that run on this machine."""
+        start = self.data_parallel_start_rank
+        count = self.data_parallel_size_local or self.data_parallel_size - start
+        return range(start, start + count)
 
     @property
     def world_size(self) -> int:

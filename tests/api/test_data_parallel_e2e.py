@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from network_addresses import free_port_block, non_loopback_address
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import Server, alive, children, start_server, wait_for
+from server_process import LMSERVE, Server, alive, children, start_server, wait_for
 
 from lmserve.config import KV_BLOCK_SIZE
 
@@ -173,3 +175,45 @@ def test_one_replica_dying_fails_the_server(tmp_path: Path, tiny_llama_dir: Path
         assert wait_for(lambda: not alive(pids[0]), timeout=10), "the other replica outlived the server"
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_replicas_on_another_machine_serve_behind_one_front_end(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """vLLM's multi-node data parallel: the front-end runs replica 0 (--data-parallel-size-local 1) and waits for
+    replica 1, which `lmserve serve --data-parallel-start-rank 1 --headless` starts "on another machine" (a process
+    meeting it on this machine's network address). Both serve; replica 1's engine dying fails the server, naming it;
+    and a headless node whose front-end shut down cleanly exits 0."""
+    host = non_loopback_address()
+    port = free_port_block(host, 4)
+    flags = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory",
+             "16MiB", "-dp", "2", "--engine-threads", "1", "--attention-backend", "sdpa", "--fused-ops", "none",
+             "--quantization", "none", "--data-parallel-address", host, "--data-parallel-rpc-port", str(port)]
+
+    def start_node() -> subprocess.Popen:
+        log = (tmp_path / "node1.log").open("a")
+        return subprocess.Popen([str(LMSERVE), "serve", *flags, "--data-parallel-start-rank", "1", "--headless"],
+                                stdout=log, stderr=log)
+
+    node = start_node()
+    server = start_server(tmp_path, *flags, "--data-parallel-size-local", "1", timeout=120)
+    try:
+        assert len(engine_pids(server)) == 1  # replica 1 is the other node's
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        test_concurrent_requests_spread_over_both_replicas(server, client, str(tiny_llama_dir))
+        (remote_engine,) = children(node.pid)
+        os.kill(remote_engine, signal.SIGKILL)
+        assert server.process.wait(timeout=30) == 1
+        assert "engine replica 1 on another machine disconnected" in server.log()
+        assert node.wait(timeout=30) == 1
+    finally:
+        server.stop(signal.SIGKILL)
+        node.kill()
+        node.wait()
+    node = start_node()
+    server = start_server(tmp_path, *flags, "--data-parallel-size-local", "1", timeout=120)
+    try:
+        assert server.stop(signal.SIGTERM) == 0
+        assert node.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        server.stop(signal.SIGKILL)
+        node.kill()
+        node.wait()

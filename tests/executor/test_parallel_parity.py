@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from network_addresses import free_port_block, non_loopback_address
 
 from lmserve import LLM, SamplingParams
 from lmserve.sampling_params import StructuredOutputsParams
@@ -153,36 +153,6 @@ def test_phi3_and_gemma_split_across_tensor_parallel_ranks(request, model: str) 
     if model == "tiny_gemma3_dir":  # and its local layers' KV-cache groups split across pipeline stages
         with LLM(path, **options, pipeline_parallel_size=2) as llm:
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == one
-
-
-def non_loopback_address() -> str:
-    """This machine's address on its network, as another machine would reach it (the loopback where it has none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # UDP: picks the route, sends nothing
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def free_port_block(host: str, count: int) -> int:
-    """A port such that it and the count - 1 after it are free on host (--master-port and the step sockets)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        held = []
-        try:
-            for port in range(base, base + count):
-                held.append(socket.socket())
-                held[-1].bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 @pytest.fixture

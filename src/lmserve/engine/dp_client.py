@@ -50,14 +50,15 @@ def make_engine_client(config: EngineConfig, log_level: str = "INFO") -> EngineC
 
 
 def replica_config(config: EngineConfig, index: int = 0) -> EngineConfig:
-    """Replica `index`'s config: its data_parallel_rank (its ranks' GPUs follow the other replicas'), and without an explicit --engine-threads, its own share of the CPUs (--engine-cpus, else
-    the process's), so that N replicas do not each start a compute thread per CPU and fight over them; the replica's
-    ranks then split that share between them (worker.Worker), never all of it each."""
+    """Replica `index`'s config: its data_parallel_rank (its ranks' GPUs follow the other replicas'), and without an
+    explicit --engine-threads, its own share of this machine's CPUs (--engine-cpus, else the process's) among the
+    replicas that run here, so that they do not each start a compute thread per CPU and fight over them; the
+    replica's ranks then split that share between them (worker.Worker), never all of it each."""
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=index))
     if config.placement.engine_threads is not None:
         return config
-    cpus = cpu_share(config.placement.engine_cpus or sorted(os.sched_getaffinity(0)),
-                     config.parallel.data_parallel_size, index)
+    here = config.parallel.local_replicas
+    cpus = cpu_share(config.placement.engine_cpus or sorted(os.sched_getaffinity(0)), len(here), index - here.start)
     return dataclasses.replace(config, placement=dataclasses.replace(config.placement, engine_cpus=cpus))
 
 
@@ -66,16 +67,27 @@ class DataParallelClient:
         num_replicas = config.parallel.data_parallel_size
         self.router = DataParallelRouter(num_replicas, config.cache.block_size, config.cache.enable_prefix_caching)
         self.replicas: list[EngineCoreClient] = []
+        here = config.parallel.local_replicas
+        if here.start != 0:
+            raise ValueError(f"data_parallel_start_rank {here.start}: this machine runs no front-end, only replicas: "
+                             "start it with `lmserve serve ... --headless`")
         try:
             for index in range(num_replicas):
-                per_replica = replica_config(config, index)
-                self.replicas.append(EngineCoreClient(per_replica, log_level, name=f"lmserve-engine-{index}"))
+                if index in here:
+                    self.replicas.append(EngineCoreClient(replica_config(config, index), log_level,
+                                                          name=f"lmserve-engine-{index}"))
+                else:  # started on another machine (--headless), which connects to this client's sockets
+                    self.replicas.append(EngineCoreClient(config, log_level, remote_replica=index))
         except BaseException:
             self.shutdown()  # no replica outlives a failed start
             raise
         logger.info("data parallel: %d engine replicas, CPUs %s", num_replicas,
                     " | ".join(",".join(map(str, replica_config(config, i).placement.engine_cpus or ["all"]))
-                               for i in range(num_replicas)))
+                               for i in here))
+        if len(here) < num_replicas:
+            logger.info("waiting for replicas %d-%d from other machines (lmserve serve ... --data-parallel-start-rank "
+                        "N --headless), front-end sockets on %s from port %d", here.stop, num_replicas - 1,
+                        config.parallel.data_parallel_address, config.parallel.data_parallel_rpc_port + 2 * here.stop)
         self._ready: list[Ready | None] = [None] * num_replicas
         self._stats: dict[int, list[EngineStats | None]] = {}  # call id -> each replica's reply so far
         self._receiving: dict[int, asyncio.Future] = {}  # replica -> its socket's receive in flight
@@ -160,8 +172,7 @@ class DataParallelClient:
     def exit_description(self) -> str:
         for index, replica in enumerate(self.replicas):
             if not replica.is_alive:
-                return (f"engine process died (replica {index} of {len(self.replicas)}, "
-                        f"exit code {replica.process.exitcode})")
+                return f"{replica.exit_description()} (replica {index} of {len(self.replicas)})"
         return "no engine replica has died"
 
     def shutdown(self, timeout: float = 5.0) -> None:
