@@ -120,8 +120,41 @@ class ModelRunner:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         source = resolve_model(model_config.model)
-        # A GGUF's matrices by stored type: under auto each layer takes the kernel format that holds its file's
-        # values exactly (worker/stored_formats.py), the rest fp16.
+        per_layer, formats = self._choose_quantization(model_config, source)
+        self.block_size = cache_config.block_size
+        self.numpy_matmuls = False
+        if self.device.type == "cpu":
+            self.numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
+            apply_placement(placement or PlacementConfig(), blas_does_matmuls=self.numpy_matmuls)
+        self.hf_config = load_model_config(source)
+        native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        self.max_model_len = model_config.max_model_len or native_len
+        if self.max_model_len > native_len:
+            logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
+        model = self._load_model(model_config, source, per_layer, formats)
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self._allocate_kv_cache(model, model_config, cache_config, scheduler_config)
+        self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
+        logger.info("decoder layers: %s", self.layer_program)
+        self.kv_files = self._kv_files(cache_config, source, model_config)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        # Each request's token from the last step that sampled it, for a step planned before that token was known
+        # (async scheduling: ScheduledRequest.uses_previous_token). Ints: the step already waits for its tokens
+        # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
+        self.last_sampled: dict[str, int] = {}
+        spec = scheduler_config.speculative_config
+        self.drafter = None
+        if spec is not None and spec.model is not None:
+            draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
+            draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
+            self.drafter = DraftModel(spec.model, draft_runner, placement, self)
+
+    def _choose_quantization(self, model_config: ModelConfig,
+                             source: ModelSource) -> tuple[dict[str, str] | None, tuple[str, ...]]:
+        """Sets self.quantization; returns a GGUF's kernel format per matrix under auto (None otherwise) and the
+        kernel formats that run here. Under auto each layer takes the format that holds its file's values exactly
+        (worker/stored_formats.py), the rest float16."""
         stored_types = stored_matrix_types(source)
         on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
         formats = kernel_formats(model_config.block_activations) if stored_types and on_cpu else ()
@@ -133,16 +166,12 @@ class ModelRunner:
             if fallbacks := float_fallbacks(stored_types, per_layer):
                 logger.warning("no kernel here holds these matrices at their stored size: %s; they run as float16 "
                                "weights (2 bytes a weight)", fallbacks)
-        self.block_size = cache_config.block_size
-        self.numpy_matmuls = False
-        if self.device.type == "cpu":
-            self.numpy_matmuls = self.dtype == torch.float32 and NUMPY_BLAS and self.quantization == "none"
-            apply_placement(placement or PlacementConfig(), blas_does_matmuls=self.numpy_matmuls)
-        self.hf_config = load_model_config(source)
-        native_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
-        self.max_model_len = model_config.max_model_len or native_len
-        if self.max_model_len > native_len:
-            logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
+        return per_layer, formats
+
+    def _load_model(self, model_config: ModelConfig, source: ModelSource, per_layer: dict[str, str] | None,
+                    formats: tuple[str, ...]) -> LlamaForCausalLM:
+        """Builds the model on this rank's share of the weights, each layer on the kernel its format and the
+        settings choose, and logs what it loaded."""
         started = time.perf_counter()
         # Seeds the draws of requests without a seed; the weights all come from the checkpoint (load_weights raises
         # on a missing one), so no parameter depends on it.
@@ -181,20 +210,28 @@ class ModelRunner:
             threading.Thread(target=prepare_batched_copies, args=(model.layers, torch.get_num_threads()),
                              name="batched-copies").start()
         self.vocab_size = self.hf_config.vocab_size
-        batches = ""
-        if self.quantization in LAYER_METHODS:
-            path = self.batched_path
-            batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
-            if self.prompt_copies:  # the path asked for it and some layer took it
-                on = {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
-                      "int8": "the stored blocks (8-bit activations)"}[path.prompt_weights]
-                batches = f", prompt tokens on {on}"
-            batches += f", {self.block_activations} activations in the block kernel"
         logger.info(
             "loaded %s (%s, quantization %s%s, fused ops %s, %s) in %.1fs", source.name, self.dtype,
-            self.quantization, batches, self.fused_ops, self.device, time.perf_counter() - started,
+            self.quantization, self._batch_kernels(), self.fused_ops, self.device, time.perf_counter() - started,
         )
+        return model
 
+    def _batch_kernels(self) -> str:
+        """What the block layers run batches on, for the load's log line ("" without block layers)."""
+        if self.quantization not in LAYER_METHODS:
+            return ""
+        path = self.batched_path
+        batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
+        if self.prompt_copies:  # the path asked for it and some layer took it
+            on = {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
+                  "int8": "the stored blocks (8-bit activations)"}[path.prompt_weights]
+            batches = f", prompt tokens on {on}"
+        return batches + f", {self.block_activations} activations in the block kernel"
+
+    def _allocate_kv_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
+                           scheduler_config: SchedulerConfig) -> None:
+        """Chooses the attention backend and KV dtype, sizes the block pool (the same count on every rank: one block
+        table serves them all) and allocates it, zeroed lazily."""
         num_kv_heads, head_dim = model.kv_shape
         self.attention_backend = check_attention_backend(
             model_config.attention_backend, self.device, self.dtype, head_dim
@@ -210,7 +247,6 @@ class ModelRunner:
         per_block = kv_bytes_per_block(
             layers_per_block, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
         )
-        scheduler_config = scheduler_config or SchedulerConfig()
         blocks_per_request = self.kv_groups.request_blocks(
             self.max_model_len, self.block_size, scheduler_config.max_num_batched_tokens
         )
@@ -240,21 +276,6 @@ class ModelRunner:
             self.max_model_len, tokens / self.max_model_len,
         )
         self.kv_bytes_per_block = per_block
-        self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
-        logger.info("decoder layers: %s", self.layer_program)
-        self.kv_files = self._kv_files(cache_config, source, model_config)
-        self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
-        # Each request's token from the last step that sampled it, for a step planned before that token was known
-        # (async scheduling: ScheduledRequest.uses_previous_token). Ints: the step already waits for its tokens
-        # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
-        self.last_sampled: dict[str, int] = {}
-        spec = scheduler_config.speculative_config
-        self.drafter = None
-        if spec is not None and spec.model is not None:
-            draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
-            draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
-            self.drafter = DraftModel(spec.model, draft_runner, placement, self)
 
     def _use_layer_program(self, model: LlamaForCausalLM) -> str:
         """How the decoder layers run: one C++ program where the model's layers are what it runs, else from Python."""
