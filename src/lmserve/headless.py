@@ -93,7 +93,8 @@ class NodeSupervisor:
 
 
 def rank_supervisor(config: EngineConfig, ctx: zmq.Context) -> NodeSupervisor:
-    """This node's ranks of node 0's engine (--nnodes): their exits reported on the engine's results socket."""
+    """This node's ranks of node 0's engine (--nnodes), on this machine's CPUs as this node's flags say: their exits
+    reported on the engine's results socket."""
     from lmserve.executor.multiproc import RankAddresses, start_rank
 
     parallel = config.parallel
@@ -112,7 +113,7 @@ def rank_supervisor(config: EngineConfig, ctx: zmq.Context) -> NodeSupervisor:
     supervisor = NodeSupervisor(f"node {parallel.node_rank}", {}, results, report)
     results.connect(addresses.results)
     ranks = parallel.node_ranks(parallel.node_rank)
-    supervisor.procs = {f"rank {rank}": start_rank(addresses, parallel, rank) for rank in ranks}
+    supervisor.procs = {f"rank {rank}": start_rank(addresses, parallel, rank, config.placement) for rank in ranks}
     logger.info("node %d of %d: ranks %d-%d started, engine at %s", parallel.node_rank, parallel.nnodes, ranks[0],
                 ranks[-1], addresses.init_method)
     return supervisor

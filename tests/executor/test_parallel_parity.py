@@ -176,17 +176,21 @@ def two_nodes(tiny_llama_dir: Path, tmp_path: Path):
         node.wait()
 
 
-def test_tensor_parallel_over_two_nodes_without_ray(one_rank, tiny_llama_dir: Path, two_nodes) -> None:
-    """vLLM's multi-node mp executor: node 0 runs the engine and rank 0, node 1 (--headless) rank 1; the greedy
-    tokens are one rank's, and the engine's shutdown ends node 1 cleanly."""
+def test_tensor_parallel_over_two_nodes_without_ray(one_rank, tiny_llama_dir: Path, two_nodes, tmp_path) -> None:
+    """vLLM's multi-node mp executor: node 0 runs the engine and rank 0, node 1 (--headless) rank 1, each on the
+    CPUs its own flags give; the greedy tokens are one rank's, and the engine's shutdown ends node 1 cleanly."""
     settings, start_node = two_nodes
-    node1 = start_node("-tp", "2", "--nnodes", "2")
-    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings) as llm:
+    cpus = sorted(os.sched_getaffinity(0))
+    node0_cpu, node1_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
+    node1 = start_node("-tp", "2", "--nnodes", "2", "--engine-cpus", str(node1_cpu))
+    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, engine_cpus=str(node0_cpu), **settings) as llm:
         assert len(llm.engine.executor.procs) == 1  # rank 1 is node 1's
         tokens, stats = workload(llm)
     assert tokens == one_rank[0]
     assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
     assert node1.wait(timeout=30) == 0
+    # Node 1's rank took node 1's CPUs, not the engine's: machines differ.
+    assert f"rank 1: engine compute: 1 thread(s) on CPU(s) {node1_cpu}\n" in (tmp_path / "node1.log").read_text()
 
 
 def test_a_rank_that_dies_on_another_node_is_named(tiny_llama_dir: Path, two_nodes) -> None:

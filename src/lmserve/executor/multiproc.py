@@ -14,6 +14,8 @@ its engine.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -31,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from lmserve.config import EngineConfig, ParallelConfig
+from lmserve.config import EngineConfig, ParallelConfig, PlacementConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 from lmserve.executor.step_messages import StepEncoder
@@ -73,12 +75,15 @@ class RankAddresses:
                    f"tcp://{host}:{port + 1}", f"tcp://{host}:{port}")
 
 
-def start_rank(addresses: RankAddresses, parallel: ParallelConfig, rank: int) -> subprocess.Popen:
-    """One rank process (lmserve.executor.rank_process); it logs at the engine's level unless told otherwise."""
+def start_rank(addresses: RankAddresses, parallel: ParallelConfig, rank: int,
+               placement: PlacementConfig | None = None) -> subprocess.Popen:
+    """One rank process (lmserve.executor.rank_process); it logs at the engine's level unless told otherwise.
+    `placement`: this machine's CPUs and threads where they are not the engine's (a --headless node's own flags)."""
     env = {"LMSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel()), **os.environ}
+    machine = [] if placement is None else [json.dumps(dataclasses.asdict(placement))]
     return subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", addresses.rank_inputs[rank],
                              addresses.results, str(rank), addresses.init_method,
-                             f"{parallel.world_size}/{parallel.nnodes}"], env=env)
+                             f"{parallel.world_size}/{parallel.nnodes}", *machine], env=env)
 
 
 class PendingOutput(Future):

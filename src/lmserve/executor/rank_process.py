@@ -1,10 +1,13 @@
 """The main loop of one rank process (`python -m lmserve.executor.rank_process INPUT RESULTS RANK INIT_METHOD
-WORLD_SIZE/NNODES`), started by the multiproc executor or, on another node, by `lmserve serve --headless`: take the
-configuration from the engine, build the rank's Worker, then run every step the engine sends until told to stop."""
+WORLD_SIZE/NNODES [PLACEMENT_JSON]`), started by the multiproc executor or, on another node, by `lmserve serve
+--headless`: take the configuration from the engine, build the rank's Worker, then run every step the engine sends
+until told to stop."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -13,7 +16,7 @@ import sys
 
 import zmq
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, PlacementConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,16 @@ def layout_mismatch(config: EngineConfig, layout: str) -> str | None:
             f"{parallel.world_size} over {parallel.nnodes}: give every node the same -tp, -pp and --nnodes")
 
 
-def main(input_address: str, results_address: str, rank: int, init_method: str, layout: str) -> int:
+def on_this_machine(config: EngineConfig, placement: str | None) -> EngineConfig:
+    """The engine's configuration with this machine's CPUs and threads where its starter gave them (a --headless
+    node's own --engine-cpus / --engine-threads: the engine's machine may have other CPUs)."""
+    if placement is None:
+        return config
+    return dataclasses.replace(config, placement=PlacementConfig(**json.loads(placement)))
+
+
+def main(input_address: str, results_address: str, rank: int, init_method: str, layout: str,
+         placement: str | None = None) -> int:
     parent = os.getppid()
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
@@ -77,7 +89,7 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
     try:
         if mismatch:
             raise ValueError(mismatch)
-        worker = Worker(first[1], rank, init_method)
+        worker = Worker(on_this_machine(first[1], placement), rank, init_method)
     except Exception as exc:
         logger.exception("rank failed to start")
         send("failed", f"{type(exc).__name__}: {exc}")
@@ -112,4 +124,4 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], *sys.argv[6:7]))
