@@ -131,11 +131,16 @@ def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool
         result["rss_after_mib"] = tree_rss_mib(proc.pid)
         return result
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C to the server's process group (its engine and ranks too), then SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main() -> None:

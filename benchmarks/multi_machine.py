@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -26,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_peers import WORKLOADS, bench, free_port, wait_ready
+from gguf_peers import WORKLOADS, bench, free_port, stop_server, wait_ready
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -72,15 +70,9 @@ def run_once(model: list[str], tokenizer: str, server_flags: list[str], node_fla
         result["tok_s_8"] = bench(tokenizer, port, WORKLOADS["8 concurrent"])["output_throughput"]
         return result
     finally:
-        for p in (proc, node):
-            if p is not None:
-                os.killpg(p.pid, signal.SIGINT)
-        for p in (proc, node):
-            if p is not None:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+        stop_server(proc)
+        if node is not None:
+            stop_server(node)  # after the server: a clean shutdown ends it by itself
 
 
 def main() -> None:

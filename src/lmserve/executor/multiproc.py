@@ -2,7 +2,7 @@
 
 The engine process spawns one process per rank of its node (lmserve.executor.rank_process) and talks to every rank
 over ZMQ (ipc sockets on one machine, TCP on node 0's --master-addr over several; the other nodes' ranks are started
-by `lmserve serve --headless` there, executor/headless.py): each rank first gets the configuration, then each step's
+by `lmserve serve --headless` there, lmserve/headless.py): each rank first gets the configuration, then each step's
 plan (pickled once, each request's lists as what changed since the last step: executor/step_messages.py), and the
 driver rank sends back its output; the ranks talk among themselves through torch.distributed (gloo on CPU, NCCL on
 CUDA). Outputs come back in the order the steps were submitted, so several steps may be in flight (pipeline parallel).
