@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/disaggregation.py [--model M] [--streams 4] [--long 6] [--long-words 280]
 
-Three deployments of one model, one at a time, on this machine's CPUs:
-  one:   one instance, chunked prefill (its default), every CPU;
-  dp2:   `serve -dp 2`, each replica half of the CPUs, prompts routed by the front-end;
-  pd:    a kv_producer instance on the first half of the CPUs, a kv_consumer on the second, `lmserve router` in front.
+Deployments of one model, one at a time, on this machine's CPUs:
+  one:     one instance, chunked prefill (its default), every CPU;
+  dp2:     `serve -dp 2`, each replica half of the CPUs, prompts routed by the front-end;
+  pd:      a kv_producer instance on the first half of the CPUs, a kv_consumer on the second, `lmserve router` in
+           front, the KV through /dev/shm (SharedStorageConnector);
+  pd-link: the same pair, the KV over torch.distributed between them (PyNcclConnector: gloo on CPU).
 Workload: --streams chat streams (short prompts, --stream-tokens each, ignore EOS) start together; once they decode,
 --long requests with distinct prompts of --long-words words (~7 tokens a word; 16 tokens out) arrive one every --gap
 seconds. Reported: the streams' inter-token latency p50/p99/max (from SSE arrival times) while the long requests are
-in flight, and the long requests' TTFT p50/max. The KV goes through /dev/shm.
+in flight, and the long requests' TTFT p50/max.
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ def deploy(kind: str, model: str, cpus: list[int], storage: str) -> tuple[str, l
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
         return url, [proc]
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     procs = []
     for port, role, where in ((ports[0], "kv_producer", first), (ports[1], "kv_consumer", second)):
-        config = json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
-                             "kv_connector_extra_config": {"shared_storage_path": storage}})
+        config = json.dumps({"kv_connector": "PyNcclConnector", "kv_role": role, "kv_port": ports[3]} if kind == "pd-link"
+                            else {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                                  "kv_connector_extra_config": {"shared_storage_path": storage}})
         procs.append(start(["serve", model, "--port", str(port), *common, "--engine-cpus", where, "--api-cpus", where,
                             "--kv-transfer-config", config]))
     for port in ports[:2]:
@@ -81,7 +84,21 @@ def deploy(kind: str, model: str, cpus: list[int], storage: str) -> tuple[str, l
                         f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2]), "--log-level", "WARNING"]))
     url = f"http://127.0.0.1:{ports[2]}"
     wait_healthy(url)
+    wait_transferring(url, f"http://127.0.0.1:{ports[1]}", model)
     return url, procs
+
+
+def wait_transferring(router: str, decode: str, model: str, timeout: float = 120) -> None:
+    """Until a prompt sent through the router is loaded on the decode side (a link comes up after both started)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = httpx.get(decode + "/debug/engine", timeout=10).json()["kv_transfer_loaded_tokens"]
+        prompt = f"Warm-up {random.randrange(10**9)}: " + "the quick brown fox jumps over the lazy dog " * 8
+        httpx.post(router + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}, timeout=60)
+        if httpx.get(decode + "/debug/engine", timeout=10).json()["kv_transfer_loaded_tokens"] > before:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the decode instance loads nothing from the prefill instance")
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> list[float]:
@@ -133,7 +150,7 @@ async def workload(url: str, model: str, streams: int, stream_tokens: int, long:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--deployments", default="one,dp2,pd")
+    parser.add_argument("--deployments", default="one,dp2,pd,pd-link")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--stream-tokens", type=int, default=1500)
     parser.add_argument("--long", type=int, default=6)

@@ -11,7 +11,9 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 import typing
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,23 +190,32 @@ class ModelConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
-KV_CONNECTORS = ("SharedStorageConnector",)
+KV_CONNECTORS = ("SharedStorageConnector", "PyNcclConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_KV_STORAGE_BYTES = 4 * 2**30
+DEFAULT_KV_BUFFER_BYTES = 10**9  # vLLM's kv_buffer_size
+DEFAULT_KV_PORT = 14579  # vLLM's kv_port
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """vLLM's --kv-transfer-config, for prefill/decode disaggregation. SharedStorageConnector: a producer (the prefill
-    instance) writes the KV of every full prompt block it computes into shared_storage_path, one file per block and
-    rank, named by the block's prefix-cache hash (SHA-256 of the tokens before and in it); a consumer (the decode
-    instance) loads the longest run of a new prompt's blocks found there instead of computing them. kv_both does both.
-    The producer keeps at most max_storage_bytes of its own files (oldest removed first)."""
+    """vLLM's --kv-transfer-config, for prefill/decode disaggregation. A producer (the prefill instance) hands over the
+    KV of every full prompt block it computes, named by the block's prefix-cache hash (SHA-256 of the tokens before and
+    in it); a consumer (the decode instance) loads the longest run of a new prompt's blocks it finds instead of
+    computing them.
+    - SharedStorageConnector: through shared_storage_path, one file per block and rank; kv_both does both. The
+      producer keeps at most max_storage_bytes of its own files (oldest removed first).
+    - PyNcclConnector (vLLM V0's names): over torch.distributed between the two instances (gloo on CPU, NCCL on CUDA),
+      a link per rank; the producer (kv_rank 0, kv_parallel_size 2) listens on kv_ip:kv_port + rank, the consumer
+      (kv_rank 1) connects. The consumer keeps what it received in a buffer of its own (shared_storage_path, a new
+      directory; at most kv_buffer_size bytes, oldest removed first)."""
 
     kv_connector: str
     kv_role: str
     shared_storage_path: str
     max_storage_bytes: int = DEFAULT_KV_STORAGE_BYTES
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = DEFAULT_KV_PORT
 
     @property
     def saves(self) -> bool:
@@ -214,10 +225,14 @@ class KVTransferConfig:
     def loads(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
 
+    @property
+    def over_network(self) -> bool:
+        return self.kv_connector == "PyNcclConnector"
+
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> KVTransferConfig:
         known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_rank", "kv_parallel_size",
-                 "kv_buffer_device", "engine_id"}
+                 "kv_buffer_device", "engine_id", "kv_ip", "kv_port", "kv_buffer_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -230,16 +245,50 @@ class KVTransferConfig:
         extra = value.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")  # noqa: TRY004 - a bad flag value
+        if connector == "PyNcclConnector":
+            return cls._network(value, role)
         path = extra.get("shared_storage_path")
         if not isinstance(path, str) or not path or len(path) > 4096:
             raise ValueError("kv_transfer_config: SharedStorageConnector needs kv_connector_extra_config."
                              "shared_storage_path, a directory both instances reach")
-        limit = extra.get("max_storage_bytes", DEFAULT_KV_STORAGE_BYTES)
-        if isinstance(limit, str):
-            limit = parse_memory(limit)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"kv_transfer_config: max_storage_bytes must be a positive size, got {limit!r}")
-        return cls(connector, role, path, limit)
+        return cls(connector, role, path, _byte_count("max_storage_bytes", extra.get("max_storage_bytes",
+                                                                                     DEFAULT_KV_STORAGE_BYTES)))
+
+    @classmethod
+    def _network(cls, value: dict[str, Any], role: str) -> KVTransferConfig:
+        if role == "kv_both":
+            raise ValueError("kv_transfer_config: PyNcclConnector links one kv_producer to one kv_consumer; kv_both "
+                             "needs SharedStorageConnector")
+        rank = value.get("kv_rank", 0 if role == "kv_producer" else 1)
+        if rank != (0 if role == "kv_producer" else 1):
+            raise ValueError(f"kv_transfer_config: PyNcclConnector's kv_producer is kv_rank 0 and its kv_consumer "
+                             f"kv_rank 1; a {role} got kv_rank {rank!r}")
+        if value.get("kv_parallel_size", 2) != 2:
+            raise ValueError(f"kv_transfer_config: PyNcclConnector's kv_parallel_size is 2 (one producer, one "
+                             f"consumer), got {value.get('kv_parallel_size')!r}")
+        address, port = value.get("kv_ip", "127.0.0.1"), value.get("kv_port", DEFAULT_KV_PORT)
+        if not isinstance(address, str) or not address or len(address) > 255:
+            raise ValueError(f"kv_transfer_config: kv_ip must be the producer's address, got {address!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ValueError(f"kv_transfer_config: kv_port must be a port number, got {port!r}")
+        buffer = _byte_count("kv_buffer_size", value.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
+        # The consumer's buffer: a directory of its own, named here so that its scheduler and its ranks agree.
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        path = os.path.join(base, f"lmserve-kv-link-{port}-{uuid.uuid4().hex[:12]}")
+        return cls("PyNcclConnector", role, path, buffer, address, port)
+
+
+def _byte_count(name: str, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = parse_memory(value)
+        except (ValueError, OverflowError):
+            raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}") from None
+    if isinstance(value, float) and value.is_integer():  # vLLM writes kv_buffer_size as 1e9
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}")
+    return value
 
 
 def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:

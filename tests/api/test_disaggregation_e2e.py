@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation end to end: `lmserve serve` as kv_producer and as kv_consumer over one directory,
 `lmserve router` in front, the official client talking to the router. Greedy answers equal one instance's, streamed
-and not; the decode instance loads the prompt's blocks instead of computing them; neither holds a block afterwards."""
+and not; the decode instance loads the prompt's blocks instead of computing them; neither holds a block afterwards.
+The same over PyNcclConnector (torch.distributed between the instances), with two pipeline stages on each side: a link per
+rank."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from network_addresses import free_port_block
 from server_process import LMSERVE, Server, free_port, start_server, wait_for
 
 MODEL = "smollm2-135m-instruct"
@@ -59,6 +62,23 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Ser
     yield prefill, decode, router
     for server in (router, decode, prefill):
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def linked_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Server]]:
+    tmp = tmp_path_factory.mktemp("linked")
+    port = free_port_block("127.0.0.1", 2)  # a link per rank: kv_port and kv_port + 1
+    common = ("-pp", "2", "--max-model-len", "1024", "--kv-cache-memory", "64MiB")
+    prefill = start_server(tmp, *common, "--kv-transfer-config", link("kv_producer", port))
+    decode = start_server(tmp, *common, "--kv-transfer-config", link("kv_consumer", port))
+    router = start_router(tmp, prefill, decode)
+    yield prefill, decode, router
+    for server in (router, decode, prefill):
+        server.stop()
+
+
+def link(role: str, port: int) -> str:
+    return json.dumps({"kv_connector": "PyNcclConnector", "kv_role": role, "kv_port": port})
 
 
 def client(server: Server) -> openai.OpenAI:
@@ -125,3 +145,23 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=10).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_over_torch_distributed_each_rank_sends_its_part_and_the_answer_is_one_instances(linked_pair) -> None:
+    prefill, decode, router = linked_pair
+    assert wait_for(lambda: decode.log().count("linked to the kv_producer") == 2, timeout=60), decode.log()
+    ask = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    answer = client(router).completions.create(**ask)
+    full_blocks = (answer.usage.prompt_tokens - 1) // 16
+    assert full_blocks >= 2 and engine(decode)["kv_transfer_loaded_tokens"] == 16 * full_blocks
+    direct = client(prefill).completions.create(**ask)
+    assert answer.choices[0].text == direct.choices[0].text and answer.usage.completion_tokens == 24
+    chat = [{"role": "user", "content": PROMPT + " what? Answer in one sentence."}]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client(router).chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=16, temperature=0, stream=True) if c.choices)
+    direct_chat = client(prefill).chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    assert streamed == direct_chat.choices[0].message.content
+    assert engine(decode)["kv_transfer_loaded_tokens"] > 16 * full_blocks  # the chat's prompt came over the link too
+    for server in (prefill, decode):
+        stats = wait_for(lambda s=server: (e := engine(s))["num_requests_running"] == 0 and e, timeout=10)
+        assert stats["kv_blocks_used"] == 0 and stats["num_requests_waiting"] == 0

@@ -6,10 +6,14 @@ blocks that a producer stored; those blocks are allocated like computed ones, re
 pass, and count as cached tokens (as vLLM counts external hits). The last prompt token is never loaded: its logits are
 needed. A producer names every full prompt block a step completes that no file holds yet; the worker writes them once
 the forward pass has. Requests asking for prompt logprobs compute every position, as with the prefix cache.
+
+Over PyNcclConnector the consumer's storage is its own buffer directory, which its ranks' links fill; the producer
+has none (its ranks remember what they sent on the link now up).
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
 
 from lmserve.config import KVTransferConfig
@@ -22,7 +26,8 @@ class KVTransferScheduling:
     def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.storage = SharedKVStorage(config.shared_storage_path, world_size)
+        self.storage = (SharedKVStorage(config.shared_storage_path, world_size)
+                        if config.loads or not config.over_network else None)
         self._saved: dict[str, int] = {}  # request id -> its prompt blocks already named for saving
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
@@ -32,14 +37,17 @@ class KVTransferScheduling:
         if not self.config.loads or request.num_prompt_logprobs_missing:
             return []
         hashes = self.kv.block_hashes(request)
+        assert self.storage is not None
         return self.storage.pin(hashes[num_local_hit_blocks : (request.num_tokens - 1) // self.kv.block_size])
 
     def unpin(self, pinned: list[str]) -> None:
-        self.storage.unpin(pinned)
+        if self.storage is not None:
+            self.storage.unpin(pinned)
 
     def loads(self, request: Request, first_block: int, pinned: list[str]) -> list[tuple[int, str]]:
         """(block id, pinned file) of the pinned blocks, now allocated after the local hit."""
         table = self.kv.block_ids(request.request_id)
+        assert self.storage is not None
         self.num_loaded_blocks += len(pinned)
         return [(table[first_block + i], str(self.storage.pins / name)) for i, name in enumerate(pinned)]
 
@@ -56,7 +64,7 @@ class KVTransferScheduling:
                 continue
             hashes, table = self.kv.block_hashes(request), self.kv.block_ids(request.request_id)
             for i in range(done, full):
-                if table[i] >= 0 and not self.storage.has(hashes[i]):
+                if table[i] >= 0 and (self.storage is None or not self.storage.has(hashes[i])):
                     out.append((table[i], hashes[i].hex()))
             self._saved[request.request_id] = full
         self.num_saved_blocks += len(out)
@@ -66,4 +74,7 @@ class KVTransferScheduling:
         self._saved.pop(request_id, None)
 
     def close(self) -> None:
-        self.storage.close()
+        if self.storage is not None:
+            self.storage.close()
+        if self.config.over_network and self.config.loads:  # the consumer's own buffer
+            shutil.rmtree(self.config.shared_storage_path, ignore_errors=True)

@@ -1,6 +1,8 @@
 """A rank's side of prefill/decode disaggregation (lmserve.distributed.kv_storage): writes the KV of the blocks the
 scheduler names after the step computed them (a producer), and reads pinned blocks into the cache before the step
-that attends over them (a consumer).
+that attends over them (a consumer). Over PyNcclConnector, the producer sends the blocks over this rank's link
+(lmserve.distributed.kv_link) instead, and the consumer's link thread writes what arrives into its own buffer
+directory, from which the step loads it as from shared storage.
 
 A block's file holds, for each of this rank's layers, its K then its V block as the cache stores them, raw. A layout
 file per rank (the model, the element type, the block shapes) must match between the instances: a decode instance on
@@ -13,13 +15,14 @@ import json
 import logging
 import os
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from lmserve.config import KVTransferConfig
+from lmserve.distributed.kv_link import MAX_BLOCKS_PER_MESSAGE, KVLink
 from lmserve.distributed.kv_storage import block_file
 
 logger = logging.getLogger(__name__)
@@ -35,13 +38,25 @@ class KVBlockFiles:
         self.rank = rank
         self.parts = [t[0] for layer in kv_caches for t in layer]  # one block of each cache tensor
         self.block_bytes = sum(p.numel() * p.element_size() for p in self.parts)
-        self._check_layout(model_name)
         self.written: deque[tuple[Path, int]] = deque()  # this producer's files, oldest first, for its byte cap
         self.bytes_written = 0
+        self.link: KVLink | None = None
+        if config.over_network:
+            # Names sent on the link now up, as many as the consumer's buffer holds: one sent longer ago than that may
+            # be gone there, so it is sent again.
+            self._sent: OrderedDict[str, None] = OrderedDict()
+            self._sent_generation = 0
+            device = kv_caches[0][0].device if kv_caches else torch.device("cpu")
+            self.link = KVLink(config, rank, self._layout(model_name), device, self.block_bytes, self._keep)
+        else:
+            self._check_layout(model_name)
+
+    def _layout(self, model_name: str) -> dict:
+        return {"model": model_name, "dtype": str(self.parts[0].dtype) if self.parts else "",
+                "block_shapes": [list(p.shape) for p in self.parts], "block_bytes": self.block_bytes}
 
     def _check_layout(self, model_name: str) -> None:
-        layout = {"model": model_name, "dtype": str(self.parts[0].dtype) if self.parts else "",
-                  "block_shapes": [list(p.shape) for p in self.parts], "block_bytes": self.block_bytes}
+        layout = self._layout(model_name)
         path = self.root / f"layout-r{self.rank}.json"
         try:
             found = json.loads(path.read_text())
@@ -58,22 +73,59 @@ class KVBlockFiles:
                              "--kv-cache-dtype and CPU kind on both sides")
 
     def save(self, blocks: list[tuple[int, str]]) -> None:
-        """Writes each (block id, hash) that no producer wrote yet."""
+        """Writes (or sends) each (block id, hash) that no producer wrote yet."""
+        if self.link is not None:
+            self._send(blocks)
+            return
         for block_id, name in blocks:
             path = block_file(self.root, name, self.rank)
-            if path.exists():
-                continue
-            data = torch.cat([t[block_id].reshape(-1).view(torch.uint8).cpu()
-                              for layer in self.kv_caches for t in layer])
-            temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-            data.numpy().tofile(temporary)
-            os.replace(temporary, path)
-            self.written.append((path, self.block_bytes))
-            self.bytes_written += self.block_bytes
+            if not path.exists():
+                self._write(path, self._block(block_id).cpu())
+        self._keep_to_cap()
+
+    def _block(self, block_id: int) -> torch.Tensor:
+        return torch.cat([t[block_id].reshape(-1).view(torch.uint8) for layer in self.kv_caches for t in layer])
+
+    def _write(self, path: Path, data: torch.Tensor) -> None:
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        data.numpy().tofile(temporary)
+        os.replace(temporary, path)
+        self.written.append((path, self.block_bytes))
+        self.bytes_written += self.block_bytes
+
+    def _keep_to_cap(self) -> None:
         while self.bytes_written > self.config.max_storage_bytes and self.written:
             path, size = self.written.popleft()
             path.unlink(missing_ok=True)
             self.bytes_written -= size
+
+    def _send(self, blocks: list[tuple[int, str]]) -> None:
+        assert self.link is not None
+        if self.link.generation != self._sent_generation:  # a new consumer (or the same one, restarted) holds none
+            self._sent.clear()
+            self._sent_generation = self.link.generation
+        fresh = [(block_id, name) for block_id, name in blocks if name not in self._sent]
+        capacity = max(1, self.config.max_storage_bytes // max(1, self.block_bytes))
+        for start in range(0, len(fresh), MAX_BLOCKS_PER_MESSAGE):
+            chunk = fresh[start : start + MAX_BLOCKS_PER_MESSAGE]
+            if not self.link.send([name for _, name in chunk], torch.cat([self._block(b) for b, _ in chunk])):
+                return  # no consumer linked: it computes these blocks itself
+            for _, name in chunk:
+                self._sent[name] = None
+            while len(self._sent) > capacity:
+                self._sent.popitem(last=False)
+
+    def _keep(self, names: list[str], data: torch.Tensor) -> None:
+        """The consumer's link thread: the received blocks into this rank's buffer files, before it acknowledges."""
+        for i, name in enumerate(names):
+            path = block_file(self.root, name, self.rank)
+            if not path.exists():
+                self._write(path, data[i * self.block_bytes : (i + 1) * self.block_bytes])
+        self._keep_to_cap()
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
 
     def load(self, blocks: list[tuple[int, str]]) -> None:
         """Reads each (block id, pin) into the cache, then drops the pin."""

@@ -1,0 +1,157 @@
+"""Prefill/decode disaggregation over torch.distributed (--kv-transfer-config PyNcclConnector, gloo on this CPU) on the
+default model, in-process: a consumer started before its producer links to it and loads the blocks the producer
+sends, giving one instance's greedy tokens; a consumer that goes away leaves the producer serving, and one started
+again links again; a consumer of another KV layout is refused and computes its prompts itself; a taken port fails the
+producer's start; the consumer's buffer is removed when it stops."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from network_addresses import free_port_block
+from test_engine_e2e import assert_idle
+
+from lmserve import LLM, SamplingParams
+from lmserve.config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
+from lmserve.distributed.kv_link import KVLink, wait_linked
+
+PROMPTS = [
+    ("The history of Paris begins in the third century BC, when a Celtic people called the Parisii settled on an "
+     "island in the Seine. The Romans conquered the area in 52 BC and built a town named Lutetia on the left bank."),
+    "List the planets of the solar system in order from the Sun, with one fact about each of them:",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
+LINK_WAIT_S = 60
+
+
+def transfer(role: str, port: int, **extra: object) -> str:
+    return json.dumps({"kv_connector": "PyNcclConnector", "kv_role": role, "kv_port": port, **extra})
+
+
+def link(llm: LLM) -> KVLink:
+    files = llm.engine.executor.runner.kv_files
+    assert files is not None and files.link is not None
+    return files.link
+
+
+def loaded_blocks(llm: LLM) -> int:
+    return llm.engine.scheduler.kv_transfer.num_loaded_blocks
+
+
+def full_blocks(prompt_token_ids: list[int]) -> int:
+    return (len(prompt_token_ids) - 1) // 16  # the last prompt token is always computed: its logits are needed
+
+
+@pytest.fixture(scope="module")
+def ports() -> int:
+    """The first of three free ports: a link per test (a producer's listening port outlives it a little)."""
+    return free_port_block("127.0.0.1", 3)
+
+
+@pytest.fixture(scope="module")
+def producer(ports: int) -> Iterator[LLM]:
+    llm = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", ports + 1))
+    yield llm
+    assert_idle(llm)
+    llm.shutdown()
+
+
+def test_the_config_is_vllms_and_checked() -> None:
+    producer = parse_kv_transfer_config(transfer("kv_producer", 20001, kv_ip="10.0.0.2", kv_rank=0,
+                                                 kv_parallel_size=2, kv_buffer_size=1e8))
+    assert (producer.kv_connector, producer.kv_role, producer.kv_ip, producer.kv_port) == (
+        "PyNcclConnector", "kv_producer", "10.0.0.2", 20001)
+    assert producer.over_network and producer.saves and not producer.loads and producer.max_storage_bytes == 10**8
+    consumer = parse_kv_transfer_config(transfer("kv_consumer", 20001))
+    assert consumer.loads and consumer.kv_ip == "127.0.0.1" and consumer.max_storage_bytes == DEFAULT_KV_BUFFER_BYTES
+    assert "lmserve-kv-link-20001-" in consumer.shared_storage_path  # a buffer of its own, named once
+    for bad, message in [({"kv_role": "kv_both"}, "kv_both needs SharedStorageConnector"),
+                         ({"kv_role": "kv_consumer", "kv_rank": 0}, "kv_rank 1"),
+                         ({"kv_role": "kv_producer", "kv_parallel_size": 3}, "kv_parallel_size is 2"),
+                         ({"kv_role": "kv_producer", "kv_port": 70000}, "kv_port"),
+                         ({"kv_role": "kv_producer", "kv_port": "80"}, "kv_port"),
+                         ({"kv_role": "kv_producer", "kv_ip": ""}, "kv_ip"),
+                         ({"kv_role": "kv_producer", "kv_buffer_size": "inf"}, "kv_buffer_size"),
+                         ({"kv_role": "kv_producer", "kv_buffer_size": 0}, "kv_buffer_size")]:
+        with pytest.raises(ValueError, match=message):
+            KVTransferConfig.from_json({"kv_connector": "PyNcclConnector", **bad})
+
+
+def test_a_consumer_started_first_loads_what_the_producer_sends(ports: int) -> None:
+    port = ports
+    consumer = LLM(num_blocks=200, kv_transfer_config=transfer("kv_consumer", port))
+    producer = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", port))
+    try:
+        assert wait_linked(link(consumer), LINK_WAIT_S) and wait_linked(link(producer), LINK_WAIT_S)
+        prefilled = producer.generate(PROMPTS, ONE_TOKEN)  # what the router asks the prefill instance for
+        blocks = [full_blocks(o.prompt_token_ids) for o in prefilled]
+        decoded = consumer.generate(PROMPTS, GREEDY)
+        expected = [o.outputs[0].token_ids for o in producer.generate(PROMPTS, GREEDY)]
+        assert [o.outputs[0].token_ids for o in decoded] == expected
+        assert [o.num_cached_tokens for o in decoded] == [16 * n for n in blocks] and min(blocks) >= 1
+        assert loaded_blocks(consumer) == sum(blocks)
+        buffer = Path(consumer.engine.config.cache.kv_transfer_config.shared_storage_path)
+        assert len(list(buffer.glob("*-r0.kv"))) == sum(blocks)  # each block crossed once, though asked for twice
+        assert_idle(consumer)
+        assert not any(consumer.engine.scheduler.kv_transfer.storage.pins.iterdir())
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+    assert not buffer.exists()
+
+
+def test_a_consumer_that_goes_away_leaves_the_producer_serving_and_one_started_again_links(
+        producer: LLM, ports: int) -> None:
+    port = ports + 1
+    first = LLM(num_blocks=200, kv_transfer_config=transfer("kv_consumer", port))
+    assert wait_linked(link(producer), LINK_WAIT_S) and wait_linked(link(first), LINK_WAIT_S)
+    generation = link(producer).generation
+    first.shutdown()
+    # The producer's next send finds the consumer gone: its request is answered all the same.
+    alone = producer.generate(PROMPTS[0], GREEDY)[0]
+    assert len(alone.outputs[0].token_ids) == 24
+    second = LLM(num_blocks=200, kv_transfer_config=transfer("kv_consumer", port))
+    try:
+        assert wait_linked(link(second), LINK_WAIT_S) and wait_linked(link(producer), LINK_WAIT_S)
+        assert link(producer).generation > generation
+        # The producer sent PROMPTS[0]'s blocks to the consumer that went away; the new one gets them again.
+        producer.generate(PROMPTS[0], ONE_TOKEN)
+        again = second.generate(PROMPTS[0], GREEDY)[0]
+        assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert again.num_cached_tokens == 16 * full_blocks(alone.prompt_token_ids) == 16 * loaded_blocks(second)
+        assert_idle(second)
+    finally:
+        second.shutdown()
+
+
+def test_a_consumer_of_another_kv_layout_is_refused_and_computes_its_prompts(ports: int) -> None:
+    port = ports + 2
+    producer = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", port))
+    consumer = LLM(num_blocks=200, kv_cache_dtype="float32", kv_transfer_config=transfer("kv_consumer", port))
+    try:
+        deadline = time.monotonic() + LINK_WAIT_S
+        while link(consumer).refusal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "another KV layout" in (link(consumer).refusal or "") and "float32" in link(consumer).refusal
+        assert not link(consumer).up and not link(producer).up
+        producer.generate(PROMPTS[0], ONE_TOKEN)
+        out = consumer.generate(PROMPTS[0], GREEDY)[0]
+        assert out.num_cached_tokens == 0 and loaded_blocks(consumer) == 0
+        assert out.outputs[0].token_ids == producer.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def test_a_producer_whose_port_is_taken_fails_its_start() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(Exception, match="cannot listen on 127.0.0.1"):
+            LLM(num_blocks=64, kv_transfer_config=transfer("kv_producer", taken.getsockname()[1]))
