@@ -11,7 +11,7 @@ import pytest
 from test_scheduler import FakeRunner, make_request, make_scheduler, step
 
 from lmserve import LLM, SamplingParams
-from lmserve.plan.schedule import calibrate
+from lmserve.plan.cost_model import calibrate
 
 # ------------------------------------------------------------------------------------------ admission
 

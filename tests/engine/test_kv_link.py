@@ -2,22 +2,27 @@
 default model, in-process: a consumer started before its producer links to it and loads the blocks the producer
 sends, giving one instance's greedy tokens; a consumer that goes away leaves the producer serving, and one started
 again links again; a consumer of another KV layout is refused and computes its prompts itself; a taken port fails the
-producer's start; the consumer's buffer is removed when it stops."""
+producer's start; a consumer that cannot reach its producer says so; the consumer's buffer is removed when it
+stops."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from network_addresses import free_port_block
 from test_engine_e2e import assert_idle
 
 from lmserve import LLM, SamplingParams
 from lmserve.config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
+from lmserve.distributed import kv_link
 from lmserve.distributed.kv_link import KVLink, wait_linked
 
 PROMPTS = [
@@ -155,3 +160,24 @@ def test_a_producer_whose_port_is_taken_fails_its_start() -> None:
         taken.listen()
         with pytest.raises(Exception, match="cannot listen on 127.0.0.1"):
             LLM(num_blocks=64, kv_transfer_config=transfer("kv_producer", taken.getsockname()[1]))
+
+
+def test_a_consumer_that_cannot_reach_its_producer_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A wrong kv_ip or a firewall: the consumer serves on, computing its prompts, and its log says why (after a
+    minute unlinked; here at once)."""
+    monkeypatch.setattr(kv_link, "UNLINKED_WARNING_AFTER_S", 0.0)
+    monkeypatch.setattr(kv_link, "CONSUMER_JOIN_TIMEOUT", timedelta(seconds=1))
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = parse_kv_transfer_config(transfer("kv_consumer", port))
+    caplog.set_level(logging.WARNING, logger=kv_link.__name__)
+    consumer = KVLink(config, 0, {"model": "m"}, torch.device("cpu"), block_bytes=16, on_blocks=lambda *_: None)
+    try:
+        deadline = time.monotonic() + LINK_WAIT_S
+        while "not linked to the kv_producer" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"not linked to the kv_producer at 127.0.0.1:{port}" in caplog.text and not consumer.up
+    finally:
+        consumer.close()

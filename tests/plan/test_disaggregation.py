@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lmserve.cli import main
+from lmserve.plan.cost_model import CostModel
 from lmserve.plan.disaggregation import separation_advice
-from lmserve.plan.schedule import CostModel
 
 COST = CostModel(ms_per_position=0.5, ms_per_step=10.0)  # a 2k-token chunk: ~1 s beside the decodes
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from lmserve.cli import main
-from lmserve.plan.schedule import RequestSpec, ScheduleSettings, parse_request, replay
+from lmserve.plan.schedule import ScheduleSettings, replay
+from lmserve.plan.workload import RequestSpec, parse_request
 
 BUDGET_EXAMPLE = ["--request", "a:1:30", "--request", "b:1:30", "--request", "p:10:3@2"]
 

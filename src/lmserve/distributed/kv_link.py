@@ -39,7 +39,9 @@ CONSUMER_JOIN_TIMEOUT = timedelta(seconds=10)
 PRODUCER_JOIN_TIMEOUT = timedelta(seconds=30)
 ACK_TIMEOUT = timedelta(seconds=30)  # the longest a producer's step waits for a consumer that stopped answering
 IDLE = timedelta(days=3650)
-REFUSED_RETRY_S = 30.0  # a consumer waits for the producer's next blocks as long as the link lives
+REFUSED_RETRY_S = 30.0
+UNLINKED_WARNING_AFTER_S = 60.0
+UNLINKED_WARNING_EVERY_S = 300.0  # a consumer waits for the producer's next blocks as long as the link lives
 
 OnBlocks = Callable[[list[str], torch.Tensor], None]
 
@@ -108,7 +110,12 @@ class KVLink:
         self._store = None  # a producer's listening port is let go with it
         self._lost.set()
 
+    @property
+    def _peer(self) -> str:
+        return "kv_consumer" if self.producer else "kv_producer"
+
     def _run(self) -> None:
+        unlinked_since, next_warning_s = time.monotonic(), UNLINKED_WARNING_AFTER_S
         while not self._closed.is_set():
             try:
                 groups, generation = self._join()
@@ -118,11 +125,17 @@ class KVLink:
                 self._closed.wait(REFUSED_RETRY_S)
                 continue
             except (RuntimeError, OSError, ValueError) as exc:  # nobody there yet, or the other side went away
-                logger.debug("kv transfer: rank %d not linked yet: %s", self.rank, _first_line(exc))
+                unlinked_s = time.monotonic() - unlinked_since
+                if unlinked_s >= next_warning_s:  # a wrong kv_ip or a firewall must not stay silent
+                    logger.warning("kv transfer: rank %d not linked to the %s at %s:%d for %.0f s (the last try: %s)",
+                                   self.rank, self._peer, self.address, self.port, unlinked_s, _first_line(exc))
+                    next_warning_s = unlinked_s + UNLINKED_WARNING_EVERY_S
+                else:
+                    logger.debug("kv transfer: rank %d not linked yet: %s", self.rank, _first_line(exc))
                 self._closed.wait(1.0)
                 continue
-            logger.info("kv transfer: rank %d linked to the %s (%s:%d, generation %d)", self.rank,
-                        "kv_consumer" if self.producer else "kv_producer", self.address, self.port, generation)
+            logger.info("kv transfer: rank %d linked to the %s (%s:%d, generation %d)", self.rank, self._peer,
+                        self.address, self.port, generation)
             with self._lock:
                 self.refusal = None
                 self.generation = generation
@@ -132,6 +145,7 @@ class KVLink:
                 self._lost.clear()
             else:
                 self._receive(groups)
+            unlinked_since, next_warning_s = time.monotonic(), UNLINKED_WARNING_AFTER_S
 
     def _join(self) -> tuple[tuple[Any, Any], int]:
         if self.producer:

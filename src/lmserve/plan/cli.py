@@ -102,8 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             which = "this layout" if plan.fits else "this layout, which does not fit"
         print(f"serve ({which}):\n  {command}")
     if args.itl_target_ms is not None:
+        from lmserve.plan.cost_model import CostModel
         from lmserve.plan.disaggregation import separation_advice
-        from lmserve.plan.schedule import CostModel
 
         if args.cost_model is None or args.prompt_len is None:
             raise ValueError("--itl-target-ms needs --cost-model (lmserve schedule --calibrate) and --prompt-len")
@@ -147,15 +147,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from lmserve.plan.schedule import (
-        CostModel,
-        ScheduleSettings,
-        calibrate,
-        load_requests,
-        parse_request,
-        render,
-        replay,
-    )
+    from lmserve.plan.cost_model import CostModel, calibrate
+    from lmserve.plan.schedule import ScheduleSettings, render, replay
+    from lmserve.plan.workload import load_requests, parse_request
 
     if args.calibrate:
         text = json.dumps(asdict(calibrate(args.model)), indent=2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from lmserve.plan.schedule import CostModel
+from lmserve.plan.cost_model import CostModel
 
 
 @dataclass

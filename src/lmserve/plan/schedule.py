@@ -21,90 +21,19 @@ Conventions:
 from __future__ import annotations
 
 import json
-import re
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from lmserve.config import KV_BLOCK_SIZE, CacheConfig, SchedulerConfig
 from lmserve.engine.request import Request
 from lmserve.engine.scheduler import Scheduler
 from lmserve.kv_sizing import blocks_needed
+from lmserve.plan.cost_model import CostModel
+from lmserve.plan.workload import REQUEST_SYNTAX, RequestSpec
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import ModelRunnerOutput
 
 # The stand-in's token. Requests carry no EOS id and ignore EOS, so only output_len ends them.
 STANDIN_TOKEN = 0
-_REQUEST = re.compile(r"(?P<name>[^:@\s]+):(?P<prompt>\d+):(?P<output>\d+)(?:@(?P<arrival>\d+))?")
-REQUEST_SYNTAX = "name:prompt_len:output_len[@arrival_iteration], e.g. p:10:3@2"
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    name: str
-    prompt_len: int
-    output_len: int
-    arrival: int = 1
-
-    def __post_init__(self) -> None:
-        if self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError(f"request {self.name!r}: prompt_len and output_len must be >= 1")
-        if self.arrival < 1:
-            raise ValueError(f"request {self.name!r}: iterations are numbered from 1, got arrival {self.arrival}")
-
-
-def parse_request(text: str) -> RequestSpec:
-    match = _REQUEST.fullmatch(text.strip())
-    if match is None:
-        raise ValueError(f"malformed request {text!r}: expected {REQUEST_SYNTAX}")
-    return RequestSpec(
-        match["name"], int(match["prompt"]), int(match["output"]), int(match["arrival"] or 1)
-    )
-
-
-def load_requests(path: str | Path) -> list[RequestSpec]:
-    """A JSON list (or {"requests": [...]}) of objects {name, prompt_len, output_len, arrival?} or request strings."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    match data:
-        case {"requests": list() as items} | (list() as items):
-            pass
-        case _:
-            raise ValueError(f"{path}: expected a list of requests or {{\"requests\": [...]}}")
-    specs = []
-    for item in items:
-        if isinstance(item, str):
-            specs.append(parse_request(item))
-        elif isinstance(item, dict) and {"name", "prompt_len", "output_len"} <= item.keys():
-            specs.append(RequestSpec(
-                str(item["name"]), int(item["prompt_len"]), int(item["output_len"]), int(item.get("arrival", 1))
-            ))
-        else:
-            raise ValueError(f"{path}: bad request {item!r}: expected {{name, prompt_len, output_len, arrival?}}")
-    return specs
-
-
-@dataclass
-class CostModel:
-    """Estimated step time = ms_per_step + ms_per_position × positions. Linear: it ignores attention's growth
-    with context, so it is an estimate for short contexts, measured on one machine."""
-
-    ms_per_position: float
-    ms_per_step: float
-    source: str = "hand-made"
-
-    def step_ms(self, positions: int) -> float:
-        return self.ms_per_step + self.ms_per_position * positions if positions else 0.0
-
-    @classmethod
-    def load(cls, path: str | Path) -> CostModel:
-        try:
-            data = json.loads(Path(path).read_text())
-            return cls(float(data["ms_per_position"]), float(data["ms_per_step"]), str(data.get("source", path)))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: expected JSON {{ms_per_position, ms_per_step}}: {exc}") from None
 
 
 @dataclass
@@ -380,74 +309,3 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------- calibrate
-
-
-def calibrate(model: str, sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 256), repeats: int = 3) -> CostModel:
-    """Measures step time against positions on this machine with a real model, and fits a line to it.
-
-    Each sample is one step of `n` positions: a prompt of n tokens (n > 1) or n single-position decodes. Loads the
-    model, so it takes seconds and never runs in the test suite.
-    """
-    import random
-    import statistics
-
-    from lmserve import LLM
-
-    budget = max(sizes)
-    llm = LLM(model, max_num_batched_tokens=budget, max_num_seqs=budget, enable_prefix_caching=False)
-    engine = llm.engine
-    rng = random.Random(0)
-    vocab = engine.vocab_size
-    ids = iter(range(10**9))
-
-    def add(prompt_len: int, max_tokens: int) -> None:
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        engine.add_request(Request(f"calibrate-{next(ids)}", prompt, params))
-
-    def timed_step() -> tuple[int, float]:
-        engine.step()
-        stats = engine.last_step
-        return stats.num_positions, stats.duration_s * 1e3
-
-    samples: list[tuple[int, float]] = []
-    add(budget, 1)  # warm-up: first calls allocate buffers and pick kernels
-    while engine.has_unfinished_requests():
-        engine.step()
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
-            if n > 1:  # one prefill of n positions
-                add(n, 1)
-                times.append(timed_step()[1])
-            else:
-                add(4, 3)
-                timed_step()
-                times.append(timed_step()[1])  # one decode
-            while engine.has_unfinished_requests():
-                engine.step()
-        samples.append((n, statistics.median(times)))
-    for batch in (4, 16, 32):  # decode batches: n requests × 1 position
-        for _ in range(batch):
-            add(4, 4)
-        timed_step()  # their prefills
-        positions, ms = timed_step()
-        samples.append((positions, ms))
-        while engine.has_unfinished_requests():
-            engine.step()
-    ms_per_position, ms_per_step = _fit(samples)
-    source = f"lmserve schedule --calibrate, model {model}, {time.strftime('%Y-%m-%d')}"
-    return CostModel(max(ms_per_position, 0.0), max(ms_per_step, 0.0), source)
-
-
-def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares line ms = a + b·positions; returns (b, a)."""
-    n = len(samples)
-    mean_x = sum(x for x, _ in samples) / n
-    mean_y = sum(y for _, y in samples) / n
-    var = sum((x - mean_x) ** 2 for x, _ in samples)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in samples) / var if var else 0.0
-    return slope, mean_y - slope * mean_x
