@@ -19,19 +19,13 @@ import pytest
 import torch
 from network_addresses import free_port_block
 from test_engine_e2e import assert_idle
+from test_kv_transfer import GREEDY, ONE_TOKEN, PROMPTS
 
-from lmserve import LLM, SamplingParams
+from lmserve import LLM
 from lmserve.config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
 from lmserve.distributed import kv_link
 from lmserve.distributed.kv_link import KVLink, wait_linked
 
-PROMPTS = [
-    ("The history of Paris begins in the third century BC, when a Celtic people called the Parisii settled on an "
-     "island in the Seine. The Romans conquered the area in 52 BC and built a town named Lutetia on the left bank."),
-    "List the planets of the solar system in order from the Sun, with one fact about each of them:",
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 LINK_WAIT_S = 60
 
 
