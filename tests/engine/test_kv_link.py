@@ -175,3 +175,30 @@ def test_a_consumer_that_cannot_reach_its_producer_says_so(monkeypatch: pytest.M
         assert f"not linked to the kv_producer at 127.0.0.1:{port}" in caplog.text and not consumer.up
     finally:
         consumer.close()
+
+
+def test_a_consumer_that_cannot_keep_what_it_received_keeps_the_link(ports: int) -> None:
+    """Two bare links: a batch the consumer fails to store (a full /dev/shm) is acknowledged and dropped, and the
+    next one arrives whole."""
+    kept: list[tuple[list[str], bytes]] = []
+    failures = [OSError(28, "No space left on device")]
+
+    def keep(names: list[str], data: torch.Tensor) -> None:
+        if failures:
+            raise failures.pop()
+        kept.append((names, data.numpy().tobytes()))
+
+    port = ports + 2  # the layout test's producer is gone by now
+    layout = {"model": "m", "block_bytes": 4}
+    producer = KVLink(parse_kv_transfer_config(transfer("kv_producer", port)), 0, layout, torch.device("cpu"), 4)
+    consumer = KVLink(parse_kv_transfer_config(transfer("kv_consumer", port)), 0, layout, torch.device("cpu"), 4, keep)
+    try:
+        assert wait_linked(producer, LINK_WAIT_S) and wait_linked(consumer, LINK_WAIT_S)
+        names = ["ab" * 32, "cd" * 32]
+        data = torch.arange(8, dtype=torch.uint8)
+        assert producer.send(names, data) and kept == []
+        assert producer.send(names[::-1], data + 1) and producer.up
+        assert kept == [(names[::-1], bytes(range(1, 9)))]
+    finally:
+        consumer.close()
+        producer.close()

@@ -180,6 +180,8 @@ class KVLink:
             while not self._closed.is_set():
                 header = torch.zeros(2, dtype=torch.int64)
                 _wait(control.recv([header], 0, 0), IDLE)
+                if self._closed.is_set():  # gloo's abort leaves the pair open: the last reference closes it
+                    return
                 count, size = header.tolist()
                 if not 0 < count <= MAX_BLOCKS_PER_MESSAGE or size != count * self.block_bytes or size > limit:
                     raise RuntimeError(f"a message of {count} blocks in {size} bytes (a block is {self.block_bytes})")
@@ -188,7 +190,10 @@ class KVLink:
                 data = torch.empty(size, dtype=torch.uint8, device=self.device)
                 _wait(data_group.recv([data], 0, 2), ACK_TIMEOUT)
                 assert self.on_blocks is not None
-                self.on_blocks(_unpack_names(names), data.cpu())
+                try:
+                    self.on_blocks(_unpack_names(names), data.cpu())
+                except OSError as exc:  # a full /dev/shm: these blocks are computed here instead; the link holds
+                    logger.warning("kv transfer: rank %d cannot keep %d received blocks (%s)", self.rank, count, exc)
                 _wait(control.send([torch.ones(1, dtype=torch.int64)], 0, 3), ACK_TIMEOUT)
         except (RuntimeError, OSError) as exc:
             if not self._closed.is_set():
@@ -218,6 +223,7 @@ def _wait(work: Any, timeout: timedelta) -> None:
 
 
 def _shutdown(groups: tuple[Any, Any]) -> None:
+    """Aborts what is in flight (NCCL); gloo's sockets close only with the group's last reference."""
     for group in dict.fromkeys(groups):  # control and data may be one group
         try:
             group.abort()
