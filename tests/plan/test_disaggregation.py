@@ -21,6 +21,7 @@ def test_long_prompts_and_a_tight_target_call_for_separation() -> None:
     assert advice.colocated_ttft_ms == pytest.approx(2 * (10 + 0.5 * 2056))
     assert advice.pays and "kv_producer" in advice.commands[0] and "kv_consumer" in advice.commands[1]
     assert advice.commands[2].startswith("lmserve router --prefill")
+    assert '"kv_connector": "PyNcclConnector"' in advice.render()  # the way across machines
 
 
 def test_short_prompts_or_a_loose_target_keep_one_instance() -> None:

@@ -33,7 +33,10 @@ class SeparationAdvice:
                  (f"  separated: ITL {self.separated_itl_ms:.1f} ms, TTFT {self.separated_ttft_ms:.0f} ms "
                   "(each side on half the hardware, plus the KV's trip through storage)")]
         if self.pays:
-            lines += ["  commands:", *(f"    {c}" for c in self.commands)]
+            lines += ["  commands:", *(f"    {c}" for c in self.commands),
+                      ("  on two machines, each --kv-transfer-config instead: "
+                       '{"kv_connector": "PyNcclConnector", "kv_role": "kv_producer" (or "kv_consumer"), '
+                       '"kv_ip": "<the prefill machine\'s address>"} (the KV over torch.distributed)')]
         return "\n".join(lines)
 
 
