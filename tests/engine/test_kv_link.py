@@ -148,6 +148,12 @@ def test_a_consumer_of_another_kv_layout_is_refused_and_computes_its_prompts(por
         producer.shutdown()
 
 
+def test_a_link_past_the_last_port_is_refused() -> None:
+    config = parse_kv_transfer_config(transfer("kv_consumer", 65535))
+    with pytest.raises(ValueError, match="port 65536 .kv_port \\+ rank., past 65535"):
+        KVLink(config, 1, {}, torch.device("cpu"), block_bytes=16)
+
+
 def test_a_producer_whose_port_is_taken_fails_its_start() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -70,6 +70,9 @@ class KVLink:
         self._lost = threading.Event()
         self._closed = threading.Event()
         self._store: dist.TCPStore | None = None
+        if self.port > 65535:
+            raise ValueError(f"kv transfer: rank {rank}'s link would use port {self.port} (kv_port + rank), past "
+                             "65535: choose a lower kv_port")
         if self.producer:
             try:  # the one step that can fail at once, so a taken port fails the start with its reason
                 self._store = dist.TCPStore(self.address, self.port, 2, is_master=True, timeout=CONSUMER_JOIN_TIMEOUT,
