@@ -62,6 +62,8 @@ def _this_checkout() -> dict[str, str]:
     (["-pp", "2", "--nnodes", "2", "--distributed-executor-backend", "ray"],
      "nnodes=2 runs ranks with the mp executor; ray cannot"),
     (["-pp", "2", "--nnodes", "2", "--master-port", "65534"], "master_port must be a port in [1, 65532]"),
+    (["-dp", "2", "--kv-transfer-config", '{"kv_connector": "PyNcclConnector", "kv_role": "kv_consumer"}'],
+     "PyNcclConnector links one kv_producer instance to one kv_consumer instance, got data_parallel_size=2"),
 ])  # fmt: skip
 def test_serve_refuses_a_multi_machine_layout_it_cannot_run_in_one_line(flags, message, capsys) -> None:
     assert cli.main(["serve", "--port", "0", *flags]) == 2

@@ -577,6 +577,12 @@ class EngineConfig:
         spec = self.scheduler.speculative_config
         if self.cache.kv_transfer_config is not None and spec is not None and spec.model is not None:
             raise ValueError("kv_transfer_config with a draft model: the draft's own KV cache is not transferred")
+        transfer = self.cache.kv_transfer_config
+        if transfer is not None and transfer.over_network and self.parallel.data_parallel_size > 1:
+            # Every replica's ranks would listen on (or join) the same ports: one link, several ends.
+            raise ValueError(f"PyNcclConnector links one kv_producer instance to one kv_consumer instance, got "
+                             f"data_parallel_size={self.parallel.data_parallel_size}: run one pair per replica, each "
+                             "with its own kv_port, or use SharedStorageConnector")
         if spec is not None and spec.model is not None and self.parallel.world_size > 1:
             # The draft fills its guesses in on the rank that samples; the others could not know them.
             raise ValueError("speculative decoding with a draft model runs on one rank per engine, got "
