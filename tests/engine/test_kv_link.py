@@ -102,7 +102,8 @@ def test_a_consumer_started_first_loads_what_the_producer_sends(ports: int) -> N
     finally:
         consumer.shutdown()
         producer.shutdown()
-    assert not buffer.exists()
+    assert not buffer.exists()  # the consumer's buffer went with it; the producer never had one
+    assert not Path(producer.engine.config.cache.kv_transfer_config.shared_storage_path).exists()
 
 
 def test_a_consumer_that_goes_away_leaves_the_producer_serving_and_one_started_again_links(

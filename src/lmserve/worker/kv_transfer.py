@@ -33,7 +33,8 @@ class KVBlockFiles:
                  model_name: str) -> None:
         self.config = config
         self.root = Path(config.shared_storage_path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if config.loads or not config.over_network:  # a link's producer keeps no files
+            self.root.mkdir(parents=True, exist_ok=True)
         self.kv_caches = kv_caches
         self.rank = rank
         self.parts = [t[0] for layer in kv_caches for t in layer]  # one block of each cache tensor
