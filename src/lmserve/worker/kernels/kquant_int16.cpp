@@ -20,7 +20,10 @@
 //   q4_k: 64 + 8 x (32 + 256) = 2,368 bytes per 16 x 256 weights (the file's 144 per 256: 4.5 bits + 0.125)
 //   q6_k: 32 + 8 x (32 + 384) = 3,360 bytes (the file's 210 per 256: 6.5625 bits)
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -177,7 +180,7 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
 }
 
 template <class Format>
-void check_weight(const torch::Tensor& weight, int64_t N, int64_t K) {
+void check_weight(const at::Tensor& weight, int64_t N, int64_t K) {
   check_packed_weight(weight, Format::kName, N, K, kSuper, K / kSuper * super_bytes<Format>());
 }
 
@@ -192,8 +195,8 @@ void tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, 
 
 // kLow: 16-bit activations (`_int16_linear`); without it 8-bit ones (`_int8_linear`), on the same weights.
 template <class Format, bool kLow = true>
-torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
-                     const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
   LinearCall call = linear_call(input, out_features, bias);
   const int64_t K = call.K, N = call.N, M = call.M, blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
@@ -243,17 +246,17 @@ struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16
 };
 
 template <class Format>
-torch::Tensor pack(const torch::Tensor& blocks) {
+at::Tensor pack(const at::Tensor& blocks) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
   constexpr bool kFiveBit = std::is_same_v<Format, Q5_K>;
   using Source = std::conditional_t<kSixBit, SourceQ6_K, std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>;
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.size(2) == Source::kBytes,
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == Source::kBytes,
               Format::kName, " blocks must be uint8 [N, K / 256, ", Source::kBytes, "]");
   const int64_t N = blocks.size(0), supers = blocks.size(1);
   TORCH_CHECK(N % kGroup == 0, Format::kName, " layers need out_features that are a multiple of 16, got ", N);
-  const torch::Tensor source = blocks.contiguous();
+  const at::Tensor source = blocks.contiguous();
   const uint8_t* src_all = source.data_ptr<uint8_t>();
-  torch::Tensor out = torch::empty({N / kGroup, supers * super_bytes<Format>()}, torch::kUInt8);
+  at::Tensor out = at::empty({N / kGroup, supers * super_bytes<Format>()}, at::kByte);
   uint8_t* out_all = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / kGroup, 4, [&](int64_t begin, int64_t end) {
     uint8_t codes[kGroup][kSuper];
@@ -310,8 +313,8 @@ torch::Tensor pack(const torch::Tensor& blocks) {
 // The float32 weights [N, K]: gguf's values bit for bit (q4_k: (d sc) q - dmin mn, one rounding as an FMA of exact
 // terms; q6_k: (d sc) (q - 32), exact).
 template <class Format>
-void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2,
+void dequantize(const at::Tensor& weight, at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2,
               "out must be [N, K] float32");
   const int64_t N = out.size(0), K = out.size(1), blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
@@ -367,11 +370,11 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q5_k_int16_linear", &linear<Q5_K>);
   m.impl("q5_k_int8_linear", &linear<Q5_K, false>);
   m.impl("q5_k_int16_pack", &pack<Q5_K>);
-  m.impl("q5_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q5_K>(w, out); });
-  m.impl("q4_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_K>(w, out); });
+  m.impl("q5_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q5_K>(w, out); });
+  m.impl("q4_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q4_K>(w, out); });
   m.impl("q6_k_int16_linear", &linear<Q6_K>);
   m.impl("q6_k_int8_linear", &linear<Q6_K, false>);
-  m.impl("q6_k_int16_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q6_K>(w, out); });
+  m.impl("q6_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q6_K>(w, out); });
 }
 
 #endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C

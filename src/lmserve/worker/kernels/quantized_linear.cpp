@@ -17,7 +17,10 @@
 //
 // Work is split over panels on torch's OpenMP threads. Batches above 8 rows widen a group of panels into float32
 // first and run register tiles over it (gemm_product below).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
@@ -278,6 +281,8 @@ inline void write_tile(const float* tile, int T, const float* bias, float* y, in
 }
 
 #if defined(__AVX512F__)
+#undef LMSERVE_GEMM_ROW
+#undef LMSERVE_GEMM_STORE
 #define LMSERVE_GEMM_ROW(t)                                        \
   if constexpr (T > t) {                                           \
     const __m512 v = _mm512_set1_ps(x[t * K + k]);                 \
@@ -376,8 +381,8 @@ void gemm_product(const uint8_t* weight, int64_t begin, int64_t end, int64_t K, 
   }
 }
 
-void check_inputs(const torch::Tensor& weight, int64_t N, int64_t K, int64_t block_bytes) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+void check_inputs(const at::Tensor& weight, int64_t N, int64_t K, int64_t block_bytes) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "packed weight must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features must be a positive multiple of 32, got ", K);
   const int64_t expected = num_panels(N) * kPanel * (K / kBlock) * block_bytes;
@@ -386,23 +391,23 @@ void check_inputs(const torch::Tensor& weight, int64_t N, int64_t K, int64_t blo
 }
 
 template <class Format>
-torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, int64_t out_features,
-                     const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == torch::kFloat32, "input must be float32 on CPU");
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out_features,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat, "input must be float32 on CPU");
   const int64_t K = input.size(-1);
   const int64_t N = out_features;
   check_inputs(weight, N, K, Format::kBytes);
-  const torch::Tensor x = input.reshape({-1, K}).contiguous();
+  const at::Tensor x = input.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   const float* bias_data = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be a contiguous float32 tensor of out_features");
     bias_data = bias->data_ptr<float>();
   }
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = N;
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y.view(out_shape);
   const int64_t blocks = K / kBlock;
   const float* xp = x.data_ptr<float>();
@@ -439,8 +444,8 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, in
 
 // The float32 weight matrix [N, K] into out: the float16 copy for larger batches, and tests.
 template <class Format>
-void dequantize(const torch::Tensor& weight, torch::Tensor& out) {
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2, "out must be [N, K] float32");
+void dequantize(const at::Tensor& weight, at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2, "out must be [N, K] float32");
   const int64_t N = out.size(0), K = out.size(1);
   check_inputs(weight, N, K, Format::kBytes);
   const int64_t blocks = K / kBlock;
@@ -479,8 +484,8 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q4_1_linear", &linear<Q4_1>);
   m.impl("q8_0_linear", &linear<Q8_0>);
-  m.impl("q4_1_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q4_1>(w, out); });
-  m.impl("q8_0_dequantize", [](const torch::Tensor& w, torch::Tensor out) { dequantize<Q8_0>(w, out); });
+  m.impl("q4_1_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q4_1>(w, out); });
+  m.impl("q8_0_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q8_0>(w, out); });
 }
 
 #endif  // AVX2, FMA, F16C
