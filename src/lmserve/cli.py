@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # exception that serve() expects, so the engine process is shut down before we exit 0.
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    return asyncio.run(serve(
+    code = asyncio.run(serve(
         config, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
         api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
@@ -87,6 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser),
         allowed_origins=args.allowed_origins,
     ))
+    from lmserve.process_exit import exit_closed
+
+    exit_closed(code)  # serve() stopped the engine and closed the sockets: the interpreter's teardown adds nothing
 
 
 def _positive_int(text: str) -> int:

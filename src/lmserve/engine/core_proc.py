@@ -35,6 +35,7 @@ from lmserve.engine.messages import (
 )
 from lmserve.engine.request import Request
 from lmserve.metrics.clock import now
+from lmserve.process_exit import exit_closed
 
 logger = logging.getLogger(__name__)
 
@@ -163,4 +164,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
 if __name__ == "__main__":  # started by engine/client.py: addresses, log level and name as arguments, config on stdin
     _input_addr, _output_addr, _log_level = sys.argv[1:4]  # argv[4], the engine's name, is there for ps
-    run_engine_core(pickle.load(sys.stdin.buffer), _input_addr, _output_addr, _log_level)
+    try:
+        run_engine_core(pickle.load(sys.stdin.buffer), _input_addr, _output_addr, _log_level)
+    except SystemExit as stopped:  # SIGTERM (0) closed everything too; a crash (1) leaves the slow, usual way
+        if stopped.code not in (0, None):
+            raise
+    exit_closed(0)

@@ -17,6 +17,7 @@ import sys
 import zmq
 
 from lmserve.config import EngineConfig, PlacementConfig
+from lmserve.process_exit import exit_closed
 
 logger = logging.getLogger(__name__)
 
@@ -124,4 +125,4 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], *sys.argv[6:7]))
+    exit_closed(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], *sys.argv[6:7]))
