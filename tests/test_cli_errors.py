@@ -70,3 +70,11 @@ def test_serve_refuses_a_multi_machine_layout_it_cannot_run_in_one_line(flags, m
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(f"lmserve: error: {message}"), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "601", "nan"])
+def test_serve_refuses_a_bad_engine_death_grace_before_starting_anything(value, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("LMSERVE_ENGINE_DEATH_GRACE_S", value)
+    assert cli.main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"LMSERVE_ENGINE_DEATH_GRACE_S={value!r}: give seconds from 0 to 600" in err and "Traceback" not in err

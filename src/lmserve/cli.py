@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     # Only what starts the engine process is imported before it starts (the web stack comes later, in serve()).
-    from lmserve.api.serve import ShutdownRequested, serve
+    from lmserve.api.serve import ShutdownRequested, engine_death_grace_s, serve
     from lmserve.api.tool_parsers import ToolConfig
     from lmserve.config import make_engine_config, parse_cpus
 
@@ -65,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ShutdownRequested(signum)
 
     config = make_engine_config(**engine_kwargs(args))
+    engine_death_grace = engine_death_grace_s()  # a bad value fails here, before any engine starts
     if config.parallel.node_rank and not args.headless:
         raise ValueError(f"--node-rank {config.parallel.node_rank}: nodes other than 0 run only their ranks; add "
                          "--headless (node 0 serves the API)")
@@ -85,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser),
-        allowed_origins=args.allowed_origins,
+        allowed_origins=args.allowed_origins, engine_death_grace=engine_death_grace,
     ))
     from lmserve.process_exit import exit_closed
 

@@ -82,13 +82,16 @@ class Server:
             return self.process.wait()
 
 
-def start_server(tmp: Path, *args: str, timeout: float = 180, command: list[str] | None = None) -> Server:
-    """`lmserve serve ARGS` (or `command serve ARGS`) on a free port, once /health answers 200."""
+def start_server(tmp: Path, *args: str, timeout: float = 180, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """`lmserve serve ARGS` (or `command serve ARGS`) on a free port, once /health answers 200; env: variables set
+    for it on top of this process's."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
     cmd = [*(command or [str(LMSERVE)]), "serve", "--port", str(port), *args]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, **(env or {})})
     server = Server(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

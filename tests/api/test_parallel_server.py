@@ -23,9 +23,14 @@ def rank_pids(server_pid: int) -> list[int]:
     return ranks
 
 
+# The 503s after the engine's death last 1 s instead of 3 (LMSERVE_ENGINE_DEATH_GRACE_S): these tests poll for the
+# first one at once, then only wait for the exit.
+SHORT_GRACE = {"LMSERVE_ENGINE_DEATH_GRACE_S": "1"}
+
+
 def test_tensor_parallel_server_serves_and_a_dead_rank_fails_it_cleanly(tmp_path: Path, tiny_llama_dir: Path) -> None:
     server = start_server(tmp_path, str(tiny_llama_dir), "-tp", "2", "--dtype", "float32", "--quantization", "none",
-                          "--kv-cache-memory", "16MiB", "--max-model-len", "256", timeout=180)
+                          "--kv-cache-memory", "16MiB", "--max-model-len", "256", timeout=180, env=SHORT_GRACE)
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         done = client.completions.create(model=str(tiny_llama_dir), prompt="The capital of France is", max_tokens=6,
@@ -55,7 +60,7 @@ def test_a_rank_killed_mid_step_ends_the_stream_and_the_server(tmp_path: Path, t
     stream ends with an error rather than hanging, the server fails as an engine death does, and the rank left
     waiting in the collective goes with it."""
     server = start_server(tmp_path, str(tiny_llama_dir), "-tp", "2", "--dtype", "float32", "--quantization", "none",
-                          "--kv-cache-memory", "16MiB", "--max-model-len", "2048", timeout=180)
+                          "--kv-cache-memory", "16MiB", "--max-model-len", "2048", timeout=180, env=SHORT_GRACE)
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         engines, ranks = children(server.process.pid), rank_pids(server.process.pid)

@@ -14,7 +14,25 @@ from lmserve.frontend.async_llm import AsyncLLM
 logger = logging.getLogger(__name__)
 
 # After the engine dies, keep answering 503 this long (so clients and probes see why), then exit non-zero.
-ENGINE_DEATH_GRACE_S = 3.0
+ENGINE_DEATH_GRACE_VARIABLE = "LMSERVE_ENGINE_DEATH_GRACE_S"
+DEFAULT_ENGINE_DEATH_GRACE_S = 3.0
+MAX_ENGINE_DEATH_GRACE_S = 600.0
+
+
+def engine_death_grace_s() -> float:
+    """LMSERVE_ENGINE_DEATH_GRACE_S: seconds of 503 answers between the engine's death and the server's exit (vLLM
+    exits at once; a probe or a client polling /health learns why first). ValueError names a bad value."""
+    text = os.environ.get(ENGINE_DEATH_GRACE_VARIABLE)
+    if text is None:
+        return DEFAULT_ENGINE_DEATH_GRACE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= MAX_ENGINE_DEATH_GRACE_S:  # also refuses nan
+        raise ValueError(f"{ENGINE_DEATH_GRACE_VARIABLE}={text!r}: give seconds from 0 to "
+                         f"{MAX_ENGINE_DEATH_GRACE_S:.0f}")
+    return seconds
 
 
 class ShutdownRequested(Exception):
@@ -59,8 +77,10 @@ async def serve(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tools: ToolConfig | None = None,
     allowed_origins: list[str] | None = None,
+    engine_death_grace: float = DEFAULT_ENGINE_DEATH_GRACE_S,
 ) -> int:
-    """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies or the address cannot be bound (exit code 1)."""
+    """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1, `engine_death_grace` seconds
+    later) or the address cannot be bound (exit code 1)."""
     try:
         listening = bind_listening_socket(host, port)
     except PortUnavailable as exc:
@@ -92,7 +112,7 @@ async def serve(
         if server.should_exit:
             return  # already stopping: a SIGTERM to the process group reached the engine too
         exit_code = 1
-        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
+        asyncio.get_running_loop().call_later(engine_death_grace, setattr, server, "should_exit", True)
 
     llm.on_engine_dead = on_engine_dead
     try:
