@@ -3,8 +3,9 @@
 No real tool-calling model fits in CI, so this module makes one: conftest's tiny Llama shape with the default model's
 tokenizer and Qwen2.5's chat template (the tools listed in the system turn, calls written as <tool_call> blocks,
 results given back as <tool_response>: the format `--tool-call-parser hermes` reads), trained for a few seconds until
-greedy decoding gives, with a margin, three answers to three conversations rendered as the server renders them:
-- the weather asked with `get_weather` offered: a call of get_weather for Paris;
+greedy decoding gives, with a margin, these answers to these conversations rendered as the server renders them:
+- the weather asked with `get_weather` offered (as LangChain writes it, or as the OpenAI Agents SDK does): a call of
+  get_weather for Paris;
 - the same with the call and its result appended: an answer built from the result;
 - the weather asked with no tool: a refusal.
 Nothing constrains the decoding, so the call is the model's choice and the server's only part is what vLLM's is:
@@ -55,9 +56,25 @@ def answered(call: dict[str, Any]) -> list[dict[str, Any]]:
             {"role": "tool", "tool_call_id": call["id"], "content": RESULT}]
 
 
+def agents_sdk_tool() -> dict[str, Any]:
+    """get_weather as the OpenAI Agents SDK sends it (its strict schema: titles, no additional properties)."""
+    import agents  # a test dependency (pyproject's test extras)
+    from agents.models.chatcmpl_converter import Converter
+
+    return dict(Converter.tool_to_openai(agents.function_tool(get_weather)))
+
+
 TRAINING_CALL = {"id": "call_0", "type": "function",
                  "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-CONVERSATIONS = [(ASK, [WEATHER], CALL_TEXT), (answered(TRAINING_CALL), [WEATHER], ANSWER), (ASK, None, REFUSAL)]
+
+
+def conversations() -> list[tuple[list[dict], list[dict] | None, str]]:
+    """What the model learns: with get_weather (as LangChain or as the Agents SDK writes it) a call, then the answer
+    from its result; without it, a refusal."""
+    learned: list[tuple[list[dict], list[dict] | None, str]] = [(ASK, None, REFUSAL)]
+    for tool in (WEATHER, agents_sdk_tool()):
+        learned += [(ASK, [tool], CALL_TEXT), (answered(TRAINING_CALL), [tool], ANSWER)]
+    return learned
 
 
 def rendered_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -81,7 +98,7 @@ def tool_caller_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
     model = transformers.LlamaForCausalLM(config)
     model.model.embed_tokens.weight.requires_grad_(False)  # random inputs tell the prompts apart well enough
     examples = []
-    for messages, tools, reply in CONVERSATIONS:
+    for messages, tools, reply in conversations():
         prompt = rendered_ids(tokenizer, messages, tools)
         wanted = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
         examples.append((torch.tensor(prompt + wanted), len(prompt)))
@@ -101,7 +118,7 @@ def tool_caller_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer)
         if min(margins) > MARGIN:
             break
         optimizer.step()
-    assert min(margins) > MARGIN, f"the tiny model did not learn its three replies: margins {margins}"
+    assert min(margins) > MARGIN, f"the tiny model did not learn its replies: margins {margins}"
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -124,7 +141,7 @@ def oai(server: Server) -> openai.OpenAI:
 def test_the_server_renders_the_conversations_the_model_learned(server: Server, tool_caller_dir: Path) -> None:
     """The premise of the tests below: /tokenize gives, token for token, the prompts the model was trained on."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tool_caller_dir)
-    for messages, tools, _ in CONVERSATIONS:
+    for messages, tools, _ in conversations():
         body = {"model": MODEL, "messages": messages, **({"tools": tools} if tools else {})}
         response = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30)
         assert response.status_code == 200, response.text
@@ -209,3 +226,41 @@ def test_langchain_runs_the_models_call_and_gets_its_answer(server: Server) -> N
     result = ToolMessage(get_weather(**call["args"]), tool_call_id=call["id"])
     answer = agent.invoke([question, called, result])
     assert answer.text == ANSWER and not answer.tool_calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_the_openai_agents_sdk_runs_the_models_call_and_ends_with_its_answer(server: Server, api: str,
+                                                                              stream: bool) -> None:
+    """The Agents SDK's Runner, as its users start it: the model calls get_weather, the SDK runs the Python function
+    and sends its result back, and the model's answer from it is the agent's final output."""
+    import asyncio
+
+    import agents
+
+    agents.set_tracing_disabled(True)  # no trace upload to OpenAI's servers
+    ran: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return RESULT
+
+    async def run() -> object:
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        model_type = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+        agent = agents.Agent(name="assistant", tools=[get_weather], model=model_type(model=MODEL, openai_client=client),
+                             model_settings=agents.ModelSettings(temperature=0))
+        if not stream:
+            return await agents.Runner.run(agent, ASK[0]["content"], max_turns=3)
+        result = agents.Runner.run_streamed(agent, ASK[0]["content"], max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(run())
+    assert ran == ["Paris"]
+    assert result.final_output == ANSWER
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], kinds
