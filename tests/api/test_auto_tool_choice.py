@@ -4,7 +4,7 @@ become OpenAI tool calls, whole and streamed (the fake engine answers with the p
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import openai
 import pytest
@@ -25,6 +25,20 @@ def oai() -> Iterator[openai.OpenAI]:
         yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=10)
 
 
+def streamed_calls(chunks: Iterable) -> tuple[str, dict[int, str], dict[int, str], str | None]:
+    """A streamed chat answer put together: its content, each call's name and arguments by index, its finish reason."""
+    content, names, arguments, finish = "", {}, {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                if delta.id is not None:
+                    names[delta.index] = delta.function.name
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    return content, names, arguments, finish
+
+
 def ask(oai: openai.OpenAI, content: str, stream: bool):
     return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                        tools=[WEATHER], stream=stream)
@@ -38,15 +52,7 @@ def test_a_hermes_tool_call_becomes_tool_calls_whole_and_streamed(oai: openai.Op
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert whole.message.content == "user: Checking. "
 
-    content, arguments, names, finish = "", {}, {}, None
-    for chunk in ask(oai, CALLING, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-            for delta in choice.delta.tool_calls or ():
-                if delta.id is not None:
-                    names[delta.index] = delta.function.name
-                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    content, names, arguments, finish = streamed_calls(ask(oai, CALLING, stream=True))
     assert content == whole.message.content and finish == "tool_calls"
     assert names == {0: "get_weather"} and arguments == {0: call.function.arguments}
 

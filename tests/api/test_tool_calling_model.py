@@ -26,6 +26,7 @@ import torch
 import transformers
 from conftest import TINY_SIZES
 from server_process import Server, start_server
+from test_auto_tool_choice import streamed_calls
 
 from lmserve.api.protocol import ChatCompletionRequest
 
@@ -158,15 +159,8 @@ def test_the_model_calls_the_tool_by_itself_whole_and_streamed(oai: openai.OpenA
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
-    content, names, arguments, finish = "", {}, {}, None
-    for chunk in oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, stream=True):
-        for delta_choice in chunk.choices:
-            content += delta_choice.delta.content or ""
-            finish = delta_choice.finish_reason or finish
-            for delta in delta_choice.delta.tool_calls or ():
-                if delta.id is not None:
-                    names[delta.index] = delta.function.name
-                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    content, names, arguments, finish = streamed_calls(
+        oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, stream=True))
     assert content == "" and finish == "tool_calls"
     assert names == {0: "get_weather"} and arguments == {0: call.function.arguments}
 
