@@ -1,5 +1,6 @@
 """What one more row costs the int16 block kernels: a GGUF file's own MLP matrices (the first of each of Q4_K, Q6_K,
-Q5_0 and Q8_0), packed as lmserve packs them, timed at 1 to 8 rows (medians of 40 calls). A kernel bound by the
+Q5_0 and Q8_0), packed as lmserve packs them, timed at 1 to 8 rows (medians of 40 calls), with 16-bit activations
+(`--block-activations int16`, the default) or 8-bit ones (`int8`: LMSERVE_ROWS_ACTIVATIONS=int8). A kernel bound by the
 weights' bytes takes about as long for 5 rows as for 1; one bound by arithmetic takes ~5x. Speculative decoding's
 verify step and a batch of decodes pay that difference. Run with LMSERVE_KERNEL_MARCH=haswell
 LMSERVE_DISABLE_CPU_FEATURES=amx,vnni for the AVX2 build.
@@ -9,6 +10,7 @@ LMSERVE_DISABLE_CPU_FEATURES=amx,vnni for the AVX2 build.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -36,7 +38,7 @@ def main() -> None:
             packed = getattr(ops, f"{name}_int16_pack")(blocks.contiguous())
             layers[kind] = (name, tensor.name, packed, out_features, in_features)
     for name, tensor_name, packed, out_features, in_features in layers.values():
-        op = getattr(ops, f"{name}_int16_linear")
+        op = getattr(ops, f"{name}_{os.environ.get('LMSERVE_ROWS_ACTIVATIONS', 'int16')}_linear")
         timings = []
         for rows in rows_list:
             x = torch.randn(rows, in_features)

@@ -126,8 +126,15 @@ def main() -> None:
     parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--servers", default="lmserve")
+    parser.add_argument("--activations", default="auto",
+                        help="lmserve's --block-activations, comma-separated: each is run plain and with lookup")
     args = parser.parse_args()
-    settings = {"plain": ("lmserve", []), "ngram": ("lmserve", ["--speculative-config", args.spec])}
+    settings = {}
+    kinds = args.activations.split(",")
+    for kind in kinds:
+        suffix = f" {kind}" if len(kinds) > 1 else ""
+        flags = ["--block-activations", kind]
+        settings |= {f"plain{suffix}": ("lmserve", flags), f"ngram{suffix}": ("lmserve", flags + ["--speculative-config", args.spec])}
     if "llama" in args.servers.split(","):
         settings |= {"llama plain": ("llama", []), "llama ngram": ("llama", LLAMA_NGRAM)}
     results: dict[str, list[dict]] = {name: [] for name in settings}
@@ -140,10 +147,14 @@ def main() -> None:
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in results.items()}
     for name, m in medians.items():
         print(f"{name:26}" + "".join(f"{m[k]:>16.3f}" for k in keys))
-    pairs = [("ngram", "plain")] + ([("llama ngram", "llama plain"), ("ngram", "llama ngram")] if "llama ngram" in medians else [])
+    first = f" {kinds[0]}" if len(kinds) > 1 else ""
+    pairs = [(f"ngram{s}", f"plain{s}") for s in ([f" {k}" for k in kinds] if len(kinds) > 1 else [""])]
+    pairs += [(f"plain{first}", f"plain {k}") for k in kinds[1:]]
+    if "llama ngram" in medians:
+        pairs += [("llama ngram", "llama plain"), (f"ngram{first}", "llama ngram")]
     for a, b in pairs:
         print(f"{a + ' / ' + b:26}" + "".join(f"{medians[a][k] / medians[b][k]:>16.2f}" for k in keys))
-    spec = results["ngram"][-1]
+    spec = results[f"ngram{first}"][-1]
     if spec.get("spec_decode_num_draft_tokens_total"):
         print(f"acceptance (last round): {spec['spec_decode_num_accepted_tokens_total']:.0f} of "
               f"{spec['spec_decode_num_draft_tokens_total']:.0f} draft tokens")

@@ -158,6 +158,27 @@ def test_chunked_prefill_matches_alone(chunked_llm: LLM, alone: dict[int, list[i
     assert_idle(chunked_llm)
 
 
+@pytest.mark.skipif(not int16_kernel_loads(), reason="int8 activations need the int16 block kernels")
+def test_int8_activations_batch_and_chunks_match_alone() -> None:
+    """--block-activations int8: every row, prompt or generated, on 8-bit activations per block of 32. A row's result
+    is still its own: alone, and in a batch of 16 with prompts in chunks of 8 positions beside decodes, the same
+    tokens, seeded draws included."""
+    llm = LLM(dtype="float32", num_blocks=160, max_num_seqs=32, max_num_batched_tokens=8, block_activations="int8")
+    runner = llm.engine.executor.runner
+    assert runner.block_activations == "int8"
+    qkv = runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.activations == "int8" and qkv.linear_op is qkv.int8_linear_op
+    alone = {}
+    for i in list(GREEDY) + list(SEEDED):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS) if i in GREEDY else SEEDED[i]
+        reset_prefix_cache(llm)
+        (out,) = llm.generate(PROMPTS[i], params)
+        alone[i] = token_ids(out)
+    reset_prefix_cache(llm)
+    check_matches_alone(run_batch(llm, list(BATCH)), alone, "int8 activations, batch of 16 in chunks of 8")
+    assert_idle(llm)
+
+
 @pytest.mark.skipif(not int16_kernel_loads(), reason="prompt-int8 needs the int16 block kernels")
 def test_prompt_int8_batch_and_chunks_match_alone() -> None:
     """--batched-weights prompt-int8: prompt rows on 8-bit activations, generated rows on 16-bit ones. Each row's path

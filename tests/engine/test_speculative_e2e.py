@@ -13,6 +13,7 @@ from test_engine_e2e import assert_idle
 
 from lmserve import LLM, SamplingParams
 from lmserve.metrics.prometheus import EngineStatsCollector
+from lmserve.worker.kernel_choice import int16_kernel_loads
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 CODE = '''def fibonacci(n):
@@ -62,6 +63,22 @@ def test_greedy_tokens_equal_plain_decoding_alone_and_batched(plain: LLM, spec: 
     steps_before = spec.engine.num_steps
     spec.generate(PROMPTS[0], greedy)
     assert spec.engine.num_steps - steps_before < 48 * 0.7
+
+
+@pytest.mark.skipif(not int16_kernel_loads(), reason="int8 activations need the int16 block kernels")
+def test_greedy_tokens_equal_plain_decoding_under_8_bit_activations() -> None:
+    """--block-activations int8, where a verify step's extra rows cost least: the kept drafts are still plain
+    decoding's tokens, batched and alone (each row's 8-bit rounding is its own, whatever shares its step)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=48)
+    with LLM(dtype="float32", num_blocks=200, max_num_seqs=64, block_activations="int8") as plain_int8:
+        assert plain_int8.engine.executor.runner.block_activations == "int8"
+        expected = [o.outputs[0].token_ids for o in plain_int8.generate(PROMPTS, greedy)]
+    with LLM(dtype="float32", num_blocks=200, max_num_seqs=64, block_activations="int8",
+             speculative_config=SPEC) as spec_int8:
+        batched = [o.outputs[0].token_ids for o in spec_int8.generate(PROMPTS, greedy)]
+        alone = [spec_int8.generate(p, greedy)[0].outputs[0].token_ids for p in PROMPTS]
+        assert spec_int8.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert batched == expected and alone == expected
 
 
 def test_stop_strings_max_tokens_and_logprobs_keep_their_meaning(plain: LLM, spec: LLM) -> None:

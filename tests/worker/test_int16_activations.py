@@ -59,7 +59,7 @@ LAYERS = {"q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
 def kernel_layer(weight: torch.Tensor, bias: torch.Tensor | None, method: str = "q4_1") -> Q4_1Linear | Q8_0Linear:
     """A layer that runs the int16 kernel at every batch size (no float16 copy for large batches)."""
     layer = LAYERS[method](weight, bias, BatchedPath("fp16", 1 << 30))
-    assert layer.use_int16_activations()
+    assert layer.use_integer_activations()
     return layer
 
 
@@ -123,7 +123,7 @@ def test_the_repacked_blocks_hold_the_same_weights(method: str) -> None:
     weight = torch.randn(48, 96)
     float32 = LAYERS[method](weight, None)
     int16 = LAYERS[method](weight, None)
-    assert int16.use_int16_activations() and int16.blocks.numel() == float32.blocks.numel()
+    assert int16.use_integer_activations() and int16.blocks.numel() == float32.blocks.numel()
     assert torch.equal(int16.dequantized(), float32.dequantized())  # the prompt copy is built from these
     assert "int16 activations" in repr(int16)
 
@@ -151,8 +151,8 @@ def test_kernel_refuses_what_it_cannot_tile() -> None:
         ops.q4_1_int16_linear(torch.zeros(1, 64), packed, 32, torch.zeros(31))
     assert ops.q4_1_int16_linear(torch.zeros(0, 64), packed, 32, None).shape == (0, 32)
     # A layer the kernel cannot tile keeps the float32 kernel.
-    assert not Q4_1Linear(torch.randn(40, 64), None).use_int16_activations()
-    assert not Q8_0Linear(torch.randn(24, 64), None).use_int16_activations()
+    assert not Q4_1Linear(torch.randn(40, 64), None).use_integer_activations()
+    assert not Q8_0Linear(torch.randn(24, 64), None).use_integer_activations()
 
 
 @needs_vnni
@@ -186,7 +186,7 @@ def test_prompt_rows_keep_the_amx_copy_and_generated_rows_take_the_int16_kernel(
     weight, bias = q4_1_weight(64, 96, seed=9), torch.randn(64, generator=gen)
     layer = Q4_1Linear(weight, bias, BatchedPath("fp16", kernel_choice.BLOCK_KERNEL_MAX_ROWS, prompt_copies=True))
     layer.prompt_copies = True
-    assert layer.use_int16_activations()
+    assert layer.use_integer_activations()
     x = torch.randn(50, 96, generator=gen)
     mask = np.arange(50) % 4 == 0
     with prompt_rows(PromptRows.from_mask(mask)):

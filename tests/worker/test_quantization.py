@@ -469,7 +469,7 @@ def test_batched_weights_none_keeps_every_row_on_the_kernel_and_builds_no_copy(m
     assert layer.batched is None and layer.prompt_copy is None
     # With int16 activations a row's bits are its own; float32 ones sum in an order set by the
     # batch's size (1-2, 3-8, 9+ rows; issue 32's note).
-    invariant = kernel_choice.int16_kernel_loads() and layer.use_int16_activations()
+    invariant = kernel_choice.int16_kernel_loads() and layer.use_integer_activations()
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
     kernel = layer.linear_op(x, layer.blocks, 32, None)
     with prompt_rows(PromptRows.from_mask(np.arange(300) < 200)):

@@ -22,7 +22,8 @@ BLOCK_METHODS = ("q8_0", "q4_1")
 KQUANT_METHODS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
 LAYER_METHODS = BLOCK_METHODS + KQUANT_METHODS
 BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none")
-BLOCK_ACTIVATIONS = ("auto", "float32", "int16")
+BLOCK_ACTIVATIONS = ("auto", "float32", "int16", "int8")
+INTEGER_ACTIVATIONS = ("int16", "int8")  # the kernels of kernels/int16_activations.cpp and kquant_int16.cpp
 BLOCK_SIZE = 32
 # Up to this many rows the block kernels beat fbgemm's fp16 GEMM or match it (1.26x at 16 rows, 1.48x at 20, even at
 # 32 and 64); above it the layer uses its fp16 copy, which fbgemm multiplies 5-14% faster (benchmarks/block_gemm.py).
@@ -71,7 +72,7 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
     if setting == "auto":
         if amx_kernel_loads():
             setting = "prompt-bf16"
-        elif activations == "int16" and int16_vnni_kernel_runs():
+        elif activations in ("int16", "int8") and int16_vnni_kernel_runs():
             setting = "none"
         else:
             setting = "prompt-fp16"
@@ -102,16 +103,22 @@ def block_activations(setting: str | None = "auto") -> str:
     the int16 kernels run, the AVX2 build included: a row's result is then its own whatever its batch, where the float32
     kernel sums a row in an order set by the batch's size (1-2, 3-8, 9+ rows; on the AVX2 build a seeded request drew
     another token in a batch of 16 than alone). The price on AVX2 (benchmarks/int16_activations.py): 0.92x the float32
-    kernel's speed at 1 row, 0.65-0.8x at 16-64; `float32` stays there to be asked for."""
+    kernel's speed at 1 row, 0.65-0.8x at 16-64; `float32` stays there to be asked for.
+    int8 (asked for): the same kernels and layout with 8-bit activations per block of 32 for every row (the high
+    halves alone, as llama.cpp's q8 activations): half the integer products of int16, so each row a batch or a
+    speculative verify step adds costs about half as much; rounding moves perplexity by ~0.01%, and a row's result
+    is still its own whatever its batch."""
     setting = setting or "auto"
     if setting not in BLOCK_ACTIVATIONS:
         raise ValueError(f"unknown block activations {setting!r}: use one of {', '.join(BLOCK_ACTIVATIONS)}")
     if setting == "float32":
         return setting
     runs = int16_kernel_loads()
-    if setting == "int16" and not runs:
-        raise ValueError("--block-activations int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI, where the "
-                         "kernels build (LMSERVE_DISABLE_CPU_FEATURES=vnni turns the VNNI build's off)")
+    if setting in ("int16", "int8") and not runs:
+        raise ValueError(f"--block-activations {setting} needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI, where "
+                         "the kernels build (LMSERVE_DISABLE_CPU_FEATURES=vnni turns the VNNI build's off)")
+    if setting == "int8":
+        return setting
     return "int16" if runs else "float32"
 
 

@@ -13,7 +13,12 @@ import numpy as np
 import torch
 
 from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.kernel_choice import BatchedPath, block_kernels_load, int16_kernel_loads
+from lmserve.worker.kernel_choice import (
+    INTEGER_ACTIVATIONS,
+    BatchedPath,
+    block_kernels_load,
+    int16_kernel_loads,
+)
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.quantization import BlockQuantizedLinear, register_layer_type
 from lmserve.worker.stored_formats import BLOCK_FORMATS, KERNEL_FORMATS
@@ -127,13 +132,14 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
 
 class KQuantLinear(BlockQuantizedLinear):
     """A layer whose weights stay in the file's K-quant blocks (q4_k, q6_k), run by kernels/kquant_int16.cpp with
-    int16 activations at every batch size of generated rows; prompt rows and large batches take the same copies as
-    the other block layers (BlockQuantizedLinear), built from these blocks."""
+    int16 (or, asked for, int8) activations at every batch size of generated rows; prompt rows and large batches take
+    the same copies as the other block layers (BlockQuantizedLinear), built from these blocks."""
 
     def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
                  activations: str = "int16") -> None:
         self.method = weight.method
-        super().__init__(weight, bias, batched, "int16")  # the only activations these kernels take
+        # Integer activations only: 16-bit ones unless int8 is asked for.
+        super().__init__(weight, bias, batched, activations if activations in INTEGER_ACTIVATIONS else "int16")
 
     def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
         if not isinstance(weight, StoredBlocks) or weight.method != self.method:
@@ -144,14 +150,9 @@ class KQuantLinear(BlockQuantizedLinear):
         # The kernel's own packer (every thread, no temporaries); pack_kquant is its NumPy statement, tests hold them equal.
         return getattr(cpu_kernels(), f"{self.method}_int16_pack")(weight.data.contiguous()), rows, columns
 
-    def _use_ops(self) -> None:
-        ops = cpu_kernels()
-        self.linear_op = getattr(ops, f"{self.method}_int16_linear")
-        self.dequantize_op = getattr(ops, f"{self.method}_int16_dequantize")
-        self.int8_linear_op = getattr(ops, f"{self.method}_int8_linear")
-        self.activations = "int16"
-
-    def use_int16_activations(self) -> bool:
+    def use_integer_activations(self, activations: str = "int16") -> bool:
+        self.activations = activations
+        self._use_ops()
         return True
 
 

@@ -49,6 +49,7 @@ from lmserve.worker.block_packing import (
 )
 from lmserve.worker.kernel_choice import (
     BLOCK_SIZE,
+    INTEGER_ACTIVATIONS,
     KQUANT_METHODS,
     BatchedPath,
     batched_path,
@@ -75,8 +76,9 @@ class BlockQuantizedLinear(nn.Module):
     ) -> None:
         """weight: float [out_features, in_features], rounded to the format; or a file's blocks (StoredBlocks), taken
         as they are when they are in this format. batched: how batches above the kernel's rows run (batched_path).
-        activations: int16 packs the blocks for the int16-activation kernel at once (use_int16_activations' layout,
-        without packing them for the float kernel first) where it can tile the layer."""
+        activations: int16 or int8 packs the blocks for the integer-activation kernels at once
+        (use_integer_activations' layout, without packing them for the float kernel first) where they can tile the
+        layer."""
         super().__init__()
         self.activations = activations
         self.blocks, self.out_features, self.in_features = self._pack(weight)
@@ -95,30 +97,33 @@ class BlockQuantizedLinear(nn.Module):
         """The weights in the kernel's layout, out_features, in_features."""
         blocks = as_blocks(self.method, weight)
         rows, columns = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
-        if self.activations == "int16" and rows % 16 == 0:
+        if self.activations in INTEGER_ACTIVATIONS and rows % 16 == 0:
             return getattr(cpu_kernels(), f"{self.method}_int16_pack")(blocks.contiguous()), rows, columns
         self.activations = "float32"
         return pack_blocks(self.method, blocks), rows, columns
 
     def _use_ops(self) -> None:
         ops = cpu_kernels()
-        kernel = f"{self.method}_int16" if self.activations == "int16" else self.method
-        self.linear_op = getattr(ops, f"{kernel}_linear")
-        self.dequantize_op = getattr(ops, f"{kernel}_dequantize")
-        self.int8_linear_op = getattr(ops, f"{self.method}_int8_linear") if self.activations == "int16" else None
-
-    def use_int16_activations(self) -> bool:
-        """Moves the layer to the int16-activation kernel (block_activations), its blocks repacked for it; False
-        where the kernel cannot tile it (out_features not a multiple of 16)."""
-        if self.out_features % 16 or self.activations == "int16":
-            return self.activations == "int16"
-        ops = cpu_kernels()
-        pack = getattr(ops, f"{self.method}_int16_pack")
-        self.blocks = pack(unpack_blocks(self.method, self.blocks, self.out_features))
-        self.linear_op = getattr(ops, f"{self.method}_int16_linear")
+        if self.activations not in INTEGER_ACTIVATIONS:
+            self.linear_op = getattr(ops, f"{self.method}_linear")
+            self.dequantize_op = getattr(ops, f"{self.method}_dequantize")
+            self.int8_linear_op = None
+            return
         self.dequantize_op = getattr(ops, f"{self.method}_int16_dequantize")
         self.int8_linear_op = getattr(ops, f"{self.method}_int8_linear")
-        self.activations = "int16"
+        # Both take the int16 layout's blocks; int8 runs every row on the 8-bit kernel.
+        self.linear_op = self.int8_linear_op if self.activations == "int8" else getattr(ops, f"{self.method}_int16_linear")
+
+    def use_integer_activations(self, activations: str = "int16") -> bool:
+        """Moves the layer to the integer-activation kernels (block_activations: int16 or int8), its blocks repacked
+        for them; False where they cannot tile it (out_features not a multiple of 16)."""
+        if self.activations not in INTEGER_ACTIVATIONS:
+            if self.out_features % 16:
+                return False
+            pack = getattr(cpu_kernels(), f"{self.method}_int16_pack")
+            self.blocks = pack(unpack_blocks(self.method, self.blocks, self.out_features))
+        self.activations = activations
+        self._use_ops()
         return True
 
     def prepare_batched(self) -> nn.Module:
@@ -153,7 +158,7 @@ class BlockQuantizedLinear(nn.Module):
             return None
         num_blocks, rows = self.in_features // BLOCK_SIZE, np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows), num_blocks, BLOCK_BYTES["q8_0"]), np.uint8)
-        if self.activations == "int16":  # per 16 rows and block: 16 d's, then q[n][4j + e] + 128 at 64j + 4n + e
+        if self.activations in INTEGER_ACTIVATIONS:  # per 16 rows and block: 16 d's, then q[n][4j + e] + 128 at 64j + 4n + e
             source = self.blocks.numpy().reshape(-1, num_blocks, 32 + 512)
             group, n = rows // 16, rows % 16
             k = np.arange(32)
@@ -262,7 +267,7 @@ def use_prompt_copies(module: nn.Module) -> int:
             continue
         prompt_weights = child.batched_path.prompt_weights
         if prompt_weights == "int8":
-            takes = child.activations == "int16"  # the float32 kernels' layout has no 8-bit kernel: every row there
+            takes = child.activations in INTEGER_ACTIVATIONS  # the float32 kernels' layout has no 8-bit kernel
         else:
             takes = prompt_weights == "fp16" or AmxBfloat16Linear.fits(child.out_features, child.in_features)
         if takes:
@@ -284,10 +289,11 @@ def use_batched_path(module: nn.Module, path: BatchedPath) -> None:
 
 def use_block_activations(module: nn.Module, setting: str) -> int:
     """Moves every block layer under `module` to the kernel for `setting` (block_activations' answer; float32 leaves
-    them as built); returns how many layers run int16 activations."""
-    if setting != "int16":
+    them as built); returns how many layers run integer (int16 or int8) activations."""
+    if setting not in INTEGER_ACTIVATIONS:
         return 0
-    return sum(child.use_int16_activations() for child in module.modules() if isinstance(child, BlockQuantizedLinear))
+    return sum(child.use_integer_activations(setting) for child in module.modules()
+               if isinstance(child, BlockQuantizedLinear))
 
 
 def quantize_linears(module: nn.Module, method: str) -> int:
