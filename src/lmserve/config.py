@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import tempfile
 import typing
 import uuid
@@ -196,6 +197,9 @@ KV_CONNECTORS = ("SharedStorageConnector", "PyNcclConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_KV_STORAGE_BYTES = 4 * 2**30
 DEFAULT_KV_BUFFER_BYTES = 10**9  # vLLM's kv_buffer_size
+# A PyNcclConnector consumer's own buffer: this prefix + "<port>-<host>-p<pid>-<id>", host and pid those of the
+# process that named it.
+KV_LINK_BUFFER_PREFIX = "lmserve-kv-link-"
 DEFAULT_KV_PORT = 14579  # vLLM's kv_port
 
 
@@ -276,7 +280,10 @@ class KVTransferConfig:
         buffer = _byte_count("kv_buffer_size", value.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
         # The consumer's buffer: a directory of its own, named here so that its scheduler and its ranks agree.
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-        path = os.path.join(base, f"lmserve-kv-link-{port}-{uuid.uuid4().hex[:12]}")
+        # The naming process's machine and pid in the name: a later consumer on this machine removes a buffer whose
+        # owner was killed (distributed/kv_storage.remove_orphans).
+        path = os.path.join(base, f"{KV_LINK_BUFFER_PREFIX}{port}-{socket.gethostname()}-p{os.getpid()}-"
+                                  f"{uuid.uuid4().hex[:12]}")
         return cls("PyNcclConnector", role, path, buffer, address, port)
 
 

@@ -209,3 +209,66 @@ def test_a_consumer_that_cannot_keep_what_it_received_keeps_the_link(ports: int)
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp_path: Path) -> None:
+    """A consumer killed before its clean-up (SIGKILL, the OOM killer) leaves its buffer in /dev/shm (up to
+    kv_buffer_size bytes) and pin directories whose hard links keep block files' bytes alive: the next consumer on
+    the machine removes those of processes that are gone, and nothing of a live process or of another machine."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lmserve.distributed.kv_storage import SharedKVStorage
+    from lmserve.engine.kv_transfer import KVTransferScheduling
+
+    # The consumer's process names its buffer (as the front-end does) and fills it, then is killed.
+    consumer = ("import json, os, time\n"
+                "from lmserve.config import parse_kv_transfer_config\n"
+                "config = parse_kv_transfer_config(json.dumps({'kv_connector': 'PyNcclConnector',"
+                " 'kv_role': 'kv_consumer'}))\n"
+                "os.makedirs(config.shared_storage_path)\n"
+                "open(os.path.join(config.shared_storage_path, 'block-r0.kv'), 'wb').write(b'x' * 4096)\n"
+                "print(config.shared_storage_path, flush=True)\n"
+                "time.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", consumer], stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        killed_buffer = Path(owner.stdout.readline().strip())
+        assert killed_buffer.is_dir() and f"-p{owner.pid}-" in killed_buffer.name
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        host = socket.gethostname()
+        live_buffer = killed_buffer.with_name(f"lmserve-kv-link-1-{host}-p{alive.pid}-0123456789ab")
+        foreign_buffer = killed_buffer.with_name(f"lmserve-kv-link-1-another-host-p{owner.pid}-0123456789ab")
+        for kept in (live_buffer, foreign_buffer):
+            kept.mkdir()
+        config = KVTransferConfig("PyNcclConnector", "kv_consumer",
+                                  str(killed_buffer.with_name(f"lmserve-kv-link-1-{host}-p{os.getpid()}-fedcba987654")))
+        scheduling = KVTransferScheduling(config, 1, kv=None)  # the next consumer's start
+        try:
+            assert not killed_buffer.exists()
+            assert live_buffer.is_dir() and foreign_buffer.is_dir()
+        finally:
+            scheduling.close()
+            for kept in (live_buffer, foreign_buffer):
+                kept.rmdir()
+        assert not Path(config.shared_storage_path).exists()
+
+        # Pins in a storage directory: a killed consumer's go (with the bytes their links held), the rest stay.
+        (tmp_path / "block-r0.kv").write_bytes(b"x" * 4096)
+        pins = {name: tmp_path / f".pins-{name}-0123abcd" for name in
+                (f"{host}-p{owner.pid}", f"{host}-p{alive.pid}", f"another-host-p{owner.pid}")}
+        for directory in pins.values():
+            directory.mkdir()
+            os.link(tmp_path / "block-r0.kv", directory / "pinned-r0.kv")
+        storage = SharedKVStorage(str(tmp_path), 1)
+        assert not pins[f"{host}-p{owner.pid}"].exists()
+        assert pins[f"{host}-p{alive.pid}"].is_dir() and pins[f"another-host-p{owner.pid}"].is_dir()
+        assert storage.pins.is_dir() and f"{host}-p{os.getpid()}-" in storage.pins.name
+        storage.close()
+    finally:
+        for process in (owner, alive):
+            process.kill()
+            process.wait()

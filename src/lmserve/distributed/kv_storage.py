@@ -14,13 +14,55 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from lmserve.config import KV_LINK_BUFFER_PREFIX as BUFFER_PREFIX
+
 
 def block_file(directory: Path, name: str, rank: int) -> Path:
     return directory / f"{name}-r{rank}.kv"
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _owner_pid(name: str, marker: str) -> int | None:
+    """The pid after `marker` in a directory name (`...<marker><pid>-<id>`), or None where the name holds none."""
+    head, found, rest = name.partition(marker)
+    pid = rest.split("-", 1)[0]
+    return int(pid) if found and head and pid.isdigit() else None
+
+
+def remove_orphans(base: Path) -> list[Path]:
+    """Removes what processes killed before their clean-up left under `base`: consumer buffers (BUFFER_PREFIX, in
+    /dev/shm: up to kv_buffer_size bytes each) and, in a storage directory, pin directories (hard links that keep
+    block files' bytes alive after the producer removed their names), named by a process of this machine that is
+    gone. Both name their machine: a storage directory may be shared between machines, and a buffer made by another
+    node's ranks carries node 0's name and pid. Returns what it removed."""
+    removed = []
+    marker = f"-{socket.gethostname()}-p"
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith((BUFFER_PREFIX, ".pins-")):
+            continue
+        pid = _owner_pid(entry.name, marker)
+        if pid is not None and pid != os.getpid() and not process_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 class SharedKVStorage:
@@ -29,8 +71,9 @@ class SharedKVStorage:
     def __init__(self, root: str, world_size: int) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_orphans(self.root)
         self.world_size = world_size
-        self.pins = self.root / f".pins-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.pins = self.root / f".pins-{socket.gethostname()}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.pins.mkdir()
 
     def has(self, block_hash: bytes) -> bool:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 from lmserve.config import KVTransferConfig
-from lmserve.distributed.kv_storage import SharedKVStorage
+from lmserve.distributed.kv_storage import SharedKVStorage, remove_orphans
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.request import Request
 
@@ -26,6 +27,8 @@ class KVTransferScheduling:
     def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        if config.over_network and config.loads:  # buffers of consumers killed before their clean-up, beside ours
+            remove_orphans(Path(config.shared_storage_path).parent)
         self.storage = (SharedKVStorage(config.shared_storage_path, world_size)
                         if config.loads or not config.over_network else None)
         self._saved: dict[str, int] = {}  # request id -> its prompt blocks already named for saving
