@@ -93,7 +93,10 @@ def start_llama(model: str, port: int, extra: list[str]):
 
 def run_once(server: str, model: str, extra: list[str], max_tokens: int) -> dict:
     port = free_port()
-    proc = start("lmserve", model, port, extra) if server == "lmserve" else start_llama(model, port, extra)
+    if server == "lmserve-baseline":  # the same command on another source tree (--baseline-src)
+        proc = start("lmserve", model, port, extra)
+    else:
+        proc = start("lmserve", model, port, extra) if server == "lmserve" else start_llama(model, port, extra)
     try:
         wait_ready(port, proc, time.perf_counter())
         base = f"http://127.0.0.1:{port}/v1"
@@ -126,6 +129,8 @@ def main() -> None:
     parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--servers", default="lmserve")
+    parser.add_argument("--baseline-src", type=Path,
+                        help="another tree's src/: its lookup runs too, alternating with this tree's (an A/B)")
     parser.add_argument("--activations", default="auto",
                         help="lmserve's --block-activations, comma-separated: each is run plain and with lookup")
     args = parser.parse_args()
@@ -135,12 +140,23 @@ def main() -> None:
         suffix = f" {kind}" if len(kinds) > 1 else ""
         flags = ["--block-activations", kind]
         settings |= {f"plain{suffix}": ("lmserve", flags), f"ngram{suffix}": ("lmserve", flags + ["--speculative-config", args.spec])}
+        if args.baseline_src:
+            settings[f"ngram baseline{suffix}"] = ("lmserve-baseline", flags + ["--speculative-config", args.spec])
     if "llama" in args.servers.split(","):
         settings |= {"llama plain": ("llama", []), "llama ngram": ("llama", LLAMA_NGRAM)}
     results: dict[str, list[dict]] = {name: [] for name in settings}
     for _ in range(args.rounds):
         for name, (server, extra) in settings.items():
-            results[name].append(run_once(server, args.model, extra, args.max_tokens))
+            pythonpath = os.environ.get("PYTHONPATH")
+            if server == "lmserve-baseline":
+                os.environ["PYTHONPATH"] = str(args.baseline_src.resolve())
+            try:
+                results[name].append(run_once(server, args.model, extra, args.max_tokens))
+            finally:
+                if pythonpath is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = pythonpath
             print(name, json.dumps(results[name][-1]), flush=True)
     keys = ["editing_tok_s", "editing_ttft_s", "random_tok_s", "sampled_tok_s"]
     print(f"\n{'':26}" + "".join(f"{k:>16}" for k in keys))
@@ -150,6 +166,8 @@ def main() -> None:
     first = f" {kinds[0]}" if len(kinds) > 1 else ""
     pairs = [(f"ngram{s}", f"plain{s}") for s in ([f" {k}" for k in kinds] if len(kinds) > 1 else [""])]
     pairs += [(f"plain{first}", f"plain {k}") for k in kinds[1:]]
+    if args.baseline_src:
+        pairs += [(f"ngram baseline{s}", f"plain{s}") for s in ([f" {k}" for k in kinds] if len(kinds) > 1 else [""])]
     if "llama ngram" in medians:
         pairs += [("llama ngram", "llama plain"), (f"ngram{first}", "llama ngram")]
     for a, b in pairs:

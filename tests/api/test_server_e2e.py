@@ -93,13 +93,20 @@ def test_the_responses_api_answers_as_the_chat_does(client: openai.OpenAI) -> No
     assert "".join(deltas) == final.output_text == response.output_text
 
 
+STREAM_TOKENS = 48
+
+
 def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: Server) -> None:
     steps_before = engine(server)["num_steps"]
     results: dict[int, tuple[str, object]] = {}
+    # All sixteen sent at once, and long enough to overlap: on a loaded machine, threads started one after another
+    # let the first requests finish 24 tokens before the last arrived (11 of 16 in one step, once).
+    start_together = threading.Barrier(16)
 
     def run(i: int) -> None:
+        start_together.wait(60)
         stream = client.completions.create(
-            model="smollm2-135m-instruct", prompt=f"Story number {i}: once upon a time", max_tokens=24,
+            model="smollm2-135m-instruct", prompt=f"Story number {i}: once upon a time", max_tokens=STREAM_TOKENS,
             temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
@@ -121,7 +128,7 @@ def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: S
     # merely fewer steps than one at a time (which batches of two would also give).
     def burst() -> list[dict] | None:
         data = httpx.get(f"{server.base_url}/dashboard/api/requests", params={"limit": 16}, timeout=10).json()["data"]
-        return data if len(data) == 16 and all(t["num_output_tokens"] == 24 for t in data) else None
+        return data if len(data) == 16 and all(t["num_output_tokens"] == STREAM_TOKENS for t in data) else None
 
     timelines = wait_until(burst, timeout=30)
     assert timelines, "the 16 requests were not recorded"
@@ -131,11 +138,11 @@ def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: S
         assert text
         one = client.completions.create(model="smollm2-135m-instruct", prompt=f"Story number {i}: once upon a time",
                                         max_tokens=1)
-        assert usage.completion_tokens == 24
+        assert usage.completion_tokens == STREAM_TOKENS
         assert usage.prompt_tokens == one.usage.prompt_tokens
-        assert usage.total_tokens == usage.prompt_tokens + 24
-    # 16 × 24 tokens one request at a time would need at least 384 steps; batched it takes far fewer.
-    assert engine(server)["num_steps"] - steps_before < 16 * 24 / 2
+        assert usage.total_tokens == usage.prompt_tokens + STREAM_TOKENS
+    # 16 × 48 tokens one request at a time would need at least 768 steps; batched it takes far fewer.
+    assert engine(server)["num_steps"] - steps_before < 16 * STREAM_TOKENS / 2
 
 
 STOP_PROMPTS = [

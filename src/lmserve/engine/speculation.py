@@ -61,6 +61,7 @@ class Speculator:
         self.config = config
         self.draft_constrained = draft_constrained
         self.proposer = NgramProposer(config)
+        self.pause_below = PAUSE_BELOW  # one attribute, so that benchmarks/speculative_counts.py can try others
         self.gates: dict[str, DraftGate] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
@@ -100,10 +101,10 @@ class Speculator:
         gate.acceptance = 0.5 * gate.acceptance + 0.5 * rate
         if rate >= 0.5:
             gate.pause = FIRST_PAUSE
-        if gate.acceptance < PAUSE_BELOW:
+        if gate.acceptance < self.pause_below:
             gate.paused_until = request.num_output_tokens + gate.pause
             gate.pause = min(2 * gate.pause, LONGEST_PAUSE)
-            gate.acceptance = PAUSE_BELOW  # on trial after the pause: one step keeping < 1/4 of its drafts re-pauses
+            gate.acceptance = self.pause_below  # on trial after the pause: one step keeping < 1/4 of its drafts re-pauses
 
     def drop(self, request_id: str) -> None:
         self.proposer.drop(request_id)
