@@ -105,6 +105,10 @@ def llm() -> Iterator[LLM]:
 
 @pytest.fixture(scope="module")
 def alone(llm: LLM) -> dict[int, list[int]]:
+    return tokens_alone(llm)
+
+
+def tokens_alone(llm: LLM) -> dict[int, list[int]]:
     """Each greedy (up to MAX_TOKENS) and seeded prompt run on its own, with an empty prefix cache."""
     refs = {}
     for i in list(GREEDY) + list(SEEDED):
@@ -168,12 +172,7 @@ def test_int8_activations_batch_and_chunks_match_alone() -> None:
     assert runner.block_activations == "int8"
     qkv = runner.model.layers[0].self_attn.qkv_proj
     assert qkv.activations == "int8" and qkv.linear_op is qkv.int8_linear_op
-    alone = {}
-    for i in list(GREEDY) + list(SEEDED):
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS) if i in GREEDY else SEEDED[i]
-        reset_prefix_cache(llm)
-        (out,) = llm.generate(PROMPTS[i], params)
-        alone[i] = token_ids(out)
+    alone = tokens_alone(llm)
     reset_prefix_cache(llm)
     check_matches_alone(run_batch(llm, list(BATCH)), alone, "int8 activations, batch of 16 in chunks of 8")
     assert_idle(llm)
@@ -187,12 +186,7 @@ def test_prompt_int8_batch_and_chunks_match_alone() -> None:
     llm = LLM(dtype="float32", num_blocks=160, max_num_seqs=32, max_num_batched_tokens=8, batched_weights="prompt-int8")
     runner = llm.engine.executor.runner
     assert runner.prompt_copies and runner.batched_path.prompt_weights == "int8"
-    alone = {}
-    for i in list(GREEDY) + list(SEEDED):
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS) if i in GREEDY else SEEDED[i]
-        reset_prefix_cache(llm)
-        (out,) = llm.generate(PROMPTS[i], params)
-        alone[i] = token_ids(out)
+    alone = tokens_alone(llm)
     reset_prefix_cache(llm)
     outputs = run_batch(llm, list(BATCH))
     check_matches_alone(outputs, alone, "prompt-int8, batch of 16 in chunks of 8")
