@@ -183,8 +183,9 @@ class ModelConfig:
         choices=("auto", "none", "cpu"))
     enforce_eager: bool = setting(
         False, "vLLM's: run the decoder layers op by op from Python; by default a step's layers run as one C++ call "
-        "where every layer is what it runs (block-format or float16 weights, fused ops, paged-cpu attention, one "
-        "rank): the same kernels, without Python between them")
+        "where every layer is what it runs (block-format or float16 weights, fused ops, paged-cpu attention, not "
+        "split by tensor parallelism; a pipeline stage runs its own layers so): the same kernels, without Python "
+        "between them")
     device: str = setting("auto", "auto | cpu | cuda")
     max_model_len: int | None = setting(None, "context length (default: the model's own)")
     seed: int = setting(0, "seed of the model's random state")

@@ -120,15 +120,25 @@ def test_a_ray_rank_that_dies_is_named_first(tiny_llama_dir: Path, two_node_ray_
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}],
                          ids=["tp3", "pp2"])
 def test_default_model_splits_and_gives_one_ranks_greedy_tokens(layout: dict) -> None:
-    """9 query heads over 3 KV heads split three ways; the GGUF's own q4_1 blocks split at block boundaries."""
+    """9 query heads over 3 KV heads split three ways; the GGUF's own q4_1 blocks split at block boundaries. Each
+    pipeline stage runs its layers as one C++ program, as one rank does (tensor-parallel ranks from Python)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     settings = {"kv_cache_memory": "64MiB", "max_model_len": 256}
     with LLM(**settings) as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert llm.engine.executor.info.layer_program.startswith("one C++ program")
+        expected = [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in llm.generate(prompts, greedy)]
     with LLM(**settings, **layout) as llm:
-        assert llm.engine.executor.info.num_blocks > 0
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
+        info = llm.engine.executor.info
+        assert info.num_blocks > 0
+        if "pipeline_parallel_size" in layout:
+            assert info.layer_program.startswith("one C++ program"), info.layer_program
+        else:
+            assert "tensor parallel ranks" in info.layer_program, info.layer_program
+        split = [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in llm.generate(prompts, greedy)]
+    assert [tokens for tokens, _ in split] == [tokens for tokens, _ in expected]
+    if "pipeline_parallel_size" in layout:  # a stage's layers are one rank's layers: the same bits
+        assert split == expected
 
 
 @pytest.mark.parametrize("model", ["tiny_phi3_q8_gguf", "tiny_gemma3_dir"])

@@ -34,6 +34,7 @@ class WorkerInfo:
     # which of its tokens were prompt tokens: the prefix cache keys such blocks apart (engine/kv_cache.py).
     prompt_rows_computed_apart: bool = False
     kv_groups: KVCacheGroups | None = None  # the layers' KV-cache groups (sliding windows in tables of their own)
+    layer_program: str = ""  # how the decoder layers run (ModelRunner.layer_program), for the engine's log and tests
 
 
 def rank_placement(config: EngineConfig, rank: int) -> PlacementConfig:
@@ -66,7 +67,8 @@ class Worker:
     def info(self) -> WorkerInfo:
         runner = self.runner
         return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
-                          prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups)
+                          prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups,
+                          layer_program=runner.layer_program)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)

@@ -461,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
         rope = {kind: rotary.tables(positions) for kind, rotary in self.rotary.items()}
         if self.program is not None and self.program.takes(x.shape[0], md):
             x, residual = self.program.run(x, residual, list(rope.values()), md)
-            return self.norm(x, residual)[0]
+            return (x, residual) if self.norm is None else self.norm(x, residual)[0]
         groups = getattr(md, "groups", None)  # per KV-cache group, where sliding layers have tables of their own
         for index, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             layer = self.layers[index]
@@ -487,8 +487,10 @@ class LlamaForCausalLM(nn.Module):
         KV caches; raises ProgramRefused, naming why, where this model's layers are not what the program runs."""
         self.program = None
         parallel = self.parallel
-        if parallel.tp_size != 1 or not (parallel.layout.is_first_stage and parallel.layout.is_last_stage):
-            raise ProgramRefused("tensor or pipeline parallel ranks")
+        # A pipeline stage runs its own layers (hidden states and residual in from the stage before, out to the next);
+        # tensor-parallel layers would need all-reduces inside the program.
+        if parallel.tp_size != 1:
+            raise ProgramRefused("tensor parallel ranks")
         layers = [self.layers[i] for i in self.stage_layers]
         first = layers[0]
         if first.input_layernorm.fused is None:
