@@ -77,9 +77,11 @@ def test_forced_features_reach_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> 
         assert not kernel_choice.int16_kernel_loads() and kernel_choice.block_activations("auto") == "float32"
         with pytest.raises(ValueError, match="int16 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI"):
             kernel_choice.block_activations("int16")
+        with pytest.raises(ValueError, match="int8 needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI"):
+            kernel_choice.block_activations("int8")
     else:  # the AVX2 build: int16 for every block format (float32 only when asked: it is not batch-invariant)
         assert kernel_choice.int16_kernel_loads() and kernel_choice.block_activations("int16") == "int16"
-        assert kernel_choice.block_activations("auto") == "int16"
+        assert kernel_choice.block_activations("auto") == "int16" and kernel_choice.block_activations("int8") == "int8"
     monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,sse9")
     with pytest.raises(ValueError, match="unknown feature sse9"):
         kernels.disabled_features()
