@@ -29,13 +29,17 @@ def engine_stats(server: Server) -> dict:
     return httpx.get(f"{server.base_url}/debug/engine", timeout=5).json()
 
 
-def stream_in_background(server: Server, body: dict, first_chunk: threading.Event) -> threading.Thread:
+def stream_in_background(server: Server, body: dict, first_chunk: threading.Event,
+                         hang_up: threading.Event | None = None) -> threading.Thread:
+    """Reads a streamed completion in a thread; `hang_up` set: the client closes the stream as a user who goes away."""
     def read() -> None:
         try:
             with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True},
                               timeout=60) as response:
                 for _ in response.iter_lines():
                     first_chunk.set()
+                    if hang_up is not None and hang_up.is_set():
+                        break
         except httpx.HTTPError:
             pass  # the server went away under it, as the test intends
         first_chunk.set()
@@ -96,8 +100,8 @@ def test_max_queued_requests_answers_429_with_retry_after(tmp_path: Path, tiny_l
                          "--max-model-len", "8192")
     longer = {**LONG, "max_tokens": 8000}
     try:
-        running, queued = threading.Event(), threading.Event()
-        stream_in_background(server, longer, running)  # takes the only running slot
+        running, queued, hang_up = threading.Event(), threading.Event(), threading.Event()
+        stream_in_background(server, longer, running, hang_up)  # takes the only running slot
         assert running.wait(30)
         stream_in_background(server, LONG, queued)  # waits for it: the one queued request allowed
 
@@ -110,7 +114,8 @@ def test_max_queued_requests_answers_429_with_retry_after(tmp_path: Path, tiny_l
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=10)
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=str(tiny_llama_dir), prompt="hi", max_tokens=1)
-        # Once the queue drains, requests are served again.
+        # Once the queue drains (the running client goes away, the queued request runs), requests are served again.
+        hang_up.set()
         assert queued.wait(60)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
