@@ -150,3 +150,29 @@ def test_a_transformers_without_the_pieces_converts_through_from_pretrained(
     expected = transformers.PreTrainedTokenizerFast.from_pretrained(
         default_source.path.parent, gguf_file=default_source.path.name, local_files_only=True)
     assert_same_tokenizer(load_tokenizer(default_source), expected)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+                                     "tiny_qwen2_dir", "tiny_phi3_dir"])
+@pytest.mark.parametrize("declared", ["TokenizersBackend", "PreTrainedTokenizerFast"])  # what save_pretrained, Llama 3 say
+def test_a_directory_with_the_generic_class_loads_as_auto_tokenizer_builds_it(
+    request: pytest.FixtureRequest, tmp_path: Path, fixture: str, declared: str
+) -> None:
+    """lmserve builds the generic fast tokenizer itself where AutoTokenizer would (without the config import that
+    brings torch into the API process); Qwen2 and Phi-3 directories go through AutoTokenizer, which gives them
+    their own classes."""
+    directory = tmp_path / "model"
+    shutil.copytree(request.getfixturevalue(fixture), directory)
+    config_file = directory / "tokenizer_config.json"
+    config_file.write_text(config_file.read_text().replace('"TokenizersBackend"', f'"{declared}"'))
+    source = ModelSource("hf", directory, "model")
+    assert model_tokenizer._plain_fast_tokenizer(directory) == (fixture not in ("tiny_qwen2_dir", "tiny_phi3_dir"))
+    assert_same_tokenizer(load_tokenizer(source), transformers.AutoTokenizer.from_pretrained(directory))
+
+
+def test_a_directory_tokenizer_loads_without_importing_torch(tiny_llama_dir: Path) -> None:
+    code = ("import sys; from lmserve.model_tokenizer import load_tokenizer; from lmserve.models import ModelSource; "
+            f"t = load_tokenizer(ModelSource('hf', __import__('pathlib').Path({str(tiny_llama_dir)!r}), 'tiny')); "
+            "print(len(t), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["49152", "False"]

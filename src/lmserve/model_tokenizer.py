@@ -28,7 +28,9 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
     import transformers
 
     start = time.perf_counter()
-    if source.kind == "hf":
+    if source.kind == "hf" and _plain_fast_tokenizer(source.path):
+        tokenizer = transformers.TokenizersBackend.from_pretrained(source.path, local_files_only=True)
+    elif source.kind == "hf":
         tokenizer = transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     else:
         tokenizer = _gguf_tokenizer(source.path)
@@ -47,6 +49,27 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         time.perf_counter() - start,
     )
     return tokenizer
+
+
+# Architectures whose directories AutoTokenizer loads as the class tokenizer_config.json names when that class is
+# the generic one: not qwen2 and phi3 (transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, given their own
+# class), nor mistral (its tekken files choose another backend).
+_GENERIC_CLASS_KEPT = {"llama", "qwen3", "gemma2", "gemma3", "gemma3_text"}
+_GENERIC_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+
+
+def _plain_fast_tokenizer(directory: Path) -> bool:
+    """Whether AutoTokenizer would build transformers' generic fast tokenizer over the directory's tokenizer.json,
+    which lmserve then builds itself: AutoTokenizer first reads the model's config through transformers' config
+    classes, which import torch (~2 s of start-up and ~240 MiB that the API process would hold for its lifetime).
+    tests/test_tokenizer_cache.py holds the two equal."""
+    try:
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (tokenizer_config.get("tokenizer_class") in _GENERIC_CLASSES and "auto_map" not in tokenizer_config
+            and model_type in _GENERIC_CLASS_KEPT and (directory / "tokenizer.json").is_file())
 
 
 def _model_type_of(source: ModelSource) -> str | None:
