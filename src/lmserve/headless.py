@@ -113,7 +113,7 @@ def rank_supervisor(config: EngineConfig, ctx: zmq.Context) -> NodeSupervisor:
     supervisor = NodeSupervisor(f"node {parallel.node_rank}", {}, results, report)
     results.connect(addresses.results)
     ranks = parallel.node_ranks(parallel.node_rank)
-    supervisor.procs = {f"rank {rank}": start_rank(addresses, parallel, rank, config.placement) for rank in ranks}
+    supervisor.procs = {f"rank {rank}": start_rank(addresses, config, rank, len(ranks), config.placement) for rank in ranks}
     logger.info("node %d of %d: ranks %d-%d started, engine at %s", parallel.node_rank, parallel.nnodes, ranks[0],
                 ranks[-1], addresses.init_method)
     return supervisor

@@ -1,4 +1,5 @@
-"""Ending a server process once it has closed what it holds, without the interpreter's teardown."""
+"""Ending a server process once it has closed what it holds, without the interpreter's teardown; whether another
+process of this machine still lives."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ def exit_closed(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
             pass
     os._exit(code)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine with that pid exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -11,17 +11,8 @@ from pathlib import Path
 
 import httpx
 import openai
+from rank_processes import rank_pids
 from server_process import alive, children, start_server, wait_for
-
-
-def rank_pids(server_pid: int) -> list[int]:
-    ranks = []
-    for engine in children(server_pid):
-        for pid in children(engine):
-            if b"lmserve.executor.rank_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                ranks.append(pid)
-    return ranks
-
 
 # The 503s after the engine's death last 1 s instead of 3 (LMSERVE_ENGINE_DEATH_GRACE_S): these tests poll for the
 # first one at once, then only wait for the exit.

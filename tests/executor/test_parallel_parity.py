@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from network_addresses import free_port_block, non_loopback_address
+from rank_processes import rank_pids
 
 from lmserve import LLM, SamplingParams
 from lmserve.sampling_params import StructuredOutputsParams
@@ -210,7 +211,7 @@ def test_a_rank_that_dies_on_another_node_is_named(tiny_llama_dir: Path, two_nod
     node1 = start_node("-tp", "2", "--nnodes", "2")
     with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings) as llm:
         llm.generate(["warm"], SamplingParams(max_tokens=2))
-        (rank1,) = (int(pid) for pid in Path(f"/proc/{node1.pid}/task/{node1.pid}/children").read_text().split())
+        (rank1,) = rank_pids(node1.pid)
         os.kill(rank1, signal.SIGKILL)
         with pytest.raises(RankFailedError) as failure:
             llm.generate(["after the death"], SamplingParams(max_tokens=4))
@@ -238,12 +239,11 @@ def test_a_node_stops_its_ranks_when_node_0_goes_away(two_nodes) -> None:
     results = context.socket(zmq.PULL)
     results.bind(f"tcp://{settings['master_addr']}:{settings['master_port'] + 1}")
     node1 = start_node("-tp", "2", "--nnodes", "2")
-    children = Path(f"/proc/{node1.pid}/task/{node1.pid}/children")
     deadline = time.monotonic() + 60
-    while not children.read_text().split():
+    while not rank_pids(node1.pid):
         assert time.monotonic() < deadline and node1.poll() is None
         time.sleep(0.05)
-    (rank1,) = (int(pid) for pid in children.read_text().split())
+    (rank1,) = rank_pids(node1.pid)
     time.sleep(1.0)  # connected
     results.close(linger=0)
     context.term()

@@ -20,20 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lmserve.config import KV_LINK_BUFFER_PREFIX as BUFFER_PREFIX
+from lmserve.process_exit import process_alive
 
 
 def block_file(directory: Path, name: str, rank: int) -> Path:
     return directory / f"{name}-r{rank}.kv"
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _owner_pid(name: str, marker: str) -> int | None:

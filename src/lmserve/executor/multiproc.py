@@ -17,12 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pickle
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -36,7 +34,9 @@ import zmq
 from lmserve.config import EngineConfig, ParallelConfig, PlacementConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
+from lmserve.executor.rank_starter import RankProcess, start_rank_process
 from lmserve.executor.step_messages import StepEncoder
+from lmserve.models import resolve_model
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,18 @@ class RankAddresses:
                    f"tcp://{host}:{port + 1}", f"tcp://{host}:{port}")
 
 
-def start_rank(addresses: RankAddresses, parallel: ParallelConfig, rank: int,
-               placement: PlacementConfig | None = None) -> subprocess.Popen:
-    """One rank process (lmserve.executor.rank_process); it logs at the engine's level unless told otherwise.
-    `placement`: this machine's CPUs and threads where they are not the engine's (a --headless node's own flags)."""
-    env = {"LMSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel()), **os.environ}
+def start_rank(addresses: RankAddresses, config: EngineConfig, rank: int, ranks_here: int,
+               placement: PlacementConfig | None = None) -> RankProcess:
+    """One rank process (lmserve.executor.rank_process, forked where it can be: executor/rank_starter.py); it logs at
+    the engine's level unless told otherwise. `placement`: this machine's CPUs and threads where they are not the
+    engine's (a --headless node's own flags)."""
+    parallel = config.parallel
     machine = [] if placement is None else [json.dumps(dataclasses.asdict(placement))]
-    return subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", addresses.rank_inputs[rank],
-                             addresses.results, str(rank), addresses.init_method,
-                             f"{parallel.world_size}/{parallel.nnodes}", *machine], env=env)
+    arguments = [addresses.rank_inputs[rank], addresses.results, str(rank), addresses.init_method,
+                 f"{parallel.world_size}/{parallel.nnodes}", *machine]
+    hf_model = resolve_model(config.model.model).kind == "hf"
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    return start_rank_process(arguments, log_level, hf_model, fork=ranks_here > 1)
 
 
 class PendingOutput(Future):
@@ -128,7 +131,8 @@ class MultiprocExecutor(Executor):
         # A rank takes its configuration from its step socket, first: the ranks of other nodes read no file here.
         self._unconfigured = {rank: pickle.dumps(("config", config)) for rank in range(self.world_size)}
         self._remote_exits: dict[int, str] = {}  # ranks on other nodes whose exit their node reported
-        self.procs = [start_rank(addresses, parallel, rank) for rank in parallel.node_ranks(0)]
+        here = parallel.node_ranks(0)
+        self.procs = [start_rank(addresses, config, rank, len(here)) for rank in here]
         if self.nnodes > 1:
             logger.info("waiting for ranks %d-%d of nodes 1-%d (lmserve serve ... --node-rank N --headless; "
                         "rendezvous %s)", len(self.procs), self.world_size - 1, self.nnodes - 1,

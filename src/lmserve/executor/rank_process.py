@@ -17,12 +17,21 @@ import sys
 import zmq
 
 from lmserve.config import EngineConfig, PlacementConfig
-from lmserve.process_exit import exit_closed
+from lmserve.process_exit import exit_closed, process_alive
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 PARENT_CHECK_MS = 1000
+
+
+def name_process(rank: int) -> None:
+    """`lmserve-rank0`, ... in ps -o comm and top: a forked rank's command line is the fork server's."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, f"lmserve-rank{rank}".encode()[:15])
+    except OSError:
+        pass
 
 
 def die_with_parent() -> None:
@@ -34,10 +43,10 @@ def die_with_parent() -> None:
         pass
 
 
-def next_message(inputs: zmq.Socket, parent: int) -> tuple[str, object] | None:
-    """The engine's next message; None once the process that started this rank is gone."""
+def next_message(inputs: zmq.Socket, parent: int, engine_pid: int | None = None) -> tuple[str, object] | None:
+    """The engine's next message; None once the process that started this rank, or the engine, is gone."""
     while not inputs.poll(PARENT_CHECK_MS):
-        if os.getppid() != parent:
+        if os.getppid() != parent or (engine_pid is not None and not process_alive(engine_pid)):
             return None
     return pickle.loads(inputs.recv())
 
@@ -61,10 +70,31 @@ def on_this_machine(config: EngineConfig, placement: str | None) -> EngineConfig
     return dataclasses.replace(config, placement=PlacementConfig(**json.loads(placement)))
 
 
+def forked_main(engine_pid: int, environment: dict[str, str], log_level: str, *arguments: str) -> None:
+    """A rank forked by the engine's fork server (lmserve.executor.rank_starter): main() as the command line runs it.
+    The server lives while any process holds its "alive" pipe, which each forked child inherits: the rank lets go of
+    it, so that the server goes with the engine and the kernel's parent-death signal then takes the rank."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int):
+        os.close(alive)
+        server._forkserver_alive_fd = None
+    os.environ.clear()
+    os.environ.update(environment)
+    os.environ.setdefault("LMSERVE_LOG_LEVEL", log_level)
+    input_address, results_address, rank, init_method, layout, *placement = arguments
+    exit_closed(main(input_address, results_address, int(rank), init_method, layout, *placement,
+                     engine_pid=engine_pid))
+
+
 def main(input_address: str, results_address: str, rank: int, init_method: str, layout: str,
-         placement: str | None = None) -> int:
+         placement: str | None = None, engine_pid: int | None = None) -> int:
+    """`engine_pid`: the engine's, where it is not this rank's parent (a forked rank's parent is the fork server)."""
     parent = os.getppid()
     die_with_parent()
+    name_process(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=os.environ.get("LMSERVE_LOG_LEVEL", "INFO"),
@@ -82,7 +112,7 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
     from lmserve.executor.step_messages import StepDecoder
     from lmserve.worker.worker import Worker  # after the sockets: a failed import is still reported
 
-    first = next_message(inputs, parent)
+    first = next_message(inputs, parent, engine_pid)
     if first is None or first[0] != "config":  # the engine stopped before this rank started
         ctx.destroy(linger=0)
         return 0
@@ -100,7 +130,7 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
     send("ready", worker.info)
     steps = StepDecoder()
     code = 0
-    while (message := next_message(inputs, parent)) is not None:
+    while (message := next_message(inputs, parent, engine_pid)) is not None:
         kind, payload = message
         if kind == "execute":
             try:
