@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from timing import start_lmserve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "api"))
 from server_process import children
@@ -46,23 +44,9 @@ def pss_mib(pid: int) -> float:
 
 def start_once(args: list[str], env: dict[str, str]) -> tuple[float, float, int]:
     """(seconds to ready, PSS of every process of the server in MiB, how many processes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    lmserve = Path(sys.executable).parent / "lmserve"
     started = time.monotonic()
-    process = subprocess.Popen([str(lmserve), "serve", *args, "--port", str(port)], start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    process, _ = start_lmserve(*args, env={**os.environ, **env}, poll_s=0.02)
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"lmserve serve exited with {process.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
         ready = time.monotonic() - started
         pids = tree(process.pid)
         return ready, sum(pss_mib(pid) for pid in pids), len(pids)

@@ -24,7 +24,23 @@ def median_ms(fn: Callable[[], object], repeats: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
-def start_lmserve(*args: str) -> tuple[subprocess.Popen, str]:
+def wait_until_healthy(process: subprocess.Popen, url: str, poll_s: float = 0.5, timeout_s: float = 200.0) -> None:
+    """Returns once `url`/health answers 200; raises RuntimeError if the server exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"lmserve serve exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError("lmserve serve did not become healthy")
+
+
+def start_lmserve(*args: str, env: dict[str, str] | None = None,
+                  poll_s: float = 0.5) -> tuple[subprocess.Popen, str]:
     """`lmserve serve ARGS` on a free port, in its own process group (stop it with os.killpg); (process, base URL)
     once /health answers 200."""
     with socket.socket() as s:
@@ -32,15 +48,7 @@ def start_lmserve(*args: str) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     lmserve = Path(sys.executable).parent / "lmserve"
     process = subprocess.Popen([str(lmserve), "serve", *args, "--port", str(port)], start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        if process.poll() is not None:
-            raise RuntimeError(f"lmserve serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("lmserve serve did not become healthy")
+    wait_until_healthy(process, url, poll_s)
+    return process, url

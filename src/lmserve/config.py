@@ -203,6 +203,7 @@ DEFAULT_KV_BUFFER_BYTES = 10**9  # vLLM's kv_buffer_size
 # process that named it.
 KV_LINK_BUFFER_PREFIX = "lmserve-kv-link-"
 DEFAULT_KV_PORT = 14579  # vLLM's kv_port
+KV_BUFFER_DEVICES = ("cuda", "cpu")  # vLLM's kv_buffer_device values; the buffer itself is host memory here
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,11 @@ class KVTransferConfig:
                              f"{' or '.join(KV_CONNECTORS)}")
         if role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        device = value.get("kv_buffer_device", "cuda")
+        if device not in KV_BUFFER_DEVICES:
+            # vLLM's default is "cuda"; lmserve's consumer buffers what it receives in host memory either way.
+            raise ValueError(f"kv_transfer_config: kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
+                             f"got {device!r}")
         extra = value.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")  # noqa: TRY004 - a bad flag value

@@ -65,12 +65,16 @@ def test_the_config_is_vllms_and_checked() -> None:
     parsed = parse_kv_transfer_config(transfer("kv_both", Path("/tmp/x"), max_storage_bytes="1GiB"))
     assert parsed == KVTransferConfig("SharedStorageConnector", "kv_both", "/tmp/x", 2**30)
     assert parsed.saves and parsed.loads
+    vllms = {"kv_connector": "PyNcclConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cuda"}  # its default
+    assert KVTransferConfig.from_json(vllms).loads
     for bad, message in [({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "not supported"),
                          ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_leader"}, "kv_role"),
                          ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}, "shared_storage_path"),
                          ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", "kv_connector_extra_config":
                            {"shared_storage_path": "/x", "max_storage_bytes": -1}}, "max_storage_bytes"),
-                         ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", "cache": 1}, "unknown")]:
+                         ({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", "cache": 1}, "unknown"),
+                         ({"kv_connector": "PyNcclConnector", "kv_role": "kv_producer", "kv_buffer_device": "tpu"},
+                          "kv_buffer_device must be one of cuda, cpu")]:
         with pytest.raises(ValueError, match=message):
             KVTransferConfig.from_json(bad)
 
