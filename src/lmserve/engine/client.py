@@ -91,6 +91,11 @@ class EngineCoreClient:
         """Why the engine is gone, once is_alive is False."""
         return self.process.exit_description()
 
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's, once it is gone (0: a signal stopped it cleanly); None while it runs."""
+        return self.process.exitcode
+
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.process.is_alive():
             try:

@@ -175,6 +175,11 @@ class DataParallelClient:
                 return f"{replica.exit_description()} (replica {index} of {len(self.replicas)})"
         return "no engine replica has died"
 
+    @property
+    def exitcode(self) -> int | None:
+        """The first gone replica's exit code (None while all run, or for one on another machine)."""
+        return next((replica.exitcode for replica in self.replicas if not replica.is_alive), None)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops every replica at once (a slow one does not hold up the others' stop)."""
         if not self.replicas:

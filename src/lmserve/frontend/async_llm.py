@@ -364,10 +364,13 @@ class AsyncLLM:
         while self.engine.is_alive:
             await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
         if not self.errored:
-            self._engine_dead(self.engine.exit_description())
+            # Exit code 0 is a clean stop on a signal (SIGTERM to the process group: systemd, `timeout`): with nothing
+            # in flight, nothing failed.
+            stopped = self.engine.exitcode == 0 and not self.streams
+            self._engine_dead(self.engine.exit_description(), logging.INFO if stopped else logging.ERROR)
 
-    def _engine_dead(self, reason: str) -> None:
-        logger.error("%s; failing %d in-flight requests", reason, len(self.streams))
+    def _engine_dead(self, reason: str, level: int = logging.ERROR) -> None:
+        logger.log(level, "%s; failing %d in-flight requests", reason, len(self.streams))
         self.errored, self.is_ready, self.dead_reason = True, False, reason
         self._ready.set()
         for stream in self.streams.values():
