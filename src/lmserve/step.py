@@ -59,14 +59,16 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # The grammars of the constrained requests that sample this step (engine.grammar.GrammarBatch), or None.
     grammar: Any = None
-    # Prefill/decode disaggregation (distributed/kv_storage.py): (block id, pinned file) to read into the cache before
-    # the forward pass, and (block id, block hash hex) to write out after it.
-    kv_loads: list[tuple[int, str]] = field(default_factory=list)
+    # Prefill/decode disaggregation (distributed/kv_storage.py): (request id, block id, pinned file) to read into the
+    # cache beside the forward passes (the request runs once the ranks report its load done: ModelRunnerOutput.
+    # finished_kv_loads), and (block id, block hash hex) to write out after this step's forward pass.
+    kv_loads: list[tuple[str, int, str]] = field(default_factory=list)
     kv_saves: list[tuple[int, str]] = field(default_factory=list)
+    kv_loads_pending: bool = False  # requests wait for their loads: the ranks report them even with nothing to run
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.kv_loads and not self.kv_loads_pending
 
 
 @dataclass
@@ -80,3 +82,5 @@ class ModelRunnerOutput:
     # logprobs where the request asked for them).
     accepted_draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_draft_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    # Requests whose KV loads (SchedulerOutput.kv_loads) this rank finished since its last report.
+    finished_kv_loads: list[str] = field(default_factory=list)

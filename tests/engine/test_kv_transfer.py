@@ -6,6 +6,7 @@ a consumer of another KV layout refuses to start; the producer keeps to its byte
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,3 +134,76 @@ def test_the_producer_keeps_to_its_byte_cap(tmp_path: Path) -> None:
     assert sum(f.stat().st_size for f in files) == 2 * block_bytes
     assert_idle(llm)
     llm.shutdown()
+
+
+@pytest.fixture
+def slow_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's load takes 0.3 s longer: the steps in between are what the loading thread runs beside."""
+    from lmserve.worker.kv_transfer import KVBlockFiles
+
+    load = KVBlockFiles._load_in_thread
+
+    def slower(self, blocks):
+        time.sleep(0.3)
+        load(self, blocks)
+
+    monkeypatch.setattr(KVBlockFiles, "_load_in_thread", slower)
+
+
+def recorded_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list:
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        steps.append(schedule())
+        return steps[-1]
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", recording)
+    return steps
+
+
+def test_a_request_loads_its_blocks_while_a_running_one_decodes(
+        plain: LLM, producer: LLM, consumer: LLM, slow_loads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM V1's asynchronous load: the loading request waits (as in WAITING_FOR_REMOTE_KVS) and the running
+    request's steps go on meanwhile; then it runs from its loaded blocks and gives one instance's tokens."""
+    prompt = "Rivers of Europe, from the longest to the shortest, with the countries each one flows through: " * 2
+    running = "Count from one to fifty: one, two, three,"
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), GREEDY]
+    expected = [o.outputs[0].token_ids for o in plain.generate([running, prompt], params)]
+    loaded = 16 * ((len(producer.generate(prompt, ONE_TOKEN)[0].prompt_token_ids) - 1) // 16)
+    steps = recorded_steps(consumer, monkeypatch)
+    decoded = consumer.generate([running, prompt], params)
+    assert [o.outputs[0].token_ids for o in decoded] == expected
+    assert decoded[1].num_cached_tokens == loaded > 0
+    (issued,) = [i for i, step in enumerate(steps) if step.kv_loads]
+    loading_id = steps[issued].kv_loads[0][0]
+    first_run = next(i for i, step in enumerate(steps) if any(s.request_id == loading_id for s in step.scheduled))
+    assert first_run > issued
+    assert next(s for s in steps[first_run].scheduled if s.request_id == loading_id).start_position == loaded
+    beside = [step for step in steps[issued:first_run] if step.scheduled]
+    assert len(beside) >= 2, "the running request did not step while the other one loaded"
+    assert all(loading_id not in {s.request_id for s in step.scheduled} for step in beside)
+
+
+def test_a_request_aborted_while_loading_holds_nothing(
+        producer: LLM, consumer: LLM, slow_loads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = "Mountains of Asia, from the highest, with the first people known to have climbed each of them: " * 2
+    expected = consumer.engine.scheduler.kv_transfer.num_loaded_blocks
+    producer.generate(prompt, ONE_TOKEN)
+    steps = recorded_steps(consumer, monkeypatch)
+    consumer._add(prompt, GREEDY, 0)
+    while not any(step.kv_loads for step in steps):
+        consumer._step()
+    (request_id,) = consumer.engine.scheduler.requests
+    assert consumer.engine.scheduler.requests[request_id].kv_loading
+    consumer.output_processor.process_outputs(consumer.engine.abort_requests([request_id]))
+    consumer.output_processor.remove(request_id)
+    while consumer.engine.has_unfinished_requests():
+        consumer._step()
+    consumer.engine.step()  # the next step waits for the aborted load before its blocks can be reused
+    assert_idle(consumer)
+    assert not any(consumer.engine.scheduler.kv_transfer.storage.pins.iterdir())
+    assert consumer.engine.scheduler.kv_transfer.num_loaded_blocks > expected
+    # The same prompt again loads again and answers as the producer would.
+    again = consumer.generate(prompt, GREEDY)[0]
+    assert again.outputs[0].token_ids == producer.generate(prompt, GREEDY)[0].outputs[0].token_ids

@@ -113,8 +113,9 @@ class EngineCore:
             return self._step_with_batch_queue(after_execute)
         started = now()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and self.scheduler.num_waiting:
-            time.sleep(GRAMMAR_WAIT_S)  # only grammars still compiling: give their thread the CPU, do not spin
+        if not scheduler_output.scheduled and (self.scheduler.num_waiting or scheduler_output.kv_loads_pending):
+            # Only grammars still compiling, or stored KV still loading: give their threads the CPU, do not spin.
+            time.sleep(GRAMMAR_WAIT_S)
         forward_started = now()
         runner_output = self._submit(scheduler_output).result()
         return self._update(scheduler_output, runner_output, started, now() - forward_started, after_execute)
@@ -137,6 +138,8 @@ class EngineCore:
             if self.scheduler.num_waiting:
                 time.sleep(GRAMMAR_WAIT_S)
             return []
+        if not self.batch_queue[0][0].scheduled and self.batch_queue[0][0].kv_loads_pending:
+            time.sleep(GRAMMAR_WAIT_S)  # a step that only asks the ranks which loads are done: do not spin
         scheduler_output, future, started = self.batch_queue.popleft()
         forward_started = now()
         runner_output = future.result()

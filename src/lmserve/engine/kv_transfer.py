@@ -3,8 +3,9 @@ worker's kv_transfer.py the bytes).
 
 A consumer, admitting a request, counts its local prefix-cache hit first, then pins the run of its prompt's next full
 blocks that a producer stored; those blocks are allocated like computed ones, read in by the step before its forward
-pass, and count as cached tokens (as vLLM counts external hits). The last prompt token is never loaded: its logits are
-needed. A producer names every full prompt block a step completes that no file holds yet; the worker writes them once
+pass, and count as cached tokens (as vLLM counts external hits). The ranks read them in beside the forward passes of
+other requests; the request waits (Request.kv_loading) until the driver rank reports its load done, as vLLM's
+WAITING_FOR_REMOTE_KVS. The last prompt token is never loaded: its logits are needed. A producer names every full prompt block a step completes that no file holds yet; the worker writes them once
 the forward pass has. Requests asking for prompt logprobs compute every position, as with the prefix cache.
 
 Over PyNcclConnector the consumer's storage is its own buffer directory, which its ranks' links fill; the producer
@@ -47,12 +48,13 @@ class KVTransferScheduling:
         if self.storage is not None:
             self.storage.unpin(pinned)
 
-    def loads(self, request: Request, first_block: int, pinned: list[str]) -> list[tuple[int, str]]:
-        """(block id, pinned file) of the pinned blocks, now allocated after the local hit."""
+    def loads(self, request: Request, first_block: int, pinned: list[str]) -> list[tuple[str, int, str]]:
+        """(request id, block id, pinned file) of the pinned blocks, now allocated after the local hit."""
         table = self.kv.block_ids(request.request_id)
         assert self.storage is not None
         self.num_loaded_blocks += len(pinned)
-        return [(table[first_block + i], str(self.storage.pins / name)) for i, name in enumerate(pinned)]
+        return [(request.request_id, table[first_block + i], str(self.storage.pins / name))
+                for i, name in enumerate(pinned)]
 
     def saves(self, requests: Iterable[Request]) -> list[tuple[int, str]]:
         """(block id, hash hex) of the prompt blocks this step completes that are not stored yet."""

@@ -39,6 +39,7 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache the first time this request was scheduled.
     num_cached_tokens: int = -1
+    kv_loading: bool = False  # its stored blocks are being read in (--kv-transfer-config): not scheduled until done
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cache_salt: str | None = None

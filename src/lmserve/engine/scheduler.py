@@ -213,9 +213,11 @@ class Scheduler:
         """The lowest-priority running request: latest arrival (FCFS), or largest priority value, then latest."""
         by_priority = self.config.policy == "priority"
 
-        def rank(item: tuple[int, Request]) -> tuple[float, float, int]:
+        def rank(item: tuple[int, Request]) -> tuple[bool, float, float, int]:
             index, request = item
-            return (request.priority if by_priority else 0, request.arrival_time, index)
+            # A request whose blocks are loading goes last: preempting it throws the load away (safe all the same:
+            # a rank finishes a load before any step that may reuse its blocks).
+            return (not request.kv_loading, request.priority if by_priority else 0, request.arrival_time, index)
 
         return max(enumerate(self.running), key=rank)[1]
 
@@ -309,6 +311,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
         victim.num_computed_tokens = 0  # recompute: prompt and outputs so far become its prompt
+        victim.kv_loading = False  # its load is thrown away; admitted again, it may pin and load anew
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self._enqueue(victim, front=True)
@@ -324,8 +327,8 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.kv_loading:
+                continue  # preempted earlier in this loop, or its stored blocks are still being read in
             placeholder = False
             if self._in_flight[request.request_id]:
                 num_new, placeholder = self._ahead(request)
@@ -354,7 +357,7 @@ class Scheduler:
         # Then waiting requests, in policy order, with what is left. Never in a step that preempted: the blocks
         # just freed belong to the preempted requests at the head of the queue, and taking them would start a storm.
         promised = self._blocks_promised_to_prefills() if self.waiting and not preempted else 0
-        kv_loads: list[tuple[int, str]] = []
+        kv_loads: list[tuple[str, int, str]] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_admissible()
             if request is None:
@@ -365,17 +368,18 @@ class Scheduler:
             # Head-of-line: if it does not fit, nobody behind it jumps ahead.
             if not kv.can_fit(request, request.num_tokens, hits, reserved=promised):
                 break
-            # Blocks a prefill instance stored (--kv-transfer-config): allocated like computed ones, read in by the
-            # step before its forward pass.
+            # Blocks a prefill instance stored (--kv-transfer-config): allocated like computed ones and read in by
+            # the ranks beside later steps; the request runs once they are in.
             pinned = self.kv_transfer.pin(request, len(hits)) if self.kv_transfer is not None else []
             num_loaded = len(pinned) * kv.block_size
-            num_new = self._cap(request.num_tokens - num_hit - num_loaded, budget)
+            num_new = 0 if pinned else self._cap(request.num_tokens - num_hit - num_loaded, budget)
             if not kv.allocate_slots(request, num_loaded + num_new, hits, num_hit):
                 if pinned:
                     self.kv_transfer.unpin(pinned)
                 break
             if pinned:
                 kv_loads += self.kv_transfer.loads(request, len(hits), pinned)
+                request.kv_loading = True
             kv.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
@@ -383,8 +387,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit + num_loaded
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = self._schedule_one(request, num_new)
-            budget -= num_new
+            if not request.kv_loading:
+                scheduled[request.request_id] = self._schedule_one(request, num_new)
+                budget -= num_new
             promised += kv.num_blocks_to_finish(request)
 
         finished, self._finished_ids = self._finished_ids | preempted, set()
@@ -396,6 +401,7 @@ class Scheduler:
             preempted_request_ids=preempted,
             num_batched_tokens=sum(s.num_tokens for s in batch),
             kv_loads=kv_loads,
+            kv_loads_pending=any(request.kv_loading for request in self.running),
         )
         if self.kv_transfer is not None:
             output.kv_saves = self.kv_transfer.saves(self.requests[s.request_id] for s in batch)
@@ -413,6 +419,10 @@ class Scheduler:
         token. Requests that ended while the step ran (aborts, stop strings, or, with async scheduling, a stop in
         the batch before) are skipped. A request preempted while its batch was in flight keeps its token."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        for request_id in runner_output.finished_kv_loads:
+            loaded = self.requests.get(request_id)
+            if loaded is not None:  # gone meanwhile: aborted, or preempted and requeued (it will load again)
+                loaded.kv_loading = False
         for planned in scheduler_output.scheduled:
             rid = planned.request_id
             if self._in_flight[rid] > 1:

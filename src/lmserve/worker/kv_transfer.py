@@ -1,6 +1,8 @@
 """A rank's side of prefill/decode disaggregation (lmserve.distributed.kv_storage): writes the KV of the blocks the
-scheduler names after the step computed them (a producer), and reads pinned blocks into the cache before the step
-that attends over them (a consumer). Over PyNcclConnector, the producer sends the blocks over this rank's link
+scheduler names after the step computed them (a producer), and reads pinned blocks into the cache on a thread of its
+own, beside the forward passes of the requests already running (a consumer; the scheduler runs the loading request
+once the driver rank reports its load done, and a rank waits for a load before any step that reads or reuses its
+blocks: vLLM V1's start_load_kv / get_finished). Over PyNcclConnector, the producer sends the blocks over this rank's link
 (lmserve.distributed.kv_link) instead, and the consumer's link thread writes what arrives into its own buffer
 directory, from which the step loads it as from shared storage.
 
@@ -16,6 +18,8 @@ import logging
 import os
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +46,8 @@ class KVBlockFiles:
         self.written: deque[tuple[Path, int]] = deque()  # this producer's files, oldest first, for its byte cap
         self.bytes_written = 0
         self.link: KVLink | None = None
+        self._loader: ThreadPoolExecutor | None = None  # started by the first load
+        self._loading: dict[str, tuple[Future, frozenset[int]]] = {}  # request id -> its load and its blocks
         if config.over_network:
             # Names sent on the link now up, as many as the consumer's buffer holds: one sent longer ago than that may
             # be gone there, so it is sent again.
@@ -142,8 +148,52 @@ class KVBlockFiles:
         self._keep_to_cap()
 
     def close(self) -> None:
+        self.wait_for(self._loading)
+        if self._loader is not None:
+            self._loader.shutdown()
         if self.link is not None:
             self.link.close()
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loading)
+
+    def start_loads(self, loads: list[tuple[str, int, str]]) -> None:
+        """Starts reading each request's (request id, block id, pin) on the loading thread."""
+        by_request: dict[str, list[tuple[int, str]]] = {}
+        for request_id, block_id, pin in loads:
+            by_request.setdefault(request_id, []).append((block_id, pin))
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmserve-kv-load")
+        for request_id, blocks in by_request.items():
+            self.wait_for([request_id])  # an earlier load of the same request (preempted, admitted again)
+            future = self._loader.submit(self._load_in_thread, blocks)
+            self._loading[request_id] = (future, frozenset(block_id for block_id, _ in blocks))
+
+    def _load_in_thread(self, blocks: list[tuple[int, str]]) -> None:
+        # One OpenMP thread for the copies: a second team of the compute threads' size would fight them for the
+        # cores (OpenMP's thread count is per thread; the forward passes keep theirs).
+        torch.set_num_threads(1)
+        with torch.inference_mode():  # the cache's tensors are inference tensors
+            self.load(blocks)
+
+    def wait_for(self, request_ids: Iterable[str], block_ids: Iterable[int] = ()) -> None:
+        """Waits for the loads of these requests, and for any load into these blocks (a load's error is raised)."""
+        if not self._loading:
+            return
+        wanted = set(request_ids) & self._loading.keys()
+        blocks = set(block_ids)
+        if blocks:
+            wanted |= {rid for rid, (_, loading) in self._loading.items() if not loading.isdisjoint(blocks)}
+        for request_id in wanted:
+            self._loading[request_id][0].result()
+
+    def finished_loads(self) -> list[str]:
+        """The requests whose loads ended since the last call (a load's error is raised)."""
+        done = [request_id for request_id, (future, _) in self._loading.items() if future.done()]
+        for request_id in done:
+            self._loading.pop(request_id)[0].result()
+        return done
 
     def load(self, blocks: list[tuple[int, str]]) -> None:
         """Reads each (block id, pin) into the cache, then drops the pins."""

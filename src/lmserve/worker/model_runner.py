@@ -387,19 +387,37 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens on the driver rank (the only rank with one rank); None on the other ranks,
-        which take their part in the same forward pass."""
+        which take their part in the same forward pass. A consumer's KV loads run beside it (worker/kv_transfer.py):
+        the driver's output names the requests whose loads ended."""
+        if self.kv_files is None:
+            return self._execute(scheduler_output)
+        # Before a step reads or reuses a loading request's blocks (it runs, ended, was preempted, or another request
+        # shares its blocks through the prefix cache), its load must be in.
+        scheduled = scheduler_output.scheduled
+        self.kv_files.wait_for(
+            [s.request_id for s in scheduled] + [*scheduler_output.finished_request_ids],
+            [block for s in scheduled for block in s.block_ids] if self.kv_files.loading else ())
+        if scheduler_output.kv_loads:
+            self.kv_files.start_loads(scheduler_output.kv_loads)
+        finished = self.kv_files.finished_loads()
+        output = self._execute(scheduler_output)
+        if output is None and self.layout.is_driver and finished:
+            output = ModelRunnerOutput(sampled_token_ids={})
+        if output is not None:
+            output.finished_kv_loads = finished
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         # A preempted request keeps its generator: resumed, it must draw what it would have drawn unpreempted.
         for request_id in scheduler_output.finished_request_ids:
             self.last_sampled.pop(request_id, None)
             if request_id not in scheduler_output.preempted_request_ids:
                 self.generators.pop(request_id, None)
-        if scheduler_output.is_empty:
+        if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
         if self.drafter is not None:
             self.drafter.fill([s for s in scheduler_output.scheduled
                                if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID])
-        if scheduler_output.kv_loads and self.kv_files is not None:
-            self.kv_files.load(scheduler_output.kv_loads)  # a consumer's blocks, before the step attends over them
         batch = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self._stage_forward(batch)
         if scheduler_output.kv_saves and self.kv_files is not None:
