@@ -172,10 +172,15 @@ class KVBlockFiles:
 
     def _load_in_thread(self, blocks: list[tuple[int, str]]) -> None:
         # One OpenMP thread for the copies: a second team of the compute threads' size would fight them for the
-        # cores (OpenMP's thread count is per thread; the forward passes keep theirs).
+        # cores. OpenMP's count is per thread (the forward passes keep theirs), but torch also keeps the last one set
+        # for threads that start later: it is put back after the load.
+        previous = torch.get_num_threads()
         torch.set_num_threads(1)
-        with torch.inference_mode():  # the cache's tensors are inference tensors
-            self.load(blocks)
+        try:
+            with torch.inference_mode():  # the cache's tensors are inference tensors
+                self.load(blocks)
+        finally:
+            torch.set_num_threads(previous)
 
     def wait_for(self, request_ids: Iterable[str], block_ids: Iterable[int] = ()) -> None:
         """Waits for the loads of these requests, and for any load into these blocks (a load's error is raised)."""
