@@ -217,7 +217,7 @@ class KVTransferConfig:
     - PyNcclConnector (vLLM V0's names): over torch.distributed between the two instances (gloo on CPU, NCCL on CUDA),
       a link per rank; the producer (kv_rank 0, kv_parallel_size 2) listens on kv_ip:kv_port + rank, the consumer
       (kv_rank 1) connects. The consumer keeps what it received in a buffer of its own (shared_storage_path, a new
-      directory; at most kv_buffer_size bytes, oldest removed first)."""
+      directory; at most kv_buffer_size bytes, oldest removed first) on buffer_host, the machine of its engine."""
 
     kv_connector: str
     kv_role: str
@@ -225,6 +225,7 @@ class KVTransferConfig:
     max_storage_bytes: int = DEFAULT_KV_STORAGE_BYTES
     kv_ip: str = "127.0.0.1"
     kv_port: int = DEFAULT_KV_PORT
+    buffer_host: str = ""
 
     @property
     def saves(self) -> bool:
@@ -292,7 +293,7 @@ class KVTransferConfig:
         # owner was killed (distributed/kv_storage.remove_orphans).
         path = os.path.join(base, f"{KV_LINK_BUFFER_PREFIX}{port}-{socket.gethostname()}-p{os.getpid()}-"
                                   f"{uuid.uuid4().hex[:12]}")
-        return cls("PyNcclConnector", role, path, buffer, address, port)
+        return cls("PyNcclConnector", role, path, buffer, address, port, socket.gethostname())
 
 
 def _byte_count(name: str, value: Any) -> int:

@@ -3,10 +3,11 @@ default model, in-process: a consumer started before its producer links to it an
 sends, giving one instance's greedy tokens; a consumer that goes away leaves the producer serving, and one started
 again links again; a consumer of another KV layout is refused and computes its prompts itself; a taken port fails the
 producer's start; a consumer that cannot reach its producer says so; the consumer's buffer is removed when it
-stops."""
+stops; a consumer's rank on another machine than its engine is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -25,6 +26,7 @@ from lmserve import LLM
 from lmserve.config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
 from lmserve.distributed import kv_link
 from lmserve.distributed.kv_link import KVLink, wait_linked
+from lmserve.worker.kv_transfer import KVBlockFiles
 
 LINK_WAIT_S = 60
 
@@ -272,3 +274,18 @@ def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp
         for process in (owner, alive):
             process.kill()
             process.wait()
+
+
+def test_a_consumers_rank_on_another_machine_than_its_engine_is_refused() -> None:
+    """The consumer's engine pins blocks from the buffer of its own machine: a rank elsewhere (--nnodes, Ray) would
+    fill a /dev/shm that engine never reads (every prompt computed again, the buffer left behind), so it refuses to
+    start and says what works instead; on the engine's machine the same rank starts."""
+    config = parse_kv_transfer_config(transfer("kv_consumer", 65535))
+    assert config.buffer_host == socket.gethostname()
+    elsewhere = dataclasses.replace(config, buffer_host="node-0.example")
+    with pytest.raises(ValueError, match=r"on the machine of its engine \(node-0.example\); rank 1 runs on .*"
+                                         r"SharedStorageConnector"):
+        KVBlockFiles(elsewhere, [], 1, "m")
+    assert not Path(config.shared_storage_path).exists()  # nothing made on the wrong machine
+    producer = dataclasses.replace(parse_kv_transfer_config(transfer("kv_producer", 65535)), buffer_host="node-0.example")
+    assert producer.buffer_host and not producer.loads  # a producer's ranks keep no buffer: any machine may send

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -37,6 +38,7 @@ class KVBlockFiles:
                  model_name: str) -> None:
         self.config = config
         self.root = Path(config.shared_storage_path)
+        _check_buffer_machine(config, rank)
         if config.loads or not config.over_network:  # a link's producer keeps no files
             self.root.mkdir(parents=True, exist_ok=True)
         self.kv_caches = kv_caches
@@ -211,6 +213,18 @@ class KVBlockFiles:
         self._scatter([block_id for block_id, _ in blocks], torch.from_numpy(data))
         for path in paths:
             path.unlink(missing_ok=True)
+
+
+def _check_buffer_machine(config: KVTransferConfig, rank: int) -> None:
+    """A consumer's engine pins a block only where every rank's file of it is in the buffer directory of its own
+    machine: a rank on another machine (--nnodes, Ray) would fill a /dev/shm that engine never sees, so every prompt
+    would be computed again, and the buffer would outlive the server."""
+    here = socket.gethostname()
+    if config.over_network and config.loads and config.buffer_host and config.buffer_host != here:
+        raise ValueError(f"kv transfer: PyNcclConnector's kv_consumer keeps the blocks it receives on the machine of "
+                         f"its engine ({config.buffer_host}); rank {rank} runs on {here}, where that engine would find "
+                         "none of them. Run a kv_consumer's ranks on one machine, or use SharedStorageConnector with a "
+                         "shared_storage_path that every machine mounts")
 
 
 def _read_into(path: Path, row: np.ndarray) -> None:
