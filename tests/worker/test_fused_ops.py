@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lmserve.worker import kernels
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
-from lmserve.worker.models.llama import apply_rotary
+from lmserve.worker.models.rotary import apply_rotary
 
 CPU = torch.device("cpu")
 

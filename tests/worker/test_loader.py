@@ -22,7 +22,7 @@ from lmserve.models import (
 )
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.loader import hf_name_from_gguf, load_weights
-from lmserve.worker.models.llama import RotaryEmbedding
+from lmserve.worker.models.rotary import RotaryEmbedding
 
 Q = gguf.GGMLQuantizationType
 

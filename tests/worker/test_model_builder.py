@@ -19,7 +19,8 @@ from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
+from lmserve.worker.models.llama import LlamaForCausalLM
+from lmserve.worker.models.rotary import RotaryEmbedding
 
 MAX_POSITION = 256
 DEVICES = ["meta", "cpu"]

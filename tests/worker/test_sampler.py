@@ -10,13 +10,13 @@ import torch
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.sampler import (
     Sampler,
-    SamplingMetadata,
     apply_masks,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     argmax_rows,
 )
+from lmserve.worker.sampling_metadata import SamplingMetadata
 
 CPU = torch.device("cpu")
 EOS = 2

@@ -46,7 +46,8 @@ from lmserve.worker.quantization import (
     use_block_activations,
     use_prompt_copies,
 )
-from lmserve.worker.sampler import Sampler, SamplingMetadata, reads_output_token_ids, token_logprobs
+from lmserve.worker.sampler import Sampler, token_logprobs
+from lmserve.worker.sampling_metadata import SamplingMetadata, reads_output_token_ids
 from lmserve.worker.stored_formats import (
     STORED_BLOCK_TYPES,
     float_fallbacks,

@@ -7,7 +7,7 @@ layer type with its own RoPE base on Gemma 3), a norm after attention and after 
 attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): worker/loader.py adds the 1 to
 a checkpoint's norm weights as it reads them (a GGUF file stores them with it), so the norm here is Llama's.
 
-Read top to bottom: RMSNorm, rotary embedding, attention, MLP, layer, model. q/k/v and gate/up are fused into one
+Read top to bottom: RMSNorm, attention (its rotary embedding in worker/models/rotary.py), MLP, layer, model. q/k/v and gate/up are fused into one
 matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
 
 Split across ranks as Megatron splits it (distributed/parallel_state.py): each tensor rank holds its share of the
@@ -19,7 +19,6 @@ rank every split is the whole and every collective a no-op.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -35,6 +34,7 @@ from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.layer_program import LayerProgram, ProgramRefused, add_linear, new_program
 from lmserve.worker.loader import TensorPart
+from lmserve.worker.models.rotary import RotaryEmbedding, apply_rotary, rotary_dim
 from lmserve.worker.quantization import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
@@ -103,109 +103,6 @@ def layer_types(config: PretrainedConfig) -> list[str]:
     """Each layer's attention, as transformers names it: "full_attention", or "sliding_attention" (a window of
     config.sliding_window positions); the architecture's pattern where a config does not list them."""
     return model_layer_types(config)
-
-
-def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention") -> dict:
-    """The RoPE of a layer type: a config may give each its own (Gemma 3: rope_parameters by layer type)."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = params.get(layer_type, params) if isinstance(params.get(layer_type), dict) else params
-        return dict(params)
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return params
-
-
-def _rope_tables(
-    config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str = "full_attention"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin, [max_position, rotary_dim(config, head_dim) / 2], on the CPU."""
-    params = rope_parameters(config, layer_type)
-    rope_type = params.get("rope_type", "default")
-    cpu = torch.device("cpu")
-    dim = rotary_dim(config, head_dim)
-    if rope_type in ("default", "linear", "longrope"):
-        # transformers' default, linear and LongRoPE (those a GGUF file can hold), without importing transformers.
-        base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
-        scaling = 1.0
-        if rope_type == "linear":
-            inv_freq = inv_freq / params["factor"]
-        elif rope_type == "longrope":
-            inv_freq, scaling = _longrope(config, params, inv_freq, max_position)
-    else:
-        # Other rope types come from an HF directory's config (a transformers config): transformers' functions.
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"unsupported rope type {rope_type!r}")
-        by_type = isinstance((getattr(config, "rope_parameters", None) or {}).get(layer_type), dict)
-        kwargs = {"layer_type": layer_type} if by_type else {}
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, **kwargs)
-    rope_freqs = getattr(config, "rope_freqs", None)
-    if rope_freqs is not None:
-        # A GGUF's rope_freqs tensor (Llama 3.1+), as llama.cpp applies it: theta_i = base^(-2i/d) / rope_freqs[i].
-        if rope_type != "default" or len(rope_freqs) != head_dim // 2:
-            raise ValueError(f"rope_freqs of {len(rope_freqs)} values for {rope_type} rope, head_dim {head_dim}")
-        inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float, device=cpu)
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float, device=cpu), inv_freq.to(cpu, torch.float))
-    return freqs.cos() * scaling, freqs.sin() * scaling
-
-
-def rotary_dim(config: PretrainedConfig, head_dim: int, layer_type: str = "full_attention") -> int:
-    """How many of a head's dimensions RoPE turns: all, or the first partial_rotary_factor of them (Phi-4-mini)."""
-    return int(head_dim * rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0))
-
-
-def _longrope(
-    config: PretrainedConfig, params: dict, inv_freq: torch.Tensor, max_position: int
-) -> tuple[torch.Tensor, float]:
-    """Phi-3's LongRoPE: per frequency, the long factors when the model runs past its original context (this
-    engine's max_model_len decides once, as llama.cpp's context size does; transformers switches per forward on the
-    sequence's length, the same choice for any sequence on the same side), else the short ones; cos and sin scaled
-    by the attention factor (transformers' _compute_longrope_parameters)."""
-    original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
-    factor = params.get("factor") or config.max_position_embeddings / original
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    factors = params["long_factor"] if max_position > original else params["short_factor"]
-    if len(factors) != inv_freq.numel():
-        raise ValueError(f"LongRoPE has {len(factors)} factors for {inv_freq.numel()} rotary frequencies")
-    return inv_freq / torch.tensor(factors, dtype=torch.float), attention_factor
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_position, computed once in float32."""
-
-    def __init__(
-        self, config: PretrainedConfig, head_dim: int, max_position: int, device: torch.device | None = None,
-        layer_type: str = "full_attention",
-    ) -> None:
-        super().__init__()
-        # On the CPU whatever default device is active (the model may be built under `with torch.device("meta")` or
-        # "cuda"): transformers' init functions mix their own device with the default one, and meta has no values.
-        with torch.device("cpu"):
-            cos, sin = _rope_tables(config, head_dim, max_position, layer_type)
-        # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16, and to_empty() must
-        # not replace them with uninitialised memory. So they go to the model's device here, once.
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        self.cos, self.sin = cos.to(device), sin.to(device)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the batch's positions, [T, 1, D/2]: looked up once per forward, shared by every layer."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] in HF's rotate-half layout; q and k heads go through in one call. cos and sin narrower than
-    D/2 turn the first 2 * width dimensions only (partial rotary), the rest pass through."""
-    width = cos.shape[-1]
-    if 2 * width < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., : 2 * width], cos, sin), x[..., 2 * width :]), dim=-1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
