@@ -41,7 +41,7 @@ def hash_block_tokens(
     return h.digest()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per KV block (43,690 for a 2 GiB pool of Gemma 3 270M): no __dict__ each
 class Block:
     block_id: int
     ref_count: int = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_transfer import KVBlockFiles
 from lmserve.worker.layer_program import ProgramRefused
+from lmserve.worker.lazy_zeros import zeroed_lazily
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
@@ -62,16 +62,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_CPU_DTYPE = "float32"
 # Prompt logprobs take a vocabulary-wide row of logits per prompt token: score them this many rows at a time.
 PROMPT_LOGPROB_ROWS_PER_SLICE = 256
-
-
-def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor whose pages become resident only when first written, on CPU: calloc (through NumPy) maps
-    fresh zero pages instead of writing zeros, so a 2 GiB KV cache costs start-up no time and the process no memory
-    until its blocks are used. torch.zeros writes every byte (about a second, and all of it resident at once)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,7 +1,7 @@
 """Rotary position embeddings (RoPE) as the Llama family's configs describe them: transformers' default, linear and
 LongRoPE (Phi-3) computed here, without importing transformers (what a GGUF file can hold), other types from an HF
 directory's config through transformers' own functions; a GGUF's rope_freqs tensor (Llama 3.1+) as llama.cpp applies it;
-partial rotary (Phi-4-mini). Tables are float32, computed once per layer type."""
+partial rotary (Phi-4-mini). Tables are float32, one per layer type, computed as positions are first used."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from lmserve.worker.lazy_zeros import zeroed_lazily
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,10 +29,11 @@ def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention"
     return params
 
 
-def _rope_tables(
+def _rope_frequencies(
     config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str = "full_attention"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin, [max_position, rotary_dim(config, head_dim) / 2], on the CPU."""
+) -> tuple[torch.Tensor, float]:
+    """float32 inverse frequencies, [rotary_dim(config, head_dim) / 2], on the CPU, and the factor cos and sin are
+    scaled by."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     cpu = torch.device("cpu")
@@ -59,7 +62,12 @@ def _rope_tables(
         if rope_type != "default" or len(rope_freqs) != head_dim // 2:
             raise ValueError(f"rope_freqs of {len(rope_freqs)} values for {rope_type} rope, head_dim {head_dim}")
         inv_freq = inv_freq / torch.tensor(rope_freqs, dtype=torch.float, device=cpu)
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float, device=cpu), inv_freq.to(cpu, torch.float))
+    return inv_freq.to(cpu, torch.float), scaling
+
+
+def _table_rows(inv_freq: torch.Tensor, scaling: float, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions start ... stop - 1, [stop - start, inv_freq size]."""
+    freqs = torch.outer(torch.arange(start, stop, dtype=torch.float, device=inv_freq.device), inv_freq)
     return freqs.cos() * scaling, freqs.sin() * scaling
 
 
@@ -86,8 +94,15 @@ def _longrope(
     return inv_freq / torch.tensor(factors, dtype=torch.float), attention_factor
 
 
+# On the CPU the tables are computed this many positions at a time, as positions are first used: a model's whole
+# context is rarely reached, and Gemma 3's tables (head dim 256, two layer types) are 64 MiB at 32k positions.
+ROPE_CHUNK = 1024
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_position, computed once in float32."""
+    """float32 cos/sin tables for every position up to max_position. On the CPU their pages are filled on first use,
+    ROPE_CHUNK positions at a time (always the same pieces, so a position's values never depend on the batch that
+    first reached it); on other devices they are computed whole, once."""
 
     def __init__(
         self, config: PretrainedConfig, head_dim: int, max_position: int, device: torch.device | None = None,
@@ -97,15 +112,43 @@ class RotaryEmbedding(nn.Module):
         # On the CPU whatever default device is active (the model may be built under `with torch.device("meta")` or
         # "cuda"): transformers' init functions mix their own device with the default one, and meta has no values.
         with torch.device("cpu"):
-            cos, sin = _rope_tables(config, head_dim, max_position, layer_type)
+            self._inv_freq, self._scaling = _rope_frequencies(config, head_dim, max_position, layer_type)
         # Plain attributes, not buffers: module.to(dtype) must not round the tables to bfloat16, and to_empty() must
         # not replace them with uninitialised memory. So they go to the model's device here, once.
         device = torch.device(device) if device is not None else torch.get_default_device()
-        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.max_position = max_position
+        if device.type == "cpu":
+            shape = (max_position, self._inv_freq.numel())
+            self._cos, self._sin = (zeroed_lazily(shape, torch.float32, device) for _ in range(2))
+            self._filled = 0
+        else:
+            cos, sin = _table_rows(self._inv_freq, self._scaling, 0, max_position)
+            self._cos, self._sin = cos.to(device), sin.to(device)
+            self._filled = max_position
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The whole table (computing what is not yet)."""
+        self._fill(self.max_position)
+        return self._cos
+
+    @property
+    def sin(self) -> torch.Tensor:
+        self._fill(self.max_position)
+        return self._sin
+
+    def _fill(self, stop: int) -> None:
+        while self._filled < stop:
+            start = self._filled
+            end = min(start - start % ROPE_CHUNK + ROPE_CHUNK, self.max_position)
+            self._cos[start:end], self._sin[start:end] = _table_rows(self._inv_freq, self._scaling, start, end)
+            self._filled = end
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the batch's positions, [T, 1, D/2]: looked up once per forward, shared by every layer."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+        if self._filled < self.max_position and positions.numel():
+            self._fill(min(int(positions.max()) + 1, self.max_position))
+        return self._cos.index_select(0, positions).unsqueeze(1), self._sin.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
