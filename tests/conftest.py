@@ -545,6 +545,13 @@ def _k_quant_model(
 
 
 @pytest.fixture(scope="session")
+def gguf_writer() -> Callable[..., Path]:
+    """write_gguf, for a test that writes files of its own (a test module cannot import this conftest by name:
+    tests/gpu has one too)."""
+    return write_gguf
+
+
+@pytest.fixture(scope="session")
 def tiny_kquant_dir(tiny_kquant) -> Path:
     return tiny_kquant[0]
 

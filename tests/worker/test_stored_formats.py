@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker import kernel_choice
 from lmserve.worker.batched_copies import Float16WeightLinear
@@ -34,6 +35,7 @@ from lmserve.worker.stored_formats import (
     BLOCK_FORMATS,
     STORED_BLOCK_BYTES,
     STORED_BLOCK_TYPES,
+    block_width,
     convert_blocks,
     exact_kernel_format,
     float_fallbacks,
@@ -60,7 +62,8 @@ def gguf_values(stored_type: str, blocks: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1), Q[stored_type.upper()])
 
 
-@pytest.mark.parametrize(("stored_type", "kernel_format"), [("q5_0", "q8_0"), ("q4_0", "q8_0"), ("q4_0", "q4_1")])
+@pytest.mark.parametrize(("stored_type", "kernel_format"),
+                         [("q5_0", "q8_0"), ("q4_0", "q8_0"), ("q4_0", "q4_1"), ("iq4_nl", "q8_0")])
 def test_conversion_keeps_every_value(stored_type: str, kernel_format: str) -> None:
     blocks = random_stored_blocks(stored_type, 24, 7, seed=len(stored_type) + len(kernel_format))
     converted = convert_blocks(stored_type, blocks, kernel_format)
@@ -115,6 +118,81 @@ def test_matrices_without_a_kernel_are_named_for_the_log() -> None:
     everything = ("q8_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
     assert float_fallbacks(stored, runnable_types(stored, everything)) == "2 q3_k, 1 q2_k"
     assert float_fallbacks({"d": "q5_0", "e": "f16"}, {"d": "q5_0", "e": "float"}) is None
+
+
+def random_iq4_blocks(stored_type: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes] of valid random IQ4_NL or IQ4_XS blocks (gguf-py cannot quantize to them): random indices (and
+    IQ4_XS's random 6-bit sub-block scales), float16 scales d that give weights of ~0.01-0.04."""
+    raw = rng.integers(0, 256, (rows, columns // block_width(stored_type), STORED_BLOCK_BYTES[stored_type]),
+                       dtype=np.uint8)
+    top = 2e-4 if stored_type == "iq4_nl" else 1e-5  # IQ4_XS multiplies d by a sub-block scale of up to 32 too
+    d = (rng.uniform(top / 4, top, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])).astype(np.float16)
+    raw[..., 0:2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_an_iq4_file_runs_iq4_nl_as_q8_0_blocks_and_iq4_xs_as_float16(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+    """IQ4_NL's indices pick int8 values under a float16 scale: q8_0 blocks hold them exactly (34 bytes for 18, where
+    float16 takes 64). IQ4_XS scales its sub-blocks by 6-bit integers too, which no kernel format holds: float16
+    weights, as Q2_K and Q3_K. Every layer has the file's values (float16's rounding for IQ4_XS)."""
+    directory, kquant_blocks = tiny_kquant
+    rng, blocks = np.random.default_rng(7), {}
+    for name, (data, qtype) in kquant_blocks.items():
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        columns = data.shape[1] // type_size * block_size
+        stored = "iq4_xs" if ".ffn_" in name else "iq4_nl"  # attention matrices and the (tied) embedding: IQ4_NL
+        blocks[name] = (random_iq4_blocks(stored, data.shape[0], columns, rng), Q[stored.upper()])
+    path = gguf_writer(directory, tmp_path / "tiny-iq4.gguf", blocks=blocks)
+    source = resolve_model(str(path))
+    config = load_hf_config(source)
+    stored = stored_matrix_types(source)
+    assert set(stored.values()) == {"iq4_nl", "iq4_xs"}
+    formats = kernel_formats()
+    reference = build_model(config, 64, CPU, torch.float32)
+    reference.load_weights(load_weights(source, torch.float32))  # gguf's own dequantization, in float32
+    model = build_model(config, 64, CPU, torch.float32, block_method="q8_0",
+                        stored_types=runnable_types(stored, formats), formats=formats)
+    model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
+    assert model.quantize_float_layers("fp16") == 2 * config.num_hidden_layers  # gate/up and down of every layer
+    with torch.no_grad():
+        for i in range(config.num_hidden_layers):
+            layer, ref = model.layers[i], reference.layers[i]
+            assert isinstance(layer.self_attn.qkv_proj, Q8_0Linear)
+            assert torch.equal(layer.self_attn.qkv_proj.dequantized(), ref.self_attn.qkv_proj.weight)
+            assert torch.equal(layer.self_attn.o_proj.dequantized(), ref.self_attn.o_proj.weight)
+            for name in ("gate_up_proj", "down_proj"):
+                mlp, ref_mlp = getattr(layer.mlp, name), getattr(ref.mlp, name)
+                assert isinstance(mlp, Float16WeightLinear)
+                x = torch.randn(3, mlp.in_features, generator=torch.Generator().manual_seed(i))
+                torch.testing.assert_close(mlp(x), ref_mlp(x), atol=2e-3, rtol=2e-3)
+    # The tied IQ4_NL embedding: its output layer in q8_0, its lookups in the file's 18-byte blocks.
+    assert isinstance(model.lm_head, Q8_0Linear) and isinstance(model.embed_tokens, BlockEmbedding)
+    assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
+    every_token = torch.arange(config.vocab_size).view(64, -1)
+    assert torch.equal(model.embed_tokens(every_token), reference.embed_tokens(every_token))
+
+
+def test_a_type_lmserve_does_not_read_is_refused_by_name(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+    directory, kquant_blocks = tiny_kquant
+    name, (data, qtype) = next((n, b) for n, b in sorted(kquant_blocks.items()) if ".ffn_down." in n)
+    columns = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[Q.IQ3_S]
+    raw = np.zeros((data.shape[0], columns // block_size * type_size), dtype=np.uint8)
+    path = gguf_writer(directory, tmp_path / "iq3-s.gguf", blocks={**kquant_blocks, name: (raw, Q.IQ3_S)})
+    with pytest.raises(ValueError, match=r"holds tensors of GGUF type IQ3_S; lmserve dequantizes .*IQ4_NL, IQ4_XS"):
+        list(load_weights(resolve_model(str(path)), torch.float32, blocks=STORED_BLOCK_TYPES))
+
+
+def test_an_iq4_xs_embedding_looks_its_rows_up_in_the_files_blocks() -> None:
+    """A type no kernel format holds still comes as blocks: an embedding keeps them (136 bytes a 256 weights) and
+    gives gguf's values for each row it looks up."""
+    vocab, hidden = 40, 512
+    raw = random_iq4_blocks("iq4_xs", vocab, hidden, np.random.default_rng(3))
+    embedding = BlockEmbedding(vocab, hidden, ParallelGroups(RankLayout(0)), "iq4_xs")
+    embedding.load_rows(0, StoredBlocks("iq4_xs", torch.from_numpy(raw.reshape(vocab, hidden // 256, 136))))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    expected = gguf_values("iq4_xs", raw.reshape(vocab, -1))[ids.reshape(-1)].reshape(2, 3, hidden)
+    assert torch.equal(embedding(ids), torch.from_numpy(expected))
 
 
 # ------------------------------------------------------------------ a Q4_K_M-like file of a model 896 wide, in small

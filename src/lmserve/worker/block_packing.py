@@ -46,9 +46,9 @@ class StoredBlocks:
         """The float32 weights, [rows, in_features]: lmserve.models' reader's values (a stored type without a fast
         reader goes through the kernel format that holds it exactly, stored_formats)."""
         method, data = self.method, self.data.numpy()
-        if method not in BLOCK_FORMATS and EXACT_INTO.get(method, ("",))[-1] in BLOCK_FORMATS:
-            kernel_format = EXACT_INTO[method][-1]
-            method, data = kernel_format, convert_blocks(self.method, data, kernel_format)
+        into = EXACT_INTO.get(method, ())
+        if method not in BLOCK_FORMATS and into and into[-1] in BLOCK_FORMATS:
+            method, data = into[-1], convert_blocks(self.method, data, into[-1])
         return torch.from_numpy(dequantize_gguf_blocks(method, data))
 
 

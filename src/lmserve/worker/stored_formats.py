@@ -8,13 +8,16 @@ any weight's value, block for block, with the same float16 scale:
         runs: kernels/int16_activations.cpp reads q5_0 at its stored size with int16 activations);
   q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),
         or q8_0 with q - 8;
+  iq4_nl: float16 d, 32 four-bit indices q into llama.cpp's table of 16 int8 values (w = d kvalues[q]) -> q8_0 with
+        the codes kvalues[q];
   q4_1 and q8_0 are kernel formats already, and so are q5_1, q4_k, q5_k and q6_k where the int16-activation
   kernels run (worker/kquant_formats.py).
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
 (tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
-include a type that converts into none of the formats that run here (q2_k, q3_k, iq4_nl...; the K-quants, q5_0 and
+include a type that converts into none of the formats that run here (q2_k, q3_k, iq4_xs; the K-quants, q5_0 and
 q5_1 under --block-activations float32) gets no block format: it keeps float weights (float16 under
---quantization auto).
+--quantization auto). Types held by no kernel format may still come as blocks (STORED_ONLY): an embedding of them
+looks its rows up in the file's blocks.
 """
 
 from __future__ import annotations
@@ -36,10 +39,17 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q4_k": ("q4_k",),
     "q5_k": ("q5_k",),
     "q6_k": ("q6_k",),
+    "iq4_nl": ("q8_0",),
 }
-STORED_BLOCK_TYPES = tuple(EXACT_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
-STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256}  # weights a block; 32 for the others
+# Block types no kernel format holds exactly, handed over as blocks all the same: their matrices are dequantized into
+# float16 layers as they load, and an embedding of them stays in the file's blocks (IQ4_XS files store it so).
+STORED_ONLY = ("iq4_xs",)
+STORED_BLOCK_TYPES = (*EXACT_INTO, *STORED_ONLY)  # what the loader hands over as the file's blocks (worker/loader.py)
+STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
+                      "iq4_nl": 18, "iq4_xs": 136}
+BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}  # weights a block; 32 for the others
+# llama.cpp's kvalues_iq4nl: the 16 weights (in units of the block's scale) an IQ4_NL or IQ4_XS index picks.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def block_width(stored_type: str) -> int:
@@ -101,6 +111,8 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
     scale = blocks[..., 0:2]
     if kernel_format == "q8_0":
         codes = _codes(stored_type, blocks)
+        if stored_type == "iq4_nl":
+            return np.concatenate([scale, IQ4_VALUES[codes].view(np.uint8)], axis=-1)
         offset = 16 if stored_type == "q5_0" else 8
         return np.concatenate([scale, (codes.astype(np.int16) - offset).astype(np.int8).view(np.uint8)], axis=-1)
     # q4_0 -> q4_1: the same nibbles, m = -8 d.
@@ -112,7 +124,7 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
 
 def _codes(stored_type: str, blocks: np.ndarray) -> np.ndarray:
     """The 32 unsigned codes q of each block, uint8 [..., 32], weights in order."""
-    if stored_type == "q4_0":
+    if stored_type in ("q4_0", "iq4_nl"):
         nibbles = blocks[..., 2:18]
         return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
     # q5_0: d, then 4 bytes of fifth bits (bit j for weight j, little-endian), then 16 bytes of nibbles as q4_0's.
