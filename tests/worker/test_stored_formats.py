@@ -131,10 +131,10 @@ def random_iq4_blocks(stored_type: str, rows: int, columns: int, rng: np.random.
     return raw.reshape(rows, -1)
 
 
-def test_an_iq4_file_runs_iq4_nl_as_q8_0_blocks_and_iq4_xs_as_float16(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+def test_an_iq4_file_runs_as_q8_0_blocks(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
     """IQ4_NL's indices pick int8 values under a float16 scale: q8_0 blocks hold them exactly (34 bytes for 18, where
-    float16 takes 64). IQ4_XS scales its sub-blocks by 6-bit integers too, which no kernel format holds: float16
-    weights, as Q2_K and Q3_K. Every layer has the file's values (float16's rounding for IQ4_XS)."""
+    float16 takes 64). IQ4_XS scales its sub-blocks by d x a 6-bit integer: q8_0 blocks whose scale is that product
+    rounded to float16, so every weight is the file's to within float16's rounding, as float16 weights would be."""
     directory, kquant_blocks = tiny_kquant
     rng, blocks = np.random.default_rng(7), {}
     for name, (data, qtype) in kquant_blocks.items():
@@ -153,7 +153,7 @@ def test_an_iq4_file_runs_iq4_nl_as_q8_0_blocks_and_iq4_xs_as_float16(tmp_path: 
     model = build_model(config, 64, CPU, torch.float32, block_method="q8_0",
                         stored_types=runnable_types(stored, formats), formats=formats)
     model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
-    assert model.quantize_float_layers("fp16") == 2 * config.num_hidden_layers  # gate/up and down of every layer
+    assert model.quantize_float_layers("fp16") == 0
     with torch.no_grad():
         for i in range(config.num_hidden_layers):
             layer, ref = model.layers[i], reference.layers[i]
@@ -162,7 +162,8 @@ def test_an_iq4_file_runs_iq4_nl_as_q8_0_blocks_and_iq4_xs_as_float16(tmp_path: 
             assert torch.equal(layer.self_attn.o_proj.dequantized(), ref.self_attn.o_proj.weight)
             for name in ("gate_up_proj", "down_proj"):
                 mlp, ref_mlp = getattr(layer.mlp, name), getattr(ref.mlp, name)
-                assert isinstance(mlp, Float16WeightLinear)
+                assert isinstance(mlp, Q8_0Linear)
+                torch.testing.assert_close(mlp.dequantized(), ref_mlp.weight, rtol=2**-11, atol=0)
                 x = torch.randn(3, mlp.in_features, generator=torch.Generator().manual_seed(i))
                 torch.testing.assert_close(mlp(x), ref_mlp(x), atol=2e-3, rtol=2e-3)
     # The tied IQ4_NL embedding: its output layer in q8_0, its lookups in the file's 18-byte blocks.
@@ -170,6 +171,21 @@ def test_an_iq4_file_runs_iq4_nl_as_q8_0_blocks_and_iq4_xs_as_float16(tmp_path: 
     assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
     every_token = torch.arange(config.vocab_size).view(64, -1)
     assert torch.equal(model.embed_tokens(every_token), reference.embed_tokens(every_token))
+
+
+def test_iq4_xs_becomes_q8_0_with_each_sub_blocks_scale_rounded_once() -> None:
+    rng = np.random.default_rng(11)
+    blocks = random_iq4_blocks("iq4_xs", 16, 1024, rng).reshape(16, 4, 136)
+    blocks[0, 0, 2:8] = [0xFF, 0xFF, 0x11, 0x11, 0x11, 0x11]  # every sub-block scale 49 - 32 = 17: d x 17 rounds
+    blocks[1, 0, 2:8] = [0xAA, 0xAA, 0x22, 0x22, 0x22, 0x22]  # 34 - 32 = 2: a power of two, exact in float16
+    converted = convert_blocks("iq4_xs", blocks, "q8_0")
+    assert converted.shape == (16, 32, 34) and converted.dtype == np.uint8
+    expected = gguf_values("iq4_xs", blocks)
+    got = gguf_values("q8_0", converted)
+    np.testing.assert_allclose(got, expected, rtol=2**-11, atol=0)
+    assert np.array_equal(got[1, :256], expected[1, :256]) and not np.array_equal(got, expected)
+    layer = LAYER_TYPES["q8_0"](StoredBlocks("iq4_xs", torch.from_numpy(blocks)), None)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(got))
 
 
 def test_a_type_lmserve_does_not_read_is_refused_by_name(tmp_path: Path, tiny_kquant, gguf_writer) -> None:

@@ -14,6 +14,7 @@ from lmserve.worker.kernel_choice import BLOCK_SIZE
 from lmserve.worker.stored_formats import (
     BLOCK_FORMATS,
     EXACT_INTO,
+    HELD_INTO,
     block_width,
     convert_blocks,
 )
@@ -96,11 +97,12 @@ def quantize_blocks(method: str, weight: torch.Tensor) -> torch.Tensor:
 
 def as_blocks(method: str, weight: torch.Tensor | StoredBlocks) -> torch.Tensor:
     """`weight` as rows of `method`'s blocks: a file's blocks of that format as they are, or converted into it where
-    that keeps every value (stored_formats: q5_0 and q4_0 into q8_0, q4_0 into q4_1); anything else rounded."""
+    that keeps every value (stored_formats: q5_0, q4_0 and iq4_nl into q8_0, q4_0 into q4_1) or only rounds the block
+    scales (iq4_xs into q8_0); anything else rounded."""
     if isinstance(weight, StoredBlocks):
         if weight.method == method:
             return weight.data
-        if method in EXACT_INTO.get(weight.method, ()):
+        if method in HELD_INTO.get(weight.method, ()):
             return torch.from_numpy(convert_blocks(weight.method, weight.data.numpy(), method))
         weight = weight.dequantize()
     return quantize_blocks(method, weight)

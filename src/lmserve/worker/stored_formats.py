@@ -14,10 +14,11 @@ any weight's value, block for block, with the same float16 scale:
   kernels run (worker/kquant_formats.py).
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
 (tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
-include a type that converts into none of the formats that run here (q2_k, q3_k, iq4_xs; the K-quants, q5_0 and
-q5_1 under --block-activations float32) gets no block format: it keeps float weights (float16 under
---quantization auto). Types held by no kernel format may still come as blocks (STORED_ONLY): an embedding of them
-looks its rows up in the file's blocks.
+include a type that converts into none of the formats that run here (q2_k, q3_k; the K-quants, q5_0 and q5_1 under
+--block-activations float32) gets no block format: it keeps float weights (float16 under --quantization auto).
+One type converts with its scales rounded (SCALE_ROUNDED_INTO): iq4_xs, whose 32-weight sub-blocks are scaled by
+d x a 6-bit integer, into q8_0 blocks whose float16 scale is that product, rounded once: the error of float16
+weights (half a unit in their 11th bit) at about half their bytes, on the integer kernels.
 """
 
 from __future__ import annotations
@@ -41,10 +42,9 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q6_k": ("q6_k",),
     "iq4_nl": ("q8_0",),
 }
-# Block types no kernel format holds exactly, handed over as blocks all the same: their matrices are dequantized into
-# float16 layers as they load, and an embedding of them stays in the file's blocks (IQ4_XS files store it so).
-STORED_ONLY = ("iq4_xs",)
-STORED_BLOCK_TYPES = (*EXACT_INTO, *STORED_ONLY)  # what the loader hands over as the file's blocks (worker/loader.py)
+SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("q8_0",)}
+HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may take
+STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
 STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
                       "iq4_nl": 18, "iq4_xs": 136}
 BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}  # weights a block; 32 for the others
@@ -63,7 +63,7 @@ def exact_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KE
     if not types:
         return None
     for kernel_format in (f for f in KERNEL_FORMATS if f in set(formats)):
-        if all(kernel_format in EXACT_INTO.get(t, ()) for t in types):
+        if all(kernel_format in HELD_INTO.get(t, ()) for t in types):
             return kernel_format
     return None
 
@@ -74,7 +74,7 @@ def preferred_kernel_format(stored_types: Iterable[str], formats: Iterable[str] 
     counts: dict[str, int] = {}
     runs = set(formats)
     for stored_type in stored_types:
-        choices = [f for f in EXACT_INTO.get(stored_type, ()) if f in runs]
+        choices = [f for f in HELD_INTO.get(stored_type, ()) if f in runs]
         if choices:
             counts[choices[0]] = counts.get(choices[0], 0) + 1
     return max(counts, key=lambda f: (counts[f], -KERNEL_FORMATS.index(f))) if counts else None
@@ -84,7 +84,7 @@ def runnable_types(stored_types: Mapping[str, str], formats: Iterable[str]) -> d
     """stored_types with every type that no format of `formats` holds exactly named "float" (a layer of it stays a
     float layer)."""
     runs = set(formats)
-    return {name: t if runs & set(EXACT_INTO.get(t, ())) else "float" for name, t in stored_types.items()}
+    return {name: t if runs & set(HELD_INTO.get(t, ())) else "float" for name, t in stored_types.items()}
 
 
 def float_fallbacks(stored_types: Mapping[str, str], runnable: Mapping[str, str]) -> str | None:
@@ -104,15 +104,17 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
     layout of that format); raises where the conversion is not exact."""
     if stored_type == kernel_format:
         return blocks
-    if kernel_format not in EXACT_INTO.get(stored_type, ()):
+    if kernel_format not in HELD_INTO.get(stored_type, ()):
         raise ValueError(f"{stored_type} blocks do not convert exactly into {kernel_format}")
     if blocks.shape[-1] != STORED_BLOCK_BYTES[stored_type]:
         raise ValueError(f"{stored_type} blocks have {STORED_BLOCK_BYTES[stored_type]} bytes, got {blocks.shape[-1]}")
     scale = blocks[..., 0:2]
     if kernel_format == "q8_0":
-        codes = _codes(stored_type, blocks)
         if stored_type == "iq4_nl":
-            return np.concatenate([scale, IQ4_VALUES[codes].view(np.uint8)], axis=-1)
+            return _iq4_nl_as_q8_0(blocks)
+        if stored_type == "iq4_xs":
+            return _iq4_xs_as_q8_0(blocks)
+        codes = _codes(stored_type, blocks)
         offset = 16 if stored_type == "q5_0" else 8
         return np.concatenate([scale, (codes.astype(np.int16) - offset).astype(np.int8).view(np.uint8)], axis=-1)
     # q4_0 -> q4_1: the same nibbles, m = -8 d.
@@ -122,9 +124,43 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
     return np.concatenate([scale, minimum.view(np.uint8), blocks[..., 2:18]], axis=-1)
 
 
+# Each byte of IQ4_NL indices -> the int8 values of its low and its high nibble, as two little-endian bytes.
+_IQ4_PAIRS = (IQ4_VALUES[np.arange(256) & 15].view(np.uint8).astype("<u2")
+              | IQ4_VALUES[np.arange(256) >> 4].view(np.uint8).astype("<u2") << 8)
+
+
+def _iq4_nl_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """One table lookup a byte, then the pairs apart (low nibbles are weights 0-15, high ones 16-31): 7x faster than
+    indexing each code (0.94 s of a Qwen2.5 0.5B file's 1.8 s load)."""
+    out = np.empty((*blocks.shape[:-1], 34), dtype=np.uint8)
+    out[..., 0:2] = blocks[..., 0:2]
+    pairs = _IQ4_PAIRS[blocks[..., 2:18]].view(np.uint8).reshape(*blocks.shape[:-1], 16, 2)
+    out[..., 2:34].reshape(*blocks.shape[:-1], 2, 16)[...] = pairs.swapaxes(-1, -2)
+    return out
+
+
+def _iq4_xs_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Each super-block of 256 as 8 q8_0 blocks: scale d (ls - 32) rounded to float16 (llama.cpp's and gguf's
+    dl, computed in float32), codes as IQ4_NL's."""
+    lead = blocks.shape[:-1]
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [..., 1]
+    high = blocks[..., 2:4].copy().view("<u2").astype(np.int32)  # [..., 1]: 2 bits a sub-block
+    low = blocks[..., 4:8]  # [..., 4]: a nibble a sub-block
+    low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*lead, 8).astype(np.int32)
+    ls = low | (((high >> (2 * np.arange(8))) & 3) << 4)
+    with np.errstate(over="ignore"):
+        scales = (d * (ls - 32).astype(np.float32)).astype(np.float16)  # [..., 8]
+    if not np.isfinite(scales).all():
+        raise ValueError("iq4_xs block scale too large for a float16 q8_0 scale")
+    sub_blocks = np.empty((*lead, 8, 18), dtype=np.uint8)  # as IQ4_NL blocks
+    sub_blocks[..., 0:2] = scales[..., None].view(np.uint8)
+    sub_blocks[..., 2:18] = blocks[..., 8:136].reshape(*lead, 8, 16)
+    return _iq4_nl_as_q8_0(sub_blocks).reshape(*lead[:-1], lead[-1] * 8, 34)
+
+
 def _codes(stored_type: str, blocks: np.ndarray) -> np.ndarray:
     """The 32 unsigned codes q of each block, uint8 [..., 32], weights in order."""
-    if stored_type in ("q4_0", "iq4_nl"):
+    if stored_type == "q4_0":
         nibbles = blocks[..., 2:18]
         return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
     # q5_0: d, then 4 bytes of fifth bits (bit j for weight j, little-endian), then 16 bytes of nibbles as q4_0's.
