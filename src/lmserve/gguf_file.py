@@ -13,6 +13,15 @@ from typing import Any
 import gguf
 import numpy as np
 
+from lmserve.block_formats import (
+    HELD_INTO,
+    KERNEL_FORMATS,
+    STORED_BLOCK_BYTES,
+    STORED_BLOCK_TYPES,
+    block_width,
+    held_bytes_per_weight,
+)
+
 GGUF_MAGIC = b"GGUF"
 
 
@@ -207,15 +216,51 @@ def read_gguf_arrays(path: Path, keys: Collection[str]) -> dict[str, list]:
         return found
 
 
-def gguf_stored_bits(path: Path) -> float:
-    """Bits a parameter the file's tensors take as stored (their blocks' bytes over their elements), all tensors."""
-    stored = elements = 0
-    for info in read_gguf_header(path).tensors:
+# Matrices the engine runs as one layer (worker/models/llama.py fuses q/k/v and gate/up): in one kernel format when
+# one holds all of them, else each in its own, else all in float16.
+_FUSED_GROUPS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+
+
+def _fused_held_bytes(types: list[str]) -> list[float]:
+    """Bytes a weight of each part of one fused layer, by the rule above (every kernel running)."""
+    common = next((f for f in KERNEL_FORMATS if all(f in HELD_INTO.get(t, ()) for t in types)), None)
+    if common is not None:
+        return [STORED_BLOCK_BYTES[common] / block_width(common)] * len(types)
+    if all(HELD_INTO.get(t) for t in types):
+        return [held_bytes_per_weight(t) for t in types]
+    return [2.0] * len(types)
+
+
+def gguf_held_bits(path: Path) -> float:
+    """Bits a parameter the file's tensors take as the engine holds them where every kernel runs: a matrix in the
+    kernel format its blocks convert into (Q4_0 as q4_1, IQ4_NL and IQ4_XS as q8_0; the parts of a fused q/k/v or
+    gate/up as above), one that no format holds (Q2_K, Q3_K, floats) as float16; the token embedding in the file's
+    blocks where they can be looked up, and when the output layer is the embedding (no output.weight), that layer in
+    its kernel format besides unless the two share the blocks; vectors in float32."""
+    tensors = read_gguf_header(path).tensors
+    tied = all(info.name != "output.weight" for info in tensors)
+    fused: dict[tuple[str, str], list[GGUFTensorInfo]] = {}
+    held = elements = 0.0
+    for info in tensors:
         count = int(np.prod(info.shape))
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
-        stored += count // block_size * block_bytes
         elements += count
-    return 8 * stored / elements
+        stored = ggml_type_name(info.ggml_type).lower()
+        parts = info.name.split(".")
+        if len(info.shape) < 2:
+            held += 4 * count
+        elif info.name == "token_embd.weight":
+            block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+            held += count // block_size * block_bytes if stored in STORED_BLOCK_TYPES else 2 * count
+            if tied and HELD_INTO.get(stored, ("",))[0] != stored:
+                held += count * held_bytes_per_weight(stored)
+        elif parts[0] == "blk" and len(parts) > 2 and parts[2] in _FUSED_GROUPS:
+            fused.setdefault((parts[1], _FUSED_GROUPS[parts[2]]), []).append(info)
+        else:
+            held += count * held_bytes_per_weight(stored)
+    for infos in fused.values():
+        rates = _fused_held_bytes([ggml_type_name(info.ggml_type).lower() for info in infos])
+        held += sum(int(np.prod(info.shape)) * rate for info, rate in zip(infos, rates, strict=True))
+    return 8 * held / elements
 
 
 def ggml_type_name(ggml_type: int) -> str:

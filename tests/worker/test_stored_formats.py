@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+from lmserve.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker import kernel_choice
 from lmserve.worker.batched_copies import Float16WeightLinear
@@ -166,6 +167,13 @@ def test_an_iq4_file_runs_as_q8_0_blocks(tmp_path: Path, tiny_kquant, gguf_write
                 torch.testing.assert_close(mlp.dequantized(), ref_mlp.weight, rtol=2**-11, atol=0)
                 x = torch.randn(3, mlp.in_features, generator=torch.Generator().manual_seed(i))
                 torch.testing.assert_close(mlp(x), ref_mlp(x), atol=2e-3, rtol=2e-3)
+    # What the planner counts for the file: 8.5 bits a matrix weight (q8_0), the embedding's 4.5 for its lookups and
+    # 8.5 for its output layer (tied), 32 for the vectors.
+    header = read_gguf_header(path)
+    bits = {2: 8.5, 1: 32.0}
+    expected = sum(np.prod(t.shape) * (13.0 if t.name == "token_embd.weight" else bits[len(t.shape)])
+                   for t in header.tensors) / sum(np.prod(t.shape) for t in header.tensors)
+    assert gguf_held_bits(path) == pytest.approx(expected, rel=1e-9)
     # The tied IQ4_NL embedding: its output layer in q8_0, its lookups in the file's 18-byte blocks.
     assert isinstance(model.lm_head, Q8_0Linear) and isinstance(model.embed_tokens, BlockEmbedding)
     assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)

@@ -158,7 +158,8 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     if max_model_len > spec.max_position_embeddings:
         notes.append(f"max_model_len {max_model_len} exceeds the model's {spec.max_position_embeddings} positions")
     if spec.stored_bits:
-        notes.append(f"weights at the file's stored size ({spec.stored_bits:.2f} bits a parameter); on CPU the "
+        notes.append(f"weights as the engine holds the file's blocks ({spec.stored_bits:.2f} bits a parameter: their "
+                     "stored size, or the kernel format they convert into); on CPU the "
                      "engine also keeps a 2-byte copy of the decoder layers for prompt rows unless "
                      "--batched-weights none")
 

@@ -69,8 +69,8 @@ class ModelSpec:
 
     def kv_groups(self, hybrid: bool = True) -> KVCacheGroups:
         return kv_cache_groups(self.layer_types or ("full_attention",) * self.num_layers, self.sliding_window, hybrid)
-    # Bits a parameter as a GGUF stores its weights (a Q4_K_M file: ~5), which the engine keeps (worker/
-    # stored_formats.py); None for float checkpoints, whose weights take the plan's dtype.
+    # Bits a parameter as the engine holds a GGUF's weights (a Q4_K_M file: ~5, its stored size; an IQ4_NL file more:
+    # q8_0 blocks, gguf_file.gguf_held_bits); None for float checkpoints, whose weights take the plan's dtype.
     stored_bits: float | None = None
 
     def weight_bytes(self, params: int, dtype_bytes: int) -> int:
@@ -143,11 +143,11 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
     from lmserve.models import REGISTERED_MODELS, read_config_dict, resolve_model
 
     if path.exists() or model in REGISTERED_MODELS:
-        from lmserve.gguf_file import gguf_stored_bits
+        from lmserve.gguf_file import gguf_held_bits
 
         source = resolve_model(model)
         spec = ModelSpec.from_hf_dict(model, read_config_dict(source))
-        return replace(spec, stored_bits=gguf_stored_bits(source.path)) if source.kind == "gguf" else spec
+        return replace(spec, stored_bits=gguf_held_bits(source.path)) if source.kind == "gguf" else spec
     names = sorted({*SHIPPED_CONFIGS, *REGISTERED_MODELS})
     raise ValueError(
         f"unknown model {model!r}: not a shipped config ({', '.join(names)}), and no such path "

@@ -27,33 +27,22 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-# Fewest bytes a weight first. The K-quants and q5_0 run where the int16-activation kernels do (AVX-512 VNNI or AVX2).
-KERNEL_FORMATS = ("q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
-BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
-# Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
-EXACT_INTO: dict[str, tuple[str, ...]] = {
-    "q4_1": ("q4_1",),
-    "q8_0": ("q8_0",),
-    "q4_0": ("q4_1", "q8_0"),
-    "q5_0": ("q5_0", "q8_0"),
-    "q5_1": ("q5_1",),
-    "q4_k": ("q4_k",),
-    "q5_k": ("q5_k",),
-    "q6_k": ("q6_k",),
-    "iq4_nl": ("q8_0",),
-}
-SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("q8_0",)}
-HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may take
-STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
-STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-                      "iq4_nl": 18, "iq4_xs": 136}
-BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}  # weights a block; 32 for the others
+from lmserve.block_formats import (
+    BLOCK_FORMATS,
+    EXACT_INTO,
+    HELD_INTO,
+    KERNEL_FORMATS,
+    SCALE_ROUNDED_INTO,
+    STORED_BLOCK_BYTES,
+    STORED_BLOCK_TYPES,
+    block_width,
+)
+
+__all__ = ["BLOCK_FORMATS", "EXACT_INTO", "HELD_INTO", "KERNEL_FORMATS", "SCALE_ROUNDED_INTO", "STORED_BLOCK_BYTES",
+           "STORED_BLOCK_TYPES", "block_width", "convert_blocks", "exact_kernel_format", "float_fallbacks",
+           "preferred_kernel_format", "runnable_types"]
 # llama.cpp's kvalues_iq4nl: the 16 weights (in units of the block's scale) an IQ4_NL or IQ4_XS index picks.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-
-
-def block_width(stored_type: str) -> int:
-    return BLOCK_WIDTH.get(stored_type, 32)
 
 
 def exact_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KERNEL_FORMATS) -> str | None:
