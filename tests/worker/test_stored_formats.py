@@ -196,6 +196,21 @@ def test_iq4_xs_becomes_q8_0_with_each_sub_blocks_scale_rounded_once() -> None:
     assert torch.equal(layer.dequantized(), torch.from_numpy(got))
 
 
+def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its_q8_0_blocks() -> None:
+    """A row-parallel IQ4_XS matrix (down_proj) over 4 ranks: 512 columns are 2 super-blocks, 128 a rank. Each rank
+    keeps its q8_0 blocks (what its layer holds anyway), not float weights quantized again."""
+    from lmserve.worker.models.llama import _column_shard
+
+    blocks = random_iq4_blocks("iq4_xs", 8, 512, np.random.default_rng(5)).reshape(8, 2, 136)
+    whole = gguf_values("q8_0", convert_blocks("iq4_xs", blocks, "q8_0")).reshape(8, 512)
+    stored = StoredBlocks("iq4_xs", torch.from_numpy(blocks))
+    assert _column_shard(stored, 2, 1).method == "iq4_xs"  # whole super-blocks a rank: the file's blocks
+    for rank in range(4):
+        share = _column_shard(stored, 4, rank)
+        assert isinstance(share, StoredBlocks) and share.method == "q8_0" and share.shape == (8, 128)
+        assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
+
+
 def test_a_type_lmserve_does_not_read_is_refused_by_name(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
     directory, kquant_blocks = tiny_kquant
     name, (data, qtype) = next((n, b) for n, b in sorted(kquant_blocks.items()) if ".ffn_down." in n)

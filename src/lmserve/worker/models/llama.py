@@ -46,7 +46,14 @@ from lmserve.worker.quantization import (
     quantize_linears,
 )
 from lmserve.worker.row_segments import PendingSegmentsLinear
-from lmserve.worker.stored_formats import KERNEL_FORMATS, STORED_BLOCK_TYPES, exact_kernel_format
+from lmserve.worker.stored_formats import (
+    HELD_INTO,
+    KERNEL_FORMATS,
+    STORED_BLOCK_TYPES,
+    block_width,
+    convert_blocks,
+    exact_kernel_format,
+)
 
 if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
@@ -671,11 +678,17 @@ def _rows(tensor: torch.Tensor | StoredBlocks, select) -> torch.Tensor | StoredB
 
 def _column_shard(tensor: torch.Tensor | StoredBlocks, tp: int, tp_rank: int) -> torch.Tensor | StoredBlocks:
     """This tensor rank's input columns of a row-parallel weight. Blocks split at block boundaries when each rank's
-    share is whole blocks (always, for a layer that can be a block layer at all); otherwise in float."""
+    share is whole blocks; a type of 256-weight blocks whose share is not (IQ4_XS down projections of 4,864 columns
+    over 4 ranks) splits as the 32-weight format its layer takes anyway (q8_0); otherwise in float."""
     if isinstance(tensor, StoredBlocks):
         columns = tensor.shape[1]
-        if columns % (tp * (columns // tensor.data.shape[1])) == 0:  # whole blocks (32 or 256 weights) a rank
+        width = columns // tensor.data.shape[1]
+        if columns % (tp * width) == 0:  # whole blocks (32 or 256 weights) a rank
             return tensor.with_data(tensor.data.chunk(tp, dim=1)[tp_rank])
+        narrower = next((f for f in HELD_INTO.get(tensor.method, ()) if block_width(f) < width), None)
+        if narrower is not None and columns % (tp * block_width(narrower)) == 0:
+            blocks = torch.from_numpy(convert_blocks(tensor.method, tensor.data.numpy(), narrower))
+            return StoredBlocks(narrower, blocks.chunk(tp, dim=1)[tp_rank])
         tensor = tensor.dequantize()
     return tensor.chunk(tp, dim=1)[tp_rank]
 
