@@ -4,6 +4,8 @@ See worker/stored_formats.py for the conversions and why each holds the file's v
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 # Fewest bytes a weight first. The K-quants and q5_0 run where the int16-activation kernels do (AVX-512 VNNI or AVX2).
 KERNEL_FORMATS = ("q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
@@ -39,3 +41,15 @@ def held_bytes_per_weight(stored_type: str) -> float:
     if not into:
         return 2.0
     return STORED_BLOCK_BYTES[into[0]] / block_width(into[0])
+
+
+def exact_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KERNEL_FORMATS) -> str | None:
+    """The kernel format of `formats` (those that run here; fewest bytes first) that holds blocks of every one of
+    `stored_types` (exactly, or with scales rounded: SCALE_ROUNDED_INTO), or None."""
+    types = set(stored_types)
+    if not types:
+        return None
+    for kernel_format in (f for f in KERNEL_FORMATS if f in set(formats)):
+        if all(kernel_format in HELD_INTO.get(t, ()) for t in types):
+            return kernel_format
+    return None

@@ -15,10 +15,10 @@ import numpy as np
 
 from lmserve.block_formats import (
     HELD_INTO,
-    KERNEL_FORMATS,
     STORED_BLOCK_BYTES,
     STORED_BLOCK_TYPES,
     block_width,
+    exact_kernel_format,
     held_bytes_per_weight,
 )
 
@@ -223,7 +223,7 @@ _FUSED_GROUPS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": 
 
 def _fused_held_bytes(types: list[str]) -> list[float]:
     """Bytes a weight of each part of one fused layer, by the rule above (every kernel running)."""
-    common = next((f for f in KERNEL_FORMATS if all(f in HELD_INTO.get(t, ()) for t in types)), None)
+    common = exact_kernel_format(types)
     if common is not None:
         return [STORED_BLOCK_BYTES[common] / block_width(common)] * len(types)
     if all(HELD_INTO.get(t) for t in types):

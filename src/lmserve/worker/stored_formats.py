@@ -36,6 +36,7 @@ from lmserve.block_formats import (
     STORED_BLOCK_BYTES,
     STORED_BLOCK_TYPES,
     block_width,
+    exact_kernel_format,
 )
 
 __all__ = ["BLOCK_FORMATS", "EXACT_INTO", "HELD_INTO", "KERNEL_FORMATS", "SCALE_ROUNDED_INTO", "STORED_BLOCK_BYTES",
@@ -43,18 +44,6 @@ __all__ = ["BLOCK_FORMATS", "EXACT_INTO", "HELD_INTO", "KERNEL_FORMATS", "SCALE_
            "preferred_kernel_format", "runnable_types"]
 # llama.cpp's kvalues_iq4nl: the 16 weights (in units of the block's scale) an IQ4_NL or IQ4_XS index picks.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-
-
-def exact_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KERNEL_FORMATS) -> str | None:
-    """The kernel format of `formats` (those that run here; fewest bytes first) that holds blocks of every one of
-    `stored_types` exactly, or None."""
-    types = set(stored_types)
-    if not types:
-        return None
-    for kernel_format in (f for f in KERNEL_FORMATS if f in set(formats)):
-        if all(kernel_format in HELD_INTO.get(t, ()) for t in types):
-            return kernel_format
-    return None
 
 
 def preferred_kernel_format(stored_types: Iterable[str], formats: Iterable[str] = KERNEL_FORMATS) -> str | None:
