@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Fewest bytes a weight first. The K-quants and q5_0 run where the int16-activation kernels do (AVX-512 VNNI or AVX2).
-KERNEL_FORMATS = ("q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
+# Fewest bytes a weight first. All but q4_1 and q8_0 run only where the int16-activation kernels do (AVX-512 VNNI or
+# AVX2, with integer activations).
+KERNEL_FORMATS = ("iq4_nl", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
 # Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
 EXACT_INTO: dict[str, tuple[str, ...]] = {
@@ -19,10 +20,10 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q4_k": ("q4_k",),
     "q5_k": ("q5_k",),
     "q6_k": ("q6_k",),
-    "iq4_nl": ("q8_0",),
+    "iq4_nl": ("iq4_nl", "q8_0"),
 }
 # Stored type -> the kernel formats that hold its blocks with each block's scale rounded once to float16.
-SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("q8_0",)}
+SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("iq4_nl", "q8_0")}
 HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may take
 STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
 STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,

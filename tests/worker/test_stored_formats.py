@@ -21,7 +21,7 @@ from lmserve.worker.batched_copies import Float16WeightLinear
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks, as_blocks
 from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
-from lmserve.worker.kquant_formats import KQuantLinear, Q5_0Linear, kernel_formats
+from lmserve.worker.kquant_formats import Int16BlockLinear, KQuantLinear, kernel_formats
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
@@ -132,10 +132,11 @@ def random_iq4_blocks(stored_type: str, rows: int, columns: int, rng: np.random.
     return raw.reshape(rows, -1)
 
 
-def test_an_iq4_file_runs_as_q8_0_blocks(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
-    """IQ4_NL's indices pick int8 values under a float16 scale: q8_0 blocks hold them exactly (34 bytes for 18, where
-    float16 takes 64). IQ4_XS scales its sub-blocks by d x a 6-bit integer: q8_0 blocks whose scale is that product
-    rounded to float16, so every weight is the file's to within float16's rounding, as float16 weights would be."""
+def test_an_iq4_file_runs_at_its_stored_size(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+    """IQ4_NL's indices pick int8 values under a float16 scale: its kernel reads the file's 18-byte blocks, and where
+    none runs, q8_0 blocks hold them exactly (34 bytes for 18, where float16 takes 64). IQ4_XS scales its sub-blocks
+    by d x a 6-bit integer: IQ4_NL (or q8_0) blocks whose scale is that product rounded to float16, so every weight is
+    the file's to within float16's rounding, as float16 weights would be."""
     directory, kquant_blocks = tiny_kquant
     rng, blocks = np.random.default_rng(7), {}
     for name, (data, qtype) in kquant_blocks.items():
@@ -155,33 +156,35 @@ def test_an_iq4_file_runs_as_q8_0_blocks(tmp_path: Path, tiny_kquant, gguf_write
                         stored_types=runnable_types(stored, formats), formats=formats)
     model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
     assert model.quantize_float_layers("fp16") == 0
+    held = "iq4_nl" if "iq4_nl" in formats else "q8_0"
     with torch.no_grad():
         for i in range(config.num_hidden_layers):
             layer, ref = model.layers[i], reference.layers[i]
-            assert isinstance(layer.self_attn.qkv_proj, Q8_0Linear)
+            assert layer.self_attn.qkv_proj.method == held and layer.mlp.down_proj.method == held
             assert torch.equal(layer.self_attn.qkv_proj.dequantized(), ref.self_attn.qkv_proj.weight)
             assert torch.equal(layer.self_attn.o_proj.dequantized(), ref.self_attn.o_proj.weight)
             for name in ("gate_up_proj", "down_proj"):
                 mlp, ref_mlp = getattr(layer.mlp, name), getattr(ref.mlp, name)
-                assert isinstance(mlp, Q8_0Linear)
                 torch.testing.assert_close(mlp.dequantized(), ref_mlp.weight, rtol=2**-11, atol=0)
                 x = torch.randn(3, mlp.in_features, generator=torch.Generator().manual_seed(i))
                 torch.testing.assert_close(mlp(x), ref_mlp(x), atol=2e-3, rtol=2e-3)
-    # What the planner counts for the file: 8.5 bits a matrix weight (q8_0), the embedding's 4.5 for its lookups and
-    # 8.5 for its output layer (tied), 32 for the vectors.
+    if held == "iq4_nl":  # the stored size: 288 bytes a 16 x 32 block of weights, the file's 16 x 18
+        assert layer.mlp.down_proj.blocks.numel() == layer.mlp.down_proj.out_features * layer.mlp.down_proj.in_features * 18 // 32
+    # What the planner counts for the file where every kernel runs: 4.5 bits a matrix weight (iq4_nl), the embedding's
+    # 4.5 for its lookups in the file's blocks, its (tied) output layer in iq4_nl beside them, 32 for the vectors.
     header = read_gguf_header(path)
-    bits = {2: 8.5, 1: 32.0}
-    expected = sum(np.prod(t.shape) * (13.0 if t.name == "token_embd.weight" else bits[len(t.shape)])
-                   for t in header.tensors) / sum(np.prod(t.shape) for t in header.tensors)
+    bits = {2: 4.5, 1: 32.0}
+    expected = sum(np.prod(t.shape) * bits[len(t.shape)] for t in header.tensors) / sum(
+        np.prod(t.shape) for t in header.tensors)
     assert gguf_held_bits(path) == pytest.approx(expected, rel=1e-9)
-    # The tied IQ4_NL embedding: its output layer in q8_0, its lookups in the file's 18-byte blocks.
-    assert isinstance(model.lm_head, Q8_0Linear) and isinstance(model.embed_tokens, BlockEmbedding)
+    # The tied IQ4_NL embedding: its output layer in the layers' format, its lookups in the file's 18-byte blocks.
+    assert model.lm_head.method == held and isinstance(model.embed_tokens, BlockEmbedding)
     assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
     every_token = torch.arange(config.vocab_size).view(64, -1)
     assert torch.equal(model.embed_tokens(every_token), reference.embed_tokens(every_token))
 
 
-def test_iq4_xs_becomes_q8_0_with_each_sub_blocks_scale_rounded_once() -> None:
+def test_iq4_xs_becomes_iq4_nl_or_q8_0_with_each_sub_blocks_scale_rounded_once() -> None:
     rng = np.random.default_rng(11)
     blocks = random_iq4_blocks("iq4_xs", 16, 1024, rng).reshape(16, 4, 136)
     blocks[0, 0, 2:8] = [0xFF, 0xFF, 0x11, 0x11, 0x11, 0x11]  # every sub-block scale 49 - 32 = 17: d x 17 rounds
@@ -194,11 +197,16 @@ def test_iq4_xs_becomes_q8_0_with_each_sub_blocks_scale_rounded_once() -> None:
     assert np.array_equal(got[1, :256], expected[1, :256]) and not np.array_equal(got, expected)
     layer = LAYER_TYPES["q8_0"](StoredBlocks("iq4_xs", torch.from_numpy(blocks)), None)
     assert torch.equal(layer.dequantized(), torch.from_numpy(got))
+    as_iq4_nl = convert_blocks("iq4_xs", blocks, "iq4_nl")  # the same scales, the file's indices as they lie
+    assert as_iq4_nl.shape == (16, 32, 18) and np.array_equal(gguf_values("iq4_nl", as_iq4_nl), got)
+    if "iq4_nl" in kernel_formats():
+        layer = LAYER_TYPES["iq4_nl"](StoredBlocks("iq4_xs", torch.from_numpy(blocks)), None)
+        assert torch.equal(layer.dequantized(), torch.from_numpy(got))
 
 
-def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its_q8_0_blocks() -> None:
+def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its_iq4_nl_blocks() -> None:
     """A row-parallel IQ4_XS matrix (down_proj) over 4 ranks: 512 columns are 2 super-blocks, 128 a rank. Each rank
-    keeps its q8_0 blocks (what its layer holds anyway), not float weights quantized again."""
+    keeps its iq4_nl blocks (what its layer holds anyway), not float weights quantized again."""
     from lmserve.worker.models.llama import _column_shard
 
     blocks = random_iq4_blocks("iq4_xs", 8, 512, np.random.default_rng(5)).reshape(8, 2, 136)
@@ -207,7 +215,7 @@ def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its
     assert _column_shard(stored, 2, 1).method == "iq4_xs"  # whole super-blocks a rank: the file's blocks
     for rank in range(4):
         share = _column_shard(stored, 4, rank)
-        assert isinstance(share, StoredBlocks) and share.method == "q8_0" and share.shape == (8, 128)
+        assert isinstance(share, StoredBlocks) and share.method == "iq4_nl" and share.shape == (8, 128)
         assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
 
 
@@ -258,11 +266,11 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
     for i in range(config.num_hidden_layers):
         for name, layer_type in expected_types.items():
             layer = model.layers[i].get_submodule(name)
-            assert type(layer) is layer_type, (i, name)
+            assert type(layer) is layer_type or type(layer).__bases__ == (layer_type,), (i, name)
             if layer_type is not Float16WeightLinear:  # the file's values, bit for bit
                 assert torch.equal(layer.dequantized(), reference.layers[i].get_submodule(name).weight), (i, name)
     # The tied Q5_0 embedding's own values, as q5_0 where its kernel runs, else as q8_0 blocks.
-    assert isinstance(model.lm_head, Q5_0Linear if "q5_0" in formats else Q8_0Linear)
+    assert isinstance(model.lm_head, Int16BlockLinear if "q5_0" in formats else Q8_0Linear)
     assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
     # The embedding looks its rows up in the file's Q5_0 blocks: the float table's values, at 22 of its 128 bytes.
     assert isinstance(model.embed_tokens, BlockEmbedding) and model.embed_tokens.stored_type == "q5_0"
@@ -282,13 +290,13 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
 
 
 @pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (q5_0 is q8_0 there)")
-@pytest.mark.parametrize("stored_type", ["q5_0", "q5_1"])
-def test_five_bit_blocks_run_at_their_stored_size_with_the_files_values(stored_type: str) -> None:
+@pytest.mark.parametrize("stored_type", ["q5_0", "q5_1", "iq4_nl"])
+def test_int16_kernel_blocks_run_at_their_stored_size_with_the_files_values(stored_type: str) -> None:
     blocks = random_stored_blocks(stored_type, 48, 12, seed=11)
     values = torch.from_numpy(gguf_values(stored_type, blocks))
     layer = LAYER_TYPES[stored_type](StoredBlocks(stored_type, torch.from_numpy(blocks)), None)
-    assert isinstance(layer, Q5_0Linear)
-    assert layer.blocks.numel() == blocks.size  # 22 (q5_1: 24) bytes a block of 32: the file's size
+    assert isinstance(layer, Int16BlockLinear)
+    assert layer.blocks.numel() == blocks.size  # 22 (q5_1: 24, iq4_nl: 18) bytes a block of 32: the file's size
     assert torch.equal(layer.dequantized(), values)
     x = torch.randn(9, 384, generator=torch.Generator().manual_seed(12))
     x[2, :32] *= 50

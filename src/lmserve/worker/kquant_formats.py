@@ -1,6 +1,7 @@
 """Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q4_k, q5_k, q6_k;
-their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q5_0 and q5_1
-(kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2.
+their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q5_0, q5_1 and iq4_nl
+(kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2. IQ4_XS files' blocks run as iq4_nl ones
+(stored_formats.convert_blocks: each sub-block's scale rounded once to float16).
 
 The rearrangement is exact: every code and every scale the file holds goes into the kernel's layout as it is
 (tests/worker/test_kquant_formats.py checks the kernel's dequantization against gguf's, value for value). Done in
@@ -21,23 +22,23 @@ from lmserve.worker.kernel_choice import (
 )
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.quantization import BlockQuantizedLinear, register_layer_type
-from lmserve.worker.stored_formats import BLOCK_FORMATS, KERNEL_FORMATS
+from lmserve.worker.stored_formats import BLOCK_FORMATS, HELD_INTO, KERNEL_FORMATS, convert_blocks
 
 SUPER_BLOCK = 256
 GROUP_ROWS = 16  # output rows per group of the kernel's layout
 KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # llama.cpp's block_q4_K, block_q5_K, block_q6_K
-FIVE_BIT_METHODS = ("q5_0", "q5_1")  # kernels/int16_activations.cpp's, blocks of 32
+INT16_BLOCK_METHODS = ("q5_0", "q5_1", "iq4_nl")  # kernels/int16_activations.cpp's, blocks of 32
 
 
 def kernel_formats(activations_setting: str | None = "auto") -> tuple[str, ...]:
-    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants and
-    q5_0 where the int16-activation kernels run, unless the block kernels are told to keep float32 activations (those
+    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants, q5_0,
+    q5_1 and iq4_nl where the int16-activation kernels run, unless the block kernels are told to keep float32 activations (those
     kernels take int16 ones only)."""
     if not block_kernels_load("q8_0", explicit=False):
         return ()
     formats = set(BLOCK_FORMATS)
     if (activations_setting or "auto") != "float32" and int16_kernel_loads():
-        formats |= {*KQUANT_BLOCK_BYTES, *FIVE_BIT_METHODS}
+        formats |= {*KQUANT_BLOCK_BYTES, *INT16_BLOCK_METHODS}
     return tuple(f for f in KERNEL_FORMATS if f in formats)
 
 
@@ -137,11 +138,16 @@ class KQuantLinear(BlockQuantizedLinear):
 
     def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
                  activations: str = "int16") -> None:
-        self.method = weight.method
+        # A registered layer type knows its format (iq4_nl's takes IQ4_XS blocks too); KQuantLinear itself takes the
+        # blocks' own.
+        self.method = getattr(type(self), "method", None) or weight.method
         # Integer activations only: 16-bit ones unless int8 is asked for.
         super().__init__(weight, bias, batched, activations if activations in INTEGER_ACTIVATIONS else "int16")
 
     def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
+        if isinstance(weight, StoredBlocks) and self.method in HELD_INTO.get(weight.method, ()):  # iq4_xs as iq4_nl
+            weight = StoredBlocks(self.method, torch.from_numpy(convert_blocks(weight.method, weight.data.numpy(),
+                                                                              self.method)))
         if not isinstance(weight, StoredBlocks) or weight.method != self.method:
             raise ValueError(f"a {self.method} layer takes a file's {self.method} blocks")
         rows, columns = weight.shape
@@ -156,11 +162,13 @@ class KQuantLinear(BlockQuantizedLinear):
         return True
 
 
-class Q5_0Linear(KQuantLinear):
-    """Q5_0 or Q5_1 blocks at their stored size (0.6875, 0.75 bytes a weight) through kernels/int16_activations.cpp:
-    Q5_0 is what a Q4_K_M file of a model whose rows are not a multiple of 256 wide holds in most layers. Where no
-    int16 kernel runs, Q5_0 blocks are q8_0 ones (stored_formats.convert_blocks), with the same values."""
+class Int16BlockLinear(KQuantLinear):
+    """Q5_0, Q5_1 or IQ4_NL blocks at their stored size (0.6875, 0.75, 0.5625 bytes a weight) through
+    kernels/int16_activations.cpp: Q5_0 is what a Q4_K_M file of a model whose rows are not a multiple of 256 wide
+    holds in most layers. Where no int16 kernel runs, Q5_0 and IQ4_NL blocks are q8_0 ones
+    (stored_formats.convert_blocks), with the same values."""
 
 
-for _method in (*KQUANT_BLOCK_BYTES, *FIVE_BIT_METHODS):
-    register_layer_type(_method, Q5_0Linear if _method in FIVE_BIT_METHODS else KQuantLinear)
+for _method in (*KQUANT_BLOCK_BYTES, *INT16_BLOCK_METHODS):
+    _base = Int16BlockLinear if _method in INT16_BLOCK_METHODS else KQuantLinear
+    register_layer_type(_method, type(f"{_method.upper()}Linear", (_base,), {"method": _method}))

@@ -49,8 +49,8 @@ from lmserve.worker.block_packing import (
 )
 from lmserve.worker.kernel_choice import (
     BLOCK_SIZE,
+    INT16_ONLY_METHODS,
     INTEGER_ACTIVATIONS,
-    KQUANT_METHODS,
     BatchedPath,
     batched_path,
 )
@@ -227,7 +227,7 @@ LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "q8_0": 
 def layer_fits(method: str, out_features: int, in_features: int) -> bool:
     """Whether a `method` layer can hold an [out_features, in_features] weight: whole blocks a row, and for the
     K-quants' kernel whole groups of 16 rows."""
-    if method in KQUANT_METHODS:
+    if method in INT16_ONLY_METHODS:
         return in_features % block_width(method) == 0 and out_features % 16 == 0
     return in_features % BLOCK_SIZE == 0
 

@@ -9,7 +9,7 @@ any weight's value, block for block, with the same float16 scale:
   q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),
         or q8_0 with q - 8;
   iq4_nl: float16 d, 32 four-bit indices q into llama.cpp's table of 16 int8 values (w = d kvalues[q]) -> q8_0 with
-        the codes kvalues[q];
+        the codes kvalues[q] (where no iq4_nl kernel runs: kernels/int16_activations.cpp reads it at its stored size);
   q4_1 and q8_0 are kernel formats already, and so are q5_1, q4_k, q5_k and q6_k where the int16-activation
   kernels run (worker/kquant_formats.py).
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
@@ -17,8 +17,9 @@ A layer whose rows all come in types that share such a format takes its file's v
 include a type that converts into none of the formats that run here (q2_k, q3_k; the K-quants, q5_0 and q5_1 under
 --block-activations float32) gets no block format: it keeps float weights (float16 under --quantization auto).
 One type converts with its scales rounded (SCALE_ROUNDED_INTO): iq4_xs, whose 32-weight sub-blocks are scaled by
-d x a 6-bit integer, into q8_0 blocks whose float16 scale is that product, rounded once: the error of float16
-weights (half a unit in their 11th bit) at about half their bytes, on the integer kernels.
+d x a 6-bit integer, into iq4_nl blocks (or, where no iq4_nl kernel runs, q8_0 ones) whose float16 scale is that
+product, rounded once: the error of float16 weights (half a unit in their 11th bit) at 0.5625 bytes a weight (the
+file's 0.53), on the integer kernels.
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
     if blocks.shape[-1] != STORED_BLOCK_BYTES[stored_type]:
         raise ValueError(f"{stored_type} blocks have {STORED_BLOCK_BYTES[stored_type]} bytes, got {blocks.shape[-1]}")
     scale = blocks[..., 0:2]
+    if kernel_format == "iq4_nl":  # from iq4_xs: the only other type it holds
+        return _iq4_xs_as_iq4_nl(blocks)
     if kernel_format == "q8_0":
         if stored_type == "iq4_nl":
             return _iq4_nl_as_q8_0(blocks)
         if stored_type == "iq4_xs":
-            return _iq4_xs_as_q8_0(blocks)
+            return _iq4_nl_as_q8_0(_iq4_xs_as_iq4_nl(blocks))
         codes = _codes(stored_type, blocks)
         offset = 16 if stored_type == "q5_0" else 8
         return np.concatenate([scale, (codes.astype(np.int16) - offset).astype(np.int8).view(np.uint8)], axis=-1)
@@ -117,9 +120,9 @@ def _iq4_nl_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     return out
 
 
-def _iq4_xs_as_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Each super-block of 256 as 8 q8_0 blocks: scale d (ls - 32) rounded to float16 (llama.cpp's and gguf's
-    dl, computed in float32), codes as IQ4_NL's."""
+def _iq4_xs_as_iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    """Each super-block of 256 as 8 IQ4_NL blocks: scale d (ls - 32) rounded to float16 (llama.cpp's and gguf's
+    dl, computed in float32), the sub-block's 16 bytes of indices as they are (IQ4_NL's order)."""
     lead = blocks.shape[:-1]
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [..., 1]
     high = blocks[..., 2:4].copy().view("<u2").astype(np.int32)  # [..., 1]: 2 bits a sub-block
@@ -129,11 +132,11 @@ def _iq4_xs_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         scales = (d * (ls - 32).astype(np.float32)).astype(np.float16)  # [..., 8]
     if not np.isfinite(scales).all():
-        raise ValueError("iq4_xs block scale too large for a float16 q8_0 scale")
+        raise ValueError("iq4_xs block scale too large for a float16 block scale")
     sub_blocks = np.empty((*lead, 8, 18), dtype=np.uint8)  # as IQ4_NL blocks
     sub_blocks[..., 0:2] = scales[..., None].view(np.uint8)
     sub_blocks[..., 2:18] = blocks[..., 8:136].reshape(*lead, 8, 16)
-    return _iq4_nl_as_q8_0(sub_blocks).reshape(*lead[:-1], lead[-1] * 8, 34)
+    return sub_blocks.reshape(*lead[:-1], lead[-1] * 8, 18)
 
 
 def _codes(stored_type: str, blocks: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-// q4_1, q8_0 and q5_0 linear layers with the activations as 16-bit integers per block of 32: y = x @ W.T (+ bias),
+// q4_1, q8_0, q5_0, q5_1 and iq4_nl linear layers with the activations as 16-bit integers per block of 32: y = x @ W.T (+ bias),
 // built for AVX-512 VNNI or AVX2 from one source over int16_simd.h's primitives.
 //
 // The float32 block kernel (quantized_linear.cpp) widens every weight to a float and spends an FMA on it: on a
@@ -26,7 +26,7 @@
 //   q4_1 (320 bytes, its 0.625 bytes per weight): the 16 d's (float16), the 16 m's (float16), then 4 chunks of 64
 //   bytes, chunk c holding row 2c in its low nibbles and row 2c + 1 in its high ones.
 //   q8_0 (544 bytes, its 1.0625): the 16 d's, then the 8 rows of q + 128.
-//   q5_0 and q5_1: see Five below.
+//   q5_0 and q5_1: see Five below; iq4_nl: IQ4_NL below.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -122,14 +122,37 @@ struct Five {
 using Q5_0 = Five<false>;
 using Q5_1 = Five<true>;
 
+// iq4_nl: w = d v[q], with q in 0..15 an index into llama.cpp's table kvalues_iq4nl of 16 int8 values (-127..113).
+// q4_1's nibble chunks after the 16 d's (288 bytes, the file's 0.5625 bytes a weight); the indices become v + 128 (as
+// q8_0's stored codes) by one byte shuffle per 64 codes, so the products and the 128 (sum) taken off are q8_0's.
+struct IQ4_NL {
+  static constexpr const char* kName = "iq4_nl";
+  static constexpr int64_t kSourceBytes = 18;  // llama.cpp's block_iq4_nl: d, 16 bytes of nibbles (as q4_0's)
+  static constexpr int64_t kScaleBytes = 32;   // 16 d's
+  static constexpr int64_t kBytes = kScaleBytes + 256;
+  static constexpr int32_t kOffset = 128;      // the codes the kernel multiplies: v[q] + 128, unsigned
+  static constexpr int kPerWiden = 1;
+  static constexpr uint8_t kValues[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+  static inline void quants(const uint8_t* block, U8 rows[8]) {
+    low_nibbles(block + kScaleBytes, rows);
+    for (int j = 0; j < 8; ++j) rows[j] = lookup16(rows[j], kValues);
+  }
+  static inline int source_quant(const uint8_t* block, int k) {  // the index q, 0..15
+    return k < 16 ? block[2 + k] & 0x0F : block[2 + k - 16] >> 4;
+  }
+  template <class Q>
+  static inline uint8_t packed_byte(int64_t i, Q q) { return Q4_1::packed_byte(i, q); }
+};
+
 // Input rows that share one decoding of the weights: 6 on AVX-512 (1.03-1.12x over 4); AVX2 has half the registers,
 // each value taking two.
 constexpr int kTileRows = kAvx512 ? 6 : 2;
 // With 8-bit activations (the high halves alone) a row needs half the accumulators: more rows share one decoding.
 constexpr int kTileRows8 = kAvx512 ? 8 : 4;
-// q8_0's codes on AVX2 go through dot4_signed (int16_simd.h): their + 128 would saturate VPMADDUBSW's pairs.
+// q8_0's and iq4_nl's codes on AVX2 go through dot4_signed (int16_simd.h): their + 128 would saturate VPMADDUBSW's
+// pairs.
 template <class Format>
-constexpr bool kSignedCodes = !kAvx512 && std::is_same_v<Format, Q8_0>;
+constexpr bool kSignedCodes = !kAvx512 && (std::is_same_v<Format, Q8_0> || std::is_same_v<Format, IQ4_NL>);
 
 // T input rows (from row `row`) against one group, all blocks. kLow: both activation halves (16-bit activations);
 // without it the high halves alone, x ~ s x_hi: llama.cpp's 8 bits a block (prompt rows, --batched-weights
@@ -322,6 +345,10 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q5_1_int16_pack(Tensor blocks) -> Tensor");
   m.def("q5_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_1_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("iq4_nl_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("iq4_nl_int16_pack(Tensor blocks) -> Tensor");
+  m.def("iq4_nl_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("iq4_nl_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
@@ -341,6 +368,10 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q5_1_int16_pack", &pack<Q5_1>);
   m.impl("q5_1_int8_linear", &linear<Q5_1, false>);
   m.impl("q5_1_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q5_1>(w, out); });
+  m.impl("iq4_nl_int16_linear", &linear<IQ4_NL>);
+  m.impl("iq4_nl_int16_pack", &pack<IQ4_NL>);
+  m.impl("iq4_nl_int8_linear", &linear<IQ4_NL, false>);
+  m.impl("iq4_nl_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<IQ4_NL>(w, out); });
 }
 
 #endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C

@@ -1,12 +1,12 @@
-// The few vector primitives the int16-activation kernels are written over (int16_activations.cpp: q4_1, q8_0, q5_0;
-// kquant_int16.cpp: q4_k, q6_k), so that one source builds for AVX-512 VNNI and for AVX2.
+// The few vector primitives the int16-activation kernels are written over (int16_activations.cpp: q4_1, q8_0, q5_0,
+// q5_1, iq4_nl; kquant_int16.cpp: q4_k, q5_k, q6_k), so that one source builds for AVX-512 VNNI and for AVX2.
 //
 // 16 lanes of int32 or float32 (one per output row of a group of 16) and 64 bytes: one AVX-512 register each, or two
 // AVX2 ones (lanes 0-7, 8-15; bytes 0-31, 32-63). dot4 is VPDPBUSD on AVX-512 VNNI; on AVX2 the same products as
 // VPMADDUBSW (unsigned by signed bytes, pairs summed into int16) then VPMADDWD by ones (pairs into int32). Those int16
 // pairs saturate above 32,767, so on AVX2 a format's unsigned codes must stay below 128 (q4: 15, q5: 31, q6: 63);
-// q8_0's signed codes take dot4_signed instead (llama.cpp's trick: |q| as the unsigned bytes, x with q's sign, which
-// with |x| <= 127 stays within 2 x 128 x 127).
+// q8_0's and iq4_nl's signed codes take dot4_signed instead (llama.cpp's trick: |q| as the unsigned bytes, x with
+// q's sign, which with |x| <= 127 stays within 2 x 128 x 127).
 #pragma once
 
 #include <immintrin.h>
@@ -66,6 +66,10 @@ inline F32 bytes_unsigned(const uint8_t* p) {
 }
 inline F32 bytes_signed(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// Each byte (a code in 0..15) replaced by table[code]: VPSHUFB within each 16-byte lane (iq4_nl's values).
+inline U8 lookup16(U8 codes, const uint8_t table[16]) {
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), codes);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LMSERVE_INT16_KERNELS_AVX2 1
@@ -166,6 +170,10 @@ inline F32 bytes_unsigned(const uint8_t* p) {
 inline F32 bytes_signed(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+inline U8 lookup16(U8 codes, const uint8_t table[16]) {
+  const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+  return {_mm256_shuffle_epi8(t, codes.lo), _mm256_shuffle_epi8(t, codes.hi)};
 }
 #endif
 
