@@ -73,14 +73,15 @@ def test_group_sigterm_stops_both_processes(tmp_path: Path, tiny_llama_dir: Path
 
 
 def test_engine_exits_soon_after_the_api_process_is_killed_mid_step(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """Eight requests of 2,000 tokens, one at a time: thousands of steps left when the parent dies. Before the fix
+    """Eight requests of 8,000 tokens, one at a time: thousands of steps left when the parent dies. Before the fix
     the engine stepped on for nobody, until its unread outputs filled the socket and a send blocked forever. (With
-    480 tokens and "exactly 7 waiting" the first request could end before the check saw 7: a flake on a fast run.)"""
-    server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-model-len", "2048")
+    480 tokens and "exactly 7 waiting" the first request could end before the check saw 7: a flake on a fast run;
+    with 2,000 tokens, a request took under a second and a suite run once never saw 6 waiting.)"""
+    server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-model-len", "8192")
     try:
         engine_pid = server.engine_pid
         started = threading.Event()
-        streams = [stream_in_background(server, {**LONG, "max_tokens": 2000}, started) for _ in range(8)]
+        streams = [stream_in_background(server, {**LONG, "max_tokens": 8000}, started) for _ in range(8)]
         assert started.wait(30)
         assert wait_for(lambda: engine_stats(server)["num_requests_waiting"] >= 6, timeout=30)
         server.process.kill()  # SIGKILL: no cleanup at all in the API process
