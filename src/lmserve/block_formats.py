@@ -21,14 +21,15 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q5_k": ("q5_k",),
     "q6_k": ("q6_k",),
     "iq4_nl": ("iq4_nl", "q8_0"),
+    "q3_k": ("q6_k",),  # 3-bit codes - 4 under int8 sub-block scales: q6_k's codes - 32 hold them
 }
 # Stored type -> the kernel formats that hold its blocks with each block's scale rounded once to float16.
 SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("iq4_nl", "q8_0")}
 HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may take
 STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
 STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-                      "iq4_nl": 18, "iq4_xs": 136}
-BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}  # weights a block; 32 for the others
+                      "iq4_nl": 18, "iq4_xs": 136, "q3_k": 110}
+BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256}  # weights a block; 32 for the others
 
 
 def block_width(stored_type: str) -> int:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmserve.block_formats import held_bytes_per_weight
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
@@ -41,6 +42,7 @@ from lmserve.worker.stored_formats import (
     exact_kernel_format,
     float_fallbacks,
     preferred_kernel_format,
+    q3_k_fields,
     runnable_types,
 )
 
@@ -53,7 +55,8 @@ def random_stored_blocks(stored_type: str, rows: int, blocks: int, seed: int) ->
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, blocks, STORED_BLOCK_BYTES[stored_type]), dtype=np.uint8)
     scales = (rng.uniform(1e-4, 3e-2, (rows, blocks)) * rng.choice([-1, 1], (rows, blocks))).astype(np.float16)
-    raw[..., 0:2] = scales[..., None].view(np.uint8)
+    at = {"q3_k": 108, "q6_k": 208}.get(stored_type, 0)  # where the K-quants keep their float16 d
+    raw[..., at : at + 2] = scales[..., None].view(np.uint8)
     if stored_type in ("q4_1", "q5_1"):  # the minimum m
         raw[..., 2:4] = (-8 * np.abs(scales))[..., None].astype(np.float16).view(np.uint8)
     return raw
@@ -79,6 +82,30 @@ def test_conversion_keeps_every_value(stored_type: str, kernel_format: str) -> N
     assert np.array_equal(layer.dequantized().numpy(), expected.reshape(24, -1))
     x = torch.randn(3, 7 * 32, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(layer(x), x @ torch.from_numpy(expected).reshape(24, -1).T, atol=1e-5, rtol=1e-4)
+
+
+def test_q3_k_blocks_become_q6_k_blocks_with_every_value() -> None:
+    """Q3_K (w = d (ls - 32) q, q in -4..3, a 6-bit ls a sub-block of 16) is a q6_k block with sc = ls - 32 and codes
+    q + 32: the file's values exactly, on the q6_k kernel (6.56 bits a weight), where it had float16 weights (16)."""
+    blocks = random_stored_blocks("q3_k", 32, 3, seed=13)
+    _, scales, values = q3_k_fields(blocks)
+    assert set(np.unique(values)) == set(range(-4, 4)) and scales.min() == -32 and scales.max() == 31
+    expected = gguf_values("q3_k", blocks)
+    converted = convert_blocks("q3_k", blocks, "q6_k")
+    assert converted.shape == (32, 3, 210) and np.array_equal(gguf_values("q6_k", converted), expected)
+    stored = StoredBlocks("q3_k", torch.from_numpy(blocks))
+    assert np.array_equal(stored.dequantize().numpy(), expected)
+    assert exact_kernel_format(["q3_k"]) == "q6_k" and exact_kernel_format(["q3_k", "q4_k"]) is None
+    assert runnable_types({"a": "q3_k"}, BLOCK_FORMATS) == {"a": "float"}  # no K-quant kernel: float16 as before
+    if "q6_k" not in kernel_formats():
+        return
+    layer = LAYER_TYPES["q6_k"](stored, None)
+    assert layer.method == "q6_k" and torch.equal(layer.dequantized(), torch.from_numpy(expected))
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(14))
+    got, reference = layer(x), x.double() @ torch.from_numpy(expected).double().T
+    assert (got.double() - reference).abs().max().item() < 2e-3 * reference.abs().max().item()
+    for i in range(5):  # each row's bits its own
+        assert torch.equal(layer(x[i : i + 1]), got[i : i + 1]), i
 
 
 def test_a_conversion_that_would_change_values_is_refused() -> None:
@@ -107,7 +134,7 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     assert preferred_kernel_format(mixed) == "q4_k"
     assert preferred_kernel_format(mixed, BLOCK_FORMATS) == "q8_0"
     assert preferred_kernel_format(["q5_0"] * 3 + ["q6_k"]) == "q5_0"
-    assert preferred_kernel_format(["q3_k", "q2_k", "f16"]) is None
+    assert preferred_kernel_format(["q2_k", "f16"]) is None and preferred_kernel_format(["q3_k", "q2_k"]) == "q6_k"
     assert preferred_kernel_format(["q5_1", "q5_k"]) == "q5_k" and exact_kernel_format(["q5_1"]) == "q5_1"
     assert runnable_types({"a": "q6_k", "b": "q5_0", "c": "f32"}, BLOCK_FORMATS) == {"a": "float", "b": "q5_0",
                                                                                     "c": "float"}
@@ -117,7 +144,7 @@ def test_matrices_without_a_kernel_are_named_for_the_log() -> None:
     stored = {"a": "q3_k", "b": "q3_k", "c": "q2_k", "d": "q5_0", "e": "f32", "f": "q6_k"}
     assert float_fallbacks(stored, runnable_types(stored, BLOCK_FORMATS)) == "2 q3_k, 1 q2_k, 1 q6_k"
     everything = ("q8_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-    assert float_fallbacks(stored, runnable_types(stored, everything)) == "2 q3_k, 1 q2_k"
+    assert float_fallbacks(stored, runnable_types(stored, everything)) == "1 q2_k"  # q3_k runs as q6_k
     assert float_fallbacks({"d": "q5_0", "e": "f16"}, {"d": "q5_0", "e": "float"}) is None
 
 
@@ -217,6 +244,42 @@ def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its
         share = _column_shard(stored, 4, rank)
         assert isinstance(share, StoredBlocks) and share.method == "iq4_nl" and share.shape == (8, 128)
         assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
+
+
+def test_a_files_q3_k_down_projections_run_as_q6_k_layers(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+    """What a Q3_K_S file of a model whose MLP is 256-wide blocks holds in its down projections: each loads into a q6_k
+    layer with the file's values (where the K-quant kernel runs; float16 weights elsewhere), and the planner counts
+    6.5625 bits a weight for them."""
+    directory, kquant_blocks = tiny_kquant
+    blocks = dict(kquant_blocks)
+    for name, (data, qtype) in kquant_blocks.items():
+        if ".ffn_down." in name:
+            columns = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+            raw = random_stored_blocks("q3_k", data.shape[0], columns // 256, seed=len(blocks) + data.shape[0])
+            blocks[name] = (raw.reshape(data.shape[0], -1), Q.Q3_K)
+    path = gguf_writer(directory, tmp_path / "tiny-q3-k.gguf", blocks=blocks)
+    source = resolve_model(str(path))
+    config, stored = load_hf_config(source), stored_matrix_types(source)
+    assert stored["model.layers.0.mlp.down_proj.weight"] == "q3_k"
+    formats = kernel_formats()
+    reference = build_model(config, 64, CPU, torch.float32)
+    reference.load_weights(load_weights(source, torch.float32))
+    model = build_model(config, 64, CPU, torch.float32, block_method="q8_0",
+                        stored_types=runnable_types(stored, formats), formats=formats)
+    model.load_weights(load_weights(source, torch.float32, blocks=STORED_BLOCK_TYPES))
+    model.quantize_float_layers("fp16")
+    for i in range(config.num_hidden_layers):
+        down, ref = model.layers[i].mlp.down_proj, reference.layers[i].mlp.down_proj
+        if "q6_k" in formats:
+            assert down.method == "q6_k" and torch.equal(down.dequantized(), ref.weight)
+        else:
+            assert isinstance(down, Float16WeightLinear)
+    # Against the same file with its own down projections: each q3_k one counted at 6.5625 bits instead.
+    header, plain = read_gguf_header(path), gguf_writer(directory, tmp_path / "tiny-plain.gguf", blocks=kquant_blocks)
+    total = sum(np.prod(t.shape) for t in header.tensors)
+    change = sum(np.prod(t.shape) * (6.5625 - 8 * held_bytes_per_weight(kquant_blocks[t.name][1].name.lower()))
+                 for t in header.tensors if ".ffn_down." in t.name)
+    assert change != 0 and gguf_held_bits(path) * total == pytest.approx(gguf_held_bits(plain) * total + change)
 
 
 def test_a_type_lmserve_does_not_read_is_refused_by_name(tmp_path: Path, tiny_kquant, gguf_writer) -> None:

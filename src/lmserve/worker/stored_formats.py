@@ -10,11 +10,13 @@ any weight's value, block for block, with the same float16 scale:
         or q8_0 with q - 8;
   iq4_nl: float16 d, 32 four-bit indices q into llama.cpp's table of 16 int8 values (w = d kvalues[q]) -> q8_0 with
         the codes kvalues[q] (where no iq4_nl kernel runs: kernels/int16_activations.cpp reads it at its stored size);
+  q3_k: float16 d, 16 six-bit sub-block scales ls, 256 three-bit integers q in -4..3 (w = d (ls - 32) q) -> q6_k
+        with sc = ls - 32 and codes q + 32 (q6_k's kernel, where it runs: 6.56 bits a weight for the file's 3.44);
   q4_1 and q8_0 are kernel formats already, and so are q5_1, q4_k, q5_k and q6_k where the int16-activation
   kernels run (worker/kquant_formats.py).
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
 (tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
-include a type that converts into none of the formats that run here (q2_k, q3_k; the K-quants, q5_0 and q5_1 under
+include a type that converts into none of the formats that run here (q2_k; the K-quants, q3_k, q5_0 and q5_1 under
 --block-activations float32) gets no block format: it keeps float weights (float16 under --quantization auto).
 One type converts with its scales rounded (SCALE_ROUNDED_INTO): iq4_xs, whose 32-weight sub-blocks are scaled by
 d x a 6-bit integer, into iq4_nl blocks (or, where no iq4_nl kernel runs, q8_0 ones) whose float16 scale is that
@@ -42,7 +44,7 @@ from lmserve.block_formats import (
 
 __all__ = ["BLOCK_FORMATS", "EXACT_INTO", "HELD_INTO", "KERNEL_FORMATS", "SCALE_ROUNDED_INTO", "STORED_BLOCK_BYTES",
            "STORED_BLOCK_TYPES", "block_width", "convert_blocks", "exact_kernel_format", "float_fallbacks",
-           "preferred_kernel_format", "runnable_types"]
+           "preferred_kernel_format", "q3_k_fields", "runnable_types"]
 # llama.cpp's kvalues_iq4nl: the 16 weights (in units of the block's scale) an IQ4_NL or IQ4_XS index picks.
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -90,6 +92,8 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
     scale = blocks[..., 0:2]
     if kernel_format == "iq4_nl":  # from iq4_xs: the only other type it holds
         return _iq4_xs_as_iq4_nl(blocks)
+    if kernel_format == "q6_k":  # from q3_k
+        return _q3_k_as_q6_k(blocks)
     if kernel_format == "q8_0":
         if stored_type == "iq4_nl":
             return _iq4_nl_as_q8_0(blocks)
@@ -137,6 +141,39 @@ def _iq4_xs_as_iq4_nl(blocks: np.ndarray) -> np.ndarray:
     sub_blocks[..., 0:2] = scales[..., None].view(np.uint8)
     sub_blocks[..., 2:18] = blocks[..., 8:136].reshape(*lead, 8, 16)
     return sub_blocks.reshape(*lead[:-1], lead[-1] * 8, 18)
+
+
+def q3_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[..., 110] block_q3_K -> d (float16 bytes [..., 2]), the 16 sub-blocks' scales ls - 32 (int8 [..., 16]) and the
+    256 weights' integers (int8 [..., 256], -4..3): llama.cpp's dequantize_row_q3_K reading (w = d (ls - 32) q).
+    Layout: 32 bytes hmask (weight 16 s + l's high bit in bit 4 h + j of byte l, for half h, shift j, sub-block
+    s = 0..1 of 16), 64 bytes of 2-bit codes (byte 32 h + 16 s + l, bits 2 j), 12 bytes of 6-bit scales, d."""
+    lead = blocks.shape[:-1]
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    # Scale j: its low 4 bits in byte j % 8 (the low nibble for j < 8), its top 2 in byte 8 + j % 4 at bit 2 (j // 4).
+    low = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    top = ((packed[..., 8:12].reshape(*lead, 1, 4) >> (2 * np.arange(4, dtype=np.uint8).reshape(4, 1))) & 3)
+    scales = ((low | (top.reshape(*lead, 16) << 4)) - np.uint8(32)).view(np.int8)
+    # Weight 128 h + 32 j + p (p = 16 s + l) as [..., h, j, p]: shifts broadcast over the bytes (a gather of the same
+    # bytes by index took 0.28 s a 896 x 4,864 matrix).
+    shift = np.arange(4, dtype=np.uint8).reshape(4, 1)
+    codes = (qs.reshape(*lead, 2, 1, 32) >> (2 * shift)) & 3
+    high = (hmask.reshape(*lead, 1, 1, 32) >> (4 * np.arange(2, dtype=np.uint8).reshape(2, 1, 1) + shift)) & 1
+    values = codes.view(np.int8) - 4 + 4 * high.view(np.int8)
+    return np.ascontiguousarray(blocks[..., 108:110]), scales, values.reshape(*lead, 256)
+
+
+def _q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """The same weights as block_q6_K (w = d sc (q - 32), q in 0..63, sc int8 a 16-weight sub-block): d as it is,
+    sc = ls - 32, q = the 3-bit integer + 32; every value exact (6.56 bits a weight for the file's 3.44, on the
+    q6_k kernel, where the float16 weights it had before take 16)."""
+    d, scales, values = q3_k_fields(blocks)
+    lead = blocks.shape[:-1]
+    codes = (values + np.int8(32)).view(np.uint8).reshape(*lead, 2, 4, 32)  # half, quarter, l
+    low, high = codes & 0x0F, codes >> 4
+    ql = np.concatenate([low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)], axis=-1)
+    qh = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    return np.concatenate([ql.reshape(*lead, 128), qh.reshape(*lead, 64), scales.view(np.uint8), d], axis=-1)
 
 
 def _codes(stored_type: str, blocks: np.ndarray) -> np.ndarray:
