@@ -8,13 +8,13 @@ from collections.abc import Iterable
 
 # Fewest bytes a weight first. All but q4_1 and q8_0 run only where the int16-activation kernels do (AVX-512 VNNI or
 # AVX2, with integer activations).
-KERNEL_FORMATS = ("iq4_nl", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
+KERNEL_FORMATS = ("iq4_nl", "q4_0", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
 # Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
 EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q4_1": ("q4_1",),
     "q8_0": ("q8_0",),
-    "q4_0": ("q4_1", "q8_0"),
+    "q4_0": ("q4_0", "q4_1", "q8_0"),
     "q5_0": ("q5_0", "q8_0"),
     "q5_1": ("q5_1",),
     "q4_k": ("q4_k",),

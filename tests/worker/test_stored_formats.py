@@ -119,7 +119,7 @@ def test_a_conversion_that_would_change_values_is_refused() -> None:
 
 
 def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
-    assert exact_kernel_format(["q4_0"]) == "q4_1"
+    assert exact_kernel_format(["q4_0"]) == "q4_0" and exact_kernel_format(["q4_0"], BLOCK_FORMATS) == "q4_1"
     assert exact_kernel_format(["q4_0", "q4_1"]) == "q4_1"
     assert exact_kernel_format(["q5_0", "q5_0", "q8_0"]) == "q8_0"  # a Q4_K_M file's q, k and v of a 896-wide model
     assert exact_kernel_format(["q5_0"]) == "q5_0" and exact_kernel_format(["q5_0"], BLOCK_FORMATS) == "q8_0"
@@ -308,7 +308,7 @@ def test_an_iq4_xs_embedding_looks_its_rows_up_in_the_files_blocks() -> None:
 # ------------------------------------------------------------------ a Q4_K_M-like file of a model 896 wide, in small
 
 def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> None:
-    """conftest.mixed_gguf: Q5_0, Q8_0 and Q4_0 layers in two kernel formats, Q6_K ones in float16."""
+    """conftest.mixed_gguf: Q5_0, Q8_0 and Q4_0 layers in the kernel formats that hold them, Q6_K ones in float16."""
     source = resolve_model(str(mixed_gguf))
     config = load_hf_config(source)
     stored = stored_matrix_types(source)
@@ -324,7 +324,9 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
     # The down projections: at their stored size where the K-quant kernel runs (AVX-512 VNNI or AVX2), else float16.
     down_type = KQuantLinear if "q6_k" in formats else Float16WeightLinear
     assert model.quantize_float_layers("fp16") == (0 if down_type is KQuantLinear else 2)
-    expected_types = {"self_attn.qkv_proj": Q8_0Linear, "self_attn.o_proj": Q4_1Linear,
+    # The Q4_0 output projections: at their stored size where the int16 kernels run, else as q4_1 blocks.
+    o_type = Int16BlockLinear if "q4_0" in formats else Q4_1Linear
+    expected_types = {"self_attn.qkv_proj": Q8_0Linear, "self_attn.o_proj": o_type,
                       "mlp.gate_up_proj": Q8_0Linear, "mlp.down_proj": down_type}
     for i in range(config.num_hidden_layers):
         for name, layer_type in expected_types.items():
@@ -353,13 +355,13 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
 
 
 @pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (q5_0 is q8_0 there)")
-@pytest.mark.parametrize("stored_type", ["q5_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("stored_type", ["q4_0", "q5_0", "q5_1", "iq4_nl"])
 def test_int16_kernel_blocks_run_at_their_stored_size_with_the_files_values(stored_type: str) -> None:
     blocks = random_stored_blocks(stored_type, 48, 12, seed=11)
     values = torch.from_numpy(gguf_values(stored_type, blocks))
     layer = LAYER_TYPES[stored_type](StoredBlocks(stored_type, torch.from_numpy(blocks)), None)
     assert isinstance(layer, Int16BlockLinear)
-    assert layer.blocks.numel() == blocks.size  # 22 (q5_1: 24, iq4_nl: 18) bytes a block of 32: the file's size
+    assert layer.blocks.numel() == blocks.size  # 22 (q5_1: 24, q4_0 and iq4_nl: 18) bytes a block of 32: the file's
     assert torch.equal(layer.dequantized(), values)
     x = torch.randn(9, 384, generator=torch.Generator().manual_seed(12))
     x[2, :32] *= 50

@@ -1,5 +1,5 @@
 """Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q4_k, q5_k, q6_k;
-their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q5_0, q5_1 and iq4_nl
+their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q4_0, q5_0, q5_1 and iq4_nl
 (kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2. IQ4_XS files' blocks run as iq4_nl ones
 (stored_formats.convert_blocks: each sub-block's scale rounded once to float16).
 
@@ -27,13 +27,13 @@ from lmserve.worker.stored_formats import BLOCK_FORMATS, HELD_INTO, KERNEL_FORMA
 SUPER_BLOCK = 256
 GROUP_ROWS = 16  # output rows per group of the kernel's layout
 KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # llama.cpp's block_q4_K, block_q5_K, block_q6_K
-INT16_BLOCK_METHODS = ("q5_0", "q5_1", "iq4_nl")  # kernels/int16_activations.cpp's, blocks of 32
+INT16_BLOCK_METHODS = ("q4_0", "q5_0", "q5_1", "iq4_nl")  # kernels/int16_activations.cpp's, blocks of 32
 
 
 def kernel_formats(activations_setting: str | None = "auto") -> tuple[str, ...]:
-    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants, q5_0,
-    q5_1 and iq4_nl where the int16-activation kernels run, unless the block kernels are told to keep float32 activations (those
-    kernels take int16 ones only)."""
+    """The kernel formats a layer can take here: q4_1 and q8_0 where the block kernels build, and the K-quants, q4_0,
+    q5_0, q5_1 and iq4_nl where the int16-activation kernels run, unless the block kernels are told to keep float32
+    activations (those kernels take int16 ones only)."""
     if not block_kernels_load("q8_0", explicit=False):
         return ()
     formats = set(BLOCK_FORMATS)
@@ -163,10 +163,10 @@ class KQuantLinear(BlockQuantizedLinear):
 
 
 class Int16BlockLinear(KQuantLinear):
-    """Q5_0, Q5_1 or IQ4_NL blocks at their stored size (0.6875, 0.75, 0.5625 bytes a weight) through
+    """Q4_0, Q5_0, Q5_1 or IQ4_NL blocks at their stored size (0.5625, 0.6875, 0.75, 0.5625 bytes a weight) through
     kernels/int16_activations.cpp: Q5_0 is what a Q4_K_M file of a model whose rows are not a multiple of 256 wide
-    holds in most layers. Where no int16 kernel runs, Q5_0 and IQ4_NL blocks are q8_0 ones
-    (stored_formats.convert_blocks), with the same values."""
+    holds in most layers. Where no int16 kernel runs, Q5_0 and IQ4_NL blocks are q8_0 ones and Q4_0 blocks q4_1
+    ones (stored_formats.convert_blocks), with the same values."""
 
 
 for _method in (*KQUANT_BLOCK_BYTES, *INT16_BLOCK_METHODS):

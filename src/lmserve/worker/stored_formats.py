@@ -7,7 +7,7 @@ any weight's value, block for block, with the same float16 scale:
   q5_0: float16 d, 32 five-bit codes q (w = d (q - 16)) -> q8_0 with the int8 codes q - 16 (where no q5_0 kernel
         runs: kernels/int16_activations.cpp reads q5_0 at its stored size with int16 activations);
   q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),
-        or q8_0 with q - 8;
+        or q8_0 with q - 8 (where no q4_0 kernel runs: kernels/int16_activations.cpp reads it at its stored size);
   iq4_nl: float16 d, 32 four-bit indices q into llama.cpp's table of 16 int8 values (w = d kvalues[q]) -> q8_0 with
         the codes kvalues[q] (where no iq4_nl kernel runs: kernels/int16_activations.cpp reads it at its stored size);
   q3_k: float16 d, 16 six-bit sub-block scales ls, 256 three-bit integers q in -4..3 (w = d (ls - 32) q) -> q6_k

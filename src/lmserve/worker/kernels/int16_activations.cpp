@@ -1,4 +1,4 @@
-// q4_1, q8_0, q5_0, q5_1 and iq4_nl linear layers with the activations as 16-bit integers per block of 32: y = x @ W.T (+ bias),
+// q4_1, q8_0, q4_0, q5_0, q5_1 and iq4_nl linear layers with the activations as 16-bit integers per block of 32: y = x @ W.T (+ bias),
 // built for AVX-512 VNNI or AVX2 from one source over int16_simd.h's primitives.
 //
 // The float32 block kernel (quantized_linear.cpp) widens every weight to a float and spends an FMA on it: on a
@@ -26,7 +26,7 @@
 //   q4_1 (320 bytes, its 0.625 bytes per weight): the 16 d's (float16), the 16 m's (float16), then 4 chunks of 64
 //   bytes, chunk c holding row 2c in its low nibbles and row 2c + 1 in its high ones.
 //   q8_0 (544 bytes, its 1.0625): the 16 d's, then the 8 rows of q + 128.
-//   q5_0 and q5_1: see Five below; iq4_nl: IQ4_NL below.
+//   q5_0 and q5_1: see Five below; q4_0 and iq4_nl: Q4_0 and IQ4_NL below.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -122,6 +122,23 @@ struct Five {
 using Q5_0 = Five<false>;
 using Q5_1 = Five<true>;
 
+// q4_0: w = d (q - 8), q in 0..15: q4_1's nibble chunks after the 16 d's (288 bytes, the file's 0.5625 bytes a
+// weight); 8 (sum of x_hi), 8 (sum of x_lo) come off the exact dot products.
+struct Q4_0 {
+  static constexpr const char* kName = "q4_0";
+  static constexpr int64_t kSourceBytes = 18;  // llama.cpp's block_q4_0: d, 16 bytes of nibbles
+  static constexpr int64_t kScaleBytes = 32;   // 16 d's
+  static constexpr int64_t kBytes = kScaleBytes + 256;
+  static constexpr int32_t kOffset = 8;
+  static constexpr int kPerWiden = 8;  // codes <= 15
+  static inline void quants(const uint8_t* block, U8 rows[8]) { low_nibbles(block + kScaleBytes, rows); }
+  static inline int source_quant(const uint8_t* block, int k) {
+    return k < 16 ? block[2 + k] & 0x0F : block[2 + k - 16] >> 4;
+  }
+  template <class Q>
+  static inline uint8_t packed_byte(int64_t i, Q q) { return Q4_1::packed_byte(i, q); }
+};
+
 // iq4_nl: w = d v[q], with q in 0..15 an index into llama.cpp's table kvalues_iq4nl of 16 int8 values (-127..113).
 // q4_1's nibble chunks after the 16 d's (288 bytes, the file's 0.5625 bytes a weight); the indices become v + 128 (as
 // q8_0's stored codes) by one byte shuffle per 64 codes, so the products and the 128 (sum) taken off are q8_0's.
@@ -137,9 +154,7 @@ struct IQ4_NL {
     low_nibbles(block + kScaleBytes, rows);
     for (int j = 0; j < 8; ++j) rows[j] = lookup16(rows[j], kValues);
   }
-  static inline int source_quant(const uint8_t* block, int k) {  // the index q, 0..15
-    return k < 16 ? block[2 + k] & 0x0F : block[2 + k - 16] >> 4;
-  }
+  static inline int source_quant(const uint8_t* block, int k) { return Q4_0::source_quant(block, k); }  // q
   template <class Q>
   static inline uint8_t packed_byte(int64_t i, Q q) { return Q4_1::packed_byte(i, q); }
 };
@@ -214,8 +229,9 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         acc[t] = fmadd(widen16(block + 32), set1(a.sum[i]), acc[t]);
       } else {
         // Stored codes are q + kOffset: kOffset (sum of x_hi), kOffset (sum of x_lo) off the dot products (high_sum
-        // and low_sum are 128 (sum): / 8 is 16 (sum), exactly). Signed codes need none.
-        constexpr int32_t kShift = Format::kOffset == 16 ? 3 : 0;
+        // and low_sum are 128 (sum): / 8 is 16 (sum), / 16 is 8 (sum), exactly). Signed codes need none.
+        static_assert(Format::kOffset == 128 || Format::kOffset == 16 || Format::kOffset == 8);
+        constexpr int32_t kShift = Format::kOffset == 128 ? 0 : Format::kOffset == 16 ? 3 : 4;
         const F32 dot_h = to_float(kSignedCodes<Format> ? dot_high[t] : sub_i(dot_high[t], a.high_sum[i] >> kShift));
         const F32 dot_l = !kLow ? zero_f()
                           : to_float(kSignedCodes<Format> ? dot_low[t] : sub_i(dot_low[t], a.low_sum[i] >> kShift));
@@ -345,6 +361,10 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q5_1_int16_pack(Tensor blocks) -> Tensor");
   m.def("q5_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_1_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("q4_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q4_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q4_0_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q4_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("iq4_nl_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("iq4_nl_int16_pack(Tensor blocks) -> Tensor");
   m.def("iq4_nl_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
@@ -368,6 +388,10 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q5_1_int16_pack", &pack<Q5_1>);
   m.impl("q5_1_int8_linear", &linear<Q5_1, false>);
   m.impl("q5_1_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q5_1>(w, out); });
+  m.impl("q4_0_int16_linear", &linear<Q4_0>);
+  m.impl("q4_0_int16_pack", &pack<Q4_0>);
+  m.impl("q4_0_int8_linear", &linear<Q4_0, false>);
+  m.impl("q4_0_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q4_0>(w, out); });
   m.impl("iq4_nl_int16_linear", &linear<IQ4_NL>);
   m.impl("iq4_nl_int16_pack", &pack<IQ4_NL>);
   m.impl("iq4_nl_int8_linear", &linear<IQ4_NL, false>);
