@@ -24,7 +24,8 @@ from lmserve.models import (
     load_model_config,
     resolve_model,
 )
-from lmserve.worker.models.llama import RotaryEmbedding, layer_types
+from lmserve.worker.models.layers import layer_types
+from lmserve.worker.models.rotary import RotaryEmbedding
 
 # Every attribute of a config that the worker and the engine read (worker/models/llama.py, model_runner.py, the EOS ids).
 READ_ATTRIBUTES = (

@@ -442,7 +442,7 @@ def test_a_whole_untied_embedding_table_stays_the_files_mapping(tmp_path: Path) 
 
 # ------------------------------------------- prompt rows with 8-bit activations (--batched-weights prompt-int8)
 
-INT16_LAYOUT_TYPES = ["q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+INT16_LAYOUT_TYPES = ["q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k"]
 
 
 def int16_layout_layer(stored_type: str, make_k_quant, rows: int, cols: int, seed: int, path=None):

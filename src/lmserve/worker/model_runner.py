@@ -37,7 +37,8 @@ from lmserve.worker.lazy_zeros import zeroed_lazily
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.models.llama import NUMPY_BLAS, LlamaForCausalLM
+from lmserve.worker.models.layers import NUMPY_BLAS
+from lmserve.worker.models.llama import LlamaForCausalLM
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (

@@ -7,8 +7,9 @@ layer type with its own RoPE base on Gemma 3), a norm after attention and after 
 attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): worker/loader.py adds the 1 to
 a checkpoint's norm weights as it reads them (a GGUF file stores them with it), so the norm here is Llama's.
 
-Read top to bottom: RMSNorm, attention (its rotary embedding in worker/models/rotary.py), MLP, layer, model. q/k/v and gate/up are fused into one
-matmul each because every matmul call has a fixed cost on CPU; norms, RoPE and softmax run in float32.
+The layers are worker/models/layers.py's (RMSNorm, attention, MLP, decoder layer, embedding); this module is the model
+over them: its forward pass, its layers' weight formats, and loading its share of a checkpoint. q/k/v and gate/up
+are fused into one matmul each because every matmul call has a fixed cost on CPU.
 
 Split across ranks as Megatron splits it (distributed/parallel_state.py): each tensor rank holds its share of the
 attention heads and MLP columns (q/k/v and gate/up split by output rows, o_proj and down_proj by input columns, then
@@ -19,22 +20,35 @@ rank every split is the whole and every collective a no-op.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
-from lmserve.config import GEMMA_MODEL_TYPES, QK_NORM_MODEL_TYPES, SUPPORTED_MODEL_TYPES, model_layer_types
+from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
-from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.layer_program import LayerProgram, ProgramRefused, add_linear, new_program
 from lmserve.worker.loader import TensorPart
-from lmserve.worker.models.rotary import RotaryEmbedding, apply_rotary, rotary_dim
+from lmserve.worker.models.layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Linear,
+    MissingLayer,
+    RMSNorm,
+    SandwichDecoderLayer,
+    VocabParallelEmbedding,
+    blas_matmul,
+    check_tensor_parallel,
+    kv_head_replicas,
+    layer_types,
+    vocab_rows,
+)
+from lmserve.worker.models.rotary import RotaryEmbedding
 from lmserve.worker.quantization import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
@@ -58,238 +72,6 @@ from lmserve.worker.stored_formats import (
 if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
     from transformers import PretrainedConfig
-
-# Every activation an MLP here runs: transformers' names.
-MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
-NUMPY_BLAS = os.environ.get("LMSERVE_BLAS", "numpy") == "numpy"
-
-
-def blas_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T. On CPU in float32 through NumPy's OpenBLAS, which on this project's AVX2 machines is 2-5× faster
-    than torch's MKL sgemm for the few-row products of decoding (benchmarks/matmul_backends.py)."""
-    if NUMPY_BLAS and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return torch.from_numpy(x.contiguous().numpy() @ weight.numpy().T)
-    return x @ weight.t()
-
-
-class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = blas_matmul(x, self.weight)
-        return out if self.bias is None else out.add_(self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.fused = None  # torch.ops.lmserve once LlamaForCausalLM.use_fused_ops() ran
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Returns norm(x + residual) and the new residual (x + residual), like vLLM's fused add-norm."""
-        if self.fused is not None and residual is not None:
-            self.fused.fused_add_rms_norm(x, residual, self.weight, self.eps)  # both in place
-            return x, residual
-        if residual is not None:
-            x = x + residual
-        residual = x
-        if self.fused is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
-            out = torch.empty_like(x)
-            self.fused.rms_norm(out, x, self.weight, self.eps)
-            return out, residual
-        if x.dtype == torch.float32:
-            # One op instead of six: on CPU every op costs ~5-10 us of dispatch, and a decode step has 61 norms.
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps), residual
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype), residual
-
-
-def layer_types(config: PretrainedConfig) -> list[str]:
-    """Each layer's attention, as transformers names it: "full_attention", or "sliding_attention" (a window of
-    config.sliding_window positions); the architecture's pattern where a config does not list them."""
-    return model_layer_types(config)
-
-
-def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
-    """Megatron's split needs whole heads and whole MLP columns on every rank; KV heads fewer than the ranks are
-    replicated (kv_head_replicas)."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("MLP columns", config.intermediate_size)):
-        if count % tp_size:
-            raise ValueError(f"tensor parallel size {tp_size} does not divide the model's {count} {what}")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(f"tensor parallel size {tp_size} neither divides the model's {kv_heads} KV heads nor is a "
-                         "multiple of them")
-
-
-def kv_head_replicas(config: PretrainedConfig, tp_size: int) -> int:
-    """How many tensor ranks hold each KV head: 1, or tp / KV heads when there are fewer KV heads than ranks (vLLM's
-    QKVParallelLinear): ranks r*R ... r*R + R - 1 then share KV head r, the one their query heads read."""
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return max(1, tp_size // kv_heads)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
-        super().__init__()
-        self.layer_type = layer_type
-        tp = parallel.tp_size
-        self.parallel = parallel
-        total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.num_heads = config.num_attention_heads // tp  # this rank's heads
-        self.num_kv_heads = max(1, total_kv_heads // tp)  # one, replicated, when the ranks outnumber them
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE, one weight of head_dim shared by the heads.
-        qk_norm = config.model_type in QK_NORM_MODEL_TYPES
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        # Gemma scales scores by query_pre_attn_scalar^-1/2, which is not always head_dim's (Gemma 2 27B).
-        scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        window = config.sliding_window if layer_type == "sliding_attention" else 0
-        softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window or 0, softcap)
-        self.full_rotary = rotary_dim(config, self.head_dim, layer_type) == self.head_dim  # the fused op's case
-        self.fused = None
-
-    def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
-            if self.fused is not None:  # in place, each head a row
-                self.fused.rms_norm(q, q, self.q_norm.weight, self.q_norm.eps)
-                self.fused.rms_norm(k, k, self.k_norm.weight, self.k_norm.eps)
-            else:
-                q.copy_(self.q_norm(q)[0])
-                k.copy_(self.k_norm(k)[0])
-        if self.fused is not None and self.full_rotary:
-            self.fused.rotary_embedding(qkv, *rope, self.num_heads + self.num_kv_heads)  # q and k, in place
-            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        else:
-            qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
-        return self.parallel.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
-        super().__init__()
-        self.parallel = parallel
-        self.intermediate = config.intermediate_size // parallel.tp_size  # this rank's columns
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
-        # Gemma's configs name hidden_activation (GeGLU); the others hidden_act.
-        self.activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-        if self.activation not in MLP_ACTIVATIONS:
-            raise ValueError(f"unsupported activation {self.activation!r}: lmserve runs {', '.join(MLP_ACTIVATIONS)}")
-        self.fused = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.activation == "gelu_pytorch_tanh":
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            return self.parallel.all_reduce(self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up))
-        if self.fused is not None:
-            out = gate_up.new_empty(gate_up.shape[0], self.intermediate)
-            self.fused.silu_and_mul(out, gate_up)
-            return self.parallel.all_reduce(self.down_proj(out))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.parallel.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, parallel, layer_type)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, parallel)
-
-    def forward(self, rope, x, residual, kv_cache, md):
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, kv_cache, md)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class SandwichDecoderLayer(nn.Module):
-    """Gemma 2/3's layer: attention and MLP each between two norms (post_attention_layernorm normalizes attention's
-    output here, where Llama's normalizes the MLP's input), before each adds to the residual stream."""
-
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, parallel, layer_type)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, parallel)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, rope, x, residual, kv_cache, md):
-        x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, md))[0]
-        x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x))[0], residual
-
-
-def vocab_rows(full: torch.Tensor, parallel: ParallelGroups, vocab_size: int | None = None) -> torch.Tensor:
-    """This tensor rank's rows of a [vocab, hidden] tensor, zero-padded so that every rank holds as many. Given the
-    vocabulary's size, a tensor of at most one rank's rows is taken as this rank's already (the loader read only
-    those: LlamaForCausalLM.checkpoint_part)."""
-    per_rank = -(-(vocab_size or full.shape[0]) // parallel.tp_size)
-    if vocab_size is not None and full.shape[0] <= per_rank < vocab_size:
-        rows = full
-    else:
-        rows = full[parallel.tp_rank * per_rank : (parallel.tp_rank + 1) * per_rank]
-    if rows.shape[0] < per_rank:
-        rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], *rows.shape[1:])])
-    return rows
-
-
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the vocabulary (padded so that every rank holds as many); a token another rank holds
-    looks up zeros here, and the all-reduce adds the rank that holds it."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelGroups) -> None:
-        super().__init__()
-        self.parallel = parallel
-        self.rows_per_rank = -(-vocab_size // parallel.tp_size)
-        self.first_row = parallel.tp_rank * self.rows_per_rank
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
-        self.activation_dtype: torch.dtype | None = None  # set where the table is kept in another dtype
-
-    def keep_table_in(self, dtype: torch.dtype) -> None:
-        """The table in `dtype` (a 16-bit checkpoint's own: its values exactly, half the bytes), looked up rows
-        widened to the activations' dtype. Call on the meta device, after the model's cast to its dtype."""
-        self.activation_dtype = self.weight.dtype
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device),
-                                   requires_grad=False)
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        x = nn.functional.embedding(ids, self.weight)
-        return x if self.activation_dtype is None else x.to(self.activation_dtype)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.parallel.tp_size == 1:
-            return self._lookup(input_ids)
-        local = input_ids - self.first_row
-        outside = (local < 0) | (local >= self.rows_per_rank)
-        x = self._lookup(local.masked_fill(outside, 0))
-        x.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.parallel.all_reduce(x)
-
-
-
-class MissingLayer(nn.Identity):
-    """A layer another pipeline stage runs: keeps the layer indices (and so the checkpoint's names) in place."""
 
 
 class LlamaForCausalLM(nn.Module):
