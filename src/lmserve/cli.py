@@ -59,7 +59,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Only what starts the engine process is imported before it starts (the web stack comes later, in serve()).
     from lmserve.api.serve import ShutdownRequested, engine_death_grace_s, serve
     from lmserve.api.tool_parsers import ToolConfig
-    from lmserve.config import make_engine_config, parse_cpus
+    from lmserve.config import make_engine_config
+    from lmserve.config_values import parse_cpus
 
     def stop(signum: int, _frame: object) -> None:
         raise ShutdownRequested(signum)

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import socket
-import tempfile
 import typing
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
-GiB = 1 << 30
+from lmserve.config_values import parse_cpus, parse_json_object, parse_memory
+from lmserve.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
+from lmserve.speculative_config import SpeculativeConfig, parse_speculative_config
+
 # Positions per KV-cache block: the engine's block tables, the planner's counts and the kernels' layouts all use it.
 KV_BLOCK_SIZE = 16
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -67,37 +65,6 @@ def cache_directory() -> Path:
     return Path(os.environ.get("LMSERVE_CACHE") or xdg / "lmserve")
 
 
-def parse_memory(value: float | str | None) -> int | None:
-    """Bytes from an int, a float meaning GiB, or a string such as '2GiB', '512MiB', '1e9'."""
-    if value is None or isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value * GiB)
-    text = value.strip().lower().replace(" ", "")
-    for suffix, mult in (("gib", GiB), ("gb", 10**9), ("mib", 1 << 20), ("mb", 10**6), ("kib", 1024), ("g", GiB)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    number = float(text)
-    # A bare small number is GiB (as in VLLM_CPU_KVCACHE_SPACE); a large one is bytes.
-    return int(number * GiB) if number < 4096 else int(number)
-
-
-def parse_cpus(value: str | None) -> list[int] | None:
-    """CPU ids from a list such as '1', '0-3' or '0,2-3' (as taskset -c takes them)."""
-    if value is None or value == "":
-        return None
-    cpus: list[int] = []
-    try:
-        for part in value.split(","):
-            first, dash, last = part.strip().partition("-")
-            cpus.extend(range(int(first), int(last if dash else first) + 1))
-    except ValueError:
-        cpus = []
-    if not cpus:
-        raise ValueError(f"bad CPU list {value!r}: use e.g. '1', '0-3' or '0,2'")
-    return sorted(set(cpus))
-
-
 def setting(
     default: Any, help: str = "", *, choices: tuple[str, ...] | None = None, flat: str | None = None,
     parse: Callable[[Any], Any] | None = None, flag: bool = True, short: str | None = None,
@@ -106,30 +73,6 @@ def setting(
     `flag=False` keeps a setting out of the command line (tests' knobs such as num_blocks)."""
     metadata = {"help": help, "choices": choices, "flat": flat, "parse": parse, "flag": flag, "short": short}
     return field(default=default, metadata=metadata)
-
-
-JsonConfig = typing.TypeVar("JsonConfig", "SpeculativeConfig", "KVTransferConfig")
-
-
-def parse_json_config(value: Any, cls: type[JsonConfig]) -> JsonConfig | None:
-    """A vLLM-style JSON setting (text from a flag, a dict from a keyword, or already the config) as `cls`."""
-    if value is None or isinstance(value, cls):
-        return value
-    parsed = parse_json_object(value)
-    return None if parsed is None else cls.from_json(parsed)
-
-
-def parse_json_object(value: Any) -> dict[str, Any] | None:
-    """A JSON object given as text (a flag) or as a dict (a keyword)."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON: {value!r} ({exc})") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"expected a JSON object, got {value!r}")  # noqa: TRY004 - a bad flag value
-    return parsed
 
 
 # vLLM's other names for dtypes.
@@ -195,124 +138,6 @@ class ModelConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
-KV_CONNECTORS = ("SharedStorageConnector", "PyNcclConnector")
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-DEFAULT_KV_STORAGE_BYTES = 4 * 2**30
-DEFAULT_KV_BUFFER_BYTES = 10**9  # vLLM's kv_buffer_size
-# A PyNcclConnector consumer's own buffer: this prefix + "<port>-<host>-p<pid>-<id>", host and pid those of the
-# process that named it.
-KV_LINK_BUFFER_PREFIX = "lmserve-kv-link-"
-DEFAULT_KV_PORT = 14579  # vLLM's kv_port
-KV_BUFFER_DEVICES = ("cuda", "cpu")  # vLLM's kv_buffer_device values; the buffer itself is host memory here
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """vLLM's --kv-transfer-config, for prefill/decode disaggregation. A producer (the prefill instance) hands over the
-    KV of every full prompt block it computes, named by the block's prefix-cache hash (SHA-256 of the tokens before and
-    in it); a consumer (the decode instance) loads the longest run of a new prompt's blocks it finds instead of
-    computing them.
-    - SharedStorageConnector: through shared_storage_path, one file per block and rank; kv_both does both. The
-      producer keeps at most max_storage_bytes of its own files (oldest removed first).
-    - PyNcclConnector (vLLM V0's names): over torch.distributed between the two instances (gloo on CPU, NCCL on CUDA),
-      a link per rank; the producer (kv_rank 0, kv_parallel_size 2) listens on kv_ip:kv_port + rank, the consumer
-      (kv_rank 1) connects. The consumer keeps what it received in a buffer of its own (shared_storage_path, a new
-      directory; at most kv_buffer_size bytes, oldest removed first) on buffer_host, the machine of its engine."""
-
-    kv_connector: str
-    kv_role: str
-    shared_storage_path: str
-    max_storage_bytes: int = DEFAULT_KV_STORAGE_BYTES
-    kv_ip: str = "127.0.0.1"
-    kv_port: int = DEFAULT_KV_PORT
-    buffer_host: str = ""
-
-    @property
-    def saves(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def loads(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-    @property
-    def over_network(self) -> bool:
-        return self.kv_connector == "PyNcclConnector"
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> KVTransferConfig:
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_rank", "kv_parallel_size",
-                 "kv_buffer_device", "engine_id", "kv_ip", "kv_port", "kv_buffer_size"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        connector, role = value.get("kv_connector"), value.get("kv_role")
-        if connector not in KV_CONNECTORS:
-            raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not supported; use "
-                             f"{' or '.join(KV_CONNECTORS)}")
-        if role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
-        device = value.get("kv_buffer_device", "cuda")
-        if device not in KV_BUFFER_DEVICES:
-            # vLLM's default is "cuda"; lmserve's consumer buffers what it receives in host memory either way.
-            raise ValueError(f"kv_transfer_config: kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
-                             f"got {device!r}")
-        extra = value.get("kv_connector_extra_config") or {}
-        if not isinstance(extra, dict):
-            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")  # noqa: TRY004 - a bad flag value
-        if connector == "PyNcclConnector":
-            return cls._network(value, role)
-        path = extra.get("shared_storage_path")
-        if not isinstance(path, str) or not path or len(path) > 4096:
-            raise ValueError("kv_transfer_config: SharedStorageConnector needs kv_connector_extra_config."
-                             "shared_storage_path, a directory both instances reach")
-        return cls(connector, role, path, _byte_count("max_storage_bytes", extra.get("max_storage_bytes",
-                                                                                     DEFAULT_KV_STORAGE_BYTES)))
-
-    @classmethod
-    def _network(cls, value: dict[str, Any], role: str) -> KVTransferConfig:
-        if role == "kv_both":
-            raise ValueError("kv_transfer_config: PyNcclConnector links one kv_producer to one kv_consumer; kv_both "
-                             "needs SharedStorageConnector")
-        rank = value.get("kv_rank", 0 if role == "kv_producer" else 1)
-        if rank != (0 if role == "kv_producer" else 1):
-            raise ValueError(f"kv_transfer_config: PyNcclConnector's kv_producer is kv_rank 0 and its kv_consumer "
-                             f"kv_rank 1; a {role} got kv_rank {rank!r}")
-        if value.get("kv_parallel_size", 2) != 2:
-            raise ValueError(f"kv_transfer_config: PyNcclConnector's kv_parallel_size is 2 (one producer, one "
-                             f"consumer), got {value.get('kv_parallel_size')!r}")
-        address, port = value.get("kv_ip", "127.0.0.1"), value.get("kv_port", DEFAULT_KV_PORT)
-        if not isinstance(address, str) or not address or len(address) > 255:
-            raise ValueError(f"kv_transfer_config: kv_ip must be the producer's address, got {address!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise ValueError(f"kv_transfer_config: kv_port must be a port number, got {port!r}")
-        buffer = _byte_count("kv_buffer_size", value.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
-        # The consumer's buffer: a directory of its own, named here so that its scheduler and its ranks agree.
-        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-        # The naming process's machine and pid in the name: a later consumer on this machine removes a buffer whose
-        # owner was killed (distributed/kv_storage.remove_orphans).
-        path = os.path.join(base, f"{KV_LINK_BUFFER_PREFIX}{port}-{socket.gethostname()}-p{os.getpid()}-"
-                                  f"{uuid.uuid4().hex[:12]}")
-        return cls("PyNcclConnector", role, path, buffer, address, port, socket.gethostname())
-
-
-def _byte_count(name: str, value: Any) -> int:
-    if isinstance(value, str):
-        try:
-            value = parse_memory(value)
-        except (ValueError, OverflowError):
-            raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}") from None
-    if isinstance(value, float) and value.is_integer():  # vLLM writes kv_buffer_size as 1e9
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}")
-    return value
-
-
-def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
-    return parse_json_config(value, KVTransferConfig)
-
-
 @dataclass
 class CacheConfig:
     block_size: int = setting(KV_BLOCK_SIZE, "positions per KV-cache block", flag=False)
@@ -339,67 +164,6 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-
-
-# Bounds of --speculative-config: drafts a step verifies per request, and the n-gram lengths looked up.
-MAX_SPECULATIVE_TOKENS = 16
-MAX_PROMPT_LOOKUP = 64
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's --speculative-config. method ngram (prompt lookup): the tokens that followed the latest earlier
-    occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are proposed as
-    the next num_speculative_tokens, and one forward pass verifies them. method draft_model (implied by `model`): a
-    smaller model of the same vocabulary guesses them (worker/draft_model.py)."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 0
-    prompt_lookup_max: int = 0
-    model: str | None = None
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> SpeculativeConfig:
-        """vLLM's keys and defaults (both lookup bounds 5 when neither is given, one from the other otherwise)."""
-        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        model = value.get("model")
-        method = value.get("method") or ("draft_model" if model else None)
-        if method in ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp"):
-            raise ValueError(f"speculative_config: method {method} is not supported; use ngram or a draft model")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: unknown method {method!r}; use one of {', '.join(SPECULATIVE_METHODS)}")
-        k = value.get("num_speculative_tokens")
-        if method == "draft_model":
-            if not isinstance(model, str) or not model:
-                raise ValueError("speculative_config: method draft_model needs \"model\": the draft's path")
-            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-                raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
-                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-            return cls(method, k, model=model)
-        if model is not None:
-            raise ValueError("speculative_config: method ngram takes no model")
-        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        if low is None and high is None:
-            low = high = 5
-        low = high if low is None else low
-        high = low if high is None else high
-        for name, number, top in (("num_speculative_tokens", k, MAX_SPECULATIVE_TOKENS),
-                                  ("prompt_lookup_min", low, MAX_PROMPT_LOOKUP),
-                                  ("prompt_lookup_max", high, MAX_PROMPT_LOOKUP)):
-            if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= top:
-                raise ValueError(f"speculative_config: {name} must be an integer in [1, {top}], got {number!r}")
-        if low > high:
-            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) > prompt_lookup_max ({high})")
-        return cls(method, k, low, high)
-
-
-def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
-    return parse_json_config(value, SpeculativeConfig)
 
 
 @dataclass

@@ -23,9 +23,9 @@ from test_engine_e2e import assert_idle
 from test_kv_transfer import GREEDY, ONE_TOKEN, PROMPTS
 
 from lmserve import LLM
-from lmserve.config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
 from lmserve.distributed import kv_link
 from lmserve.distributed.kv_link import KVLink, wait_linked
+from lmserve.kv_transfer_config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
 from lmserve.worker.kv_transfer import KVBlockFiles
 
 LINK_WAIT_S = 60
@@ -227,7 +227,7 @@ def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp
 
     # The consumer's process names its buffer (as the front-end does) and fills it, then is killed.
     consumer = ("import json, os, time\n"
-                "from lmserve.config import parse_kv_transfer_config\n"
+                "from lmserve.kv_transfer_config import parse_kv_transfer_config\n"
                 "config = parse_kv_transfer_config(json.dumps({'kv_connector': 'PyNcclConnector',"
                 " 'kv_role': 'kv_consumer'}))\n"
                 "os.makedirs(config.shared_storage_path)\n"

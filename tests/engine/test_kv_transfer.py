@@ -14,8 +14,8 @@ import pytest
 from test_engine_e2e import assert_idle
 
 from lmserve import LLM, SamplingParams
-from lmserve.config import KVTransferConfig, parse_kv_transfer_config
 from lmserve.engine.kv_cache import hash_block_tokens
+from lmserve.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 
 PROMPTS = [
     ("The history of Paris begins in the third century BC, when a Celtic people called the Parisii settled on an "

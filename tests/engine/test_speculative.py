@@ -8,11 +8,12 @@ import random
 
 import pytest
 
-from lmserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, make_engine_config
+from lmserve.config import CacheConfig, SchedulerConfig, make_engine_config
 from lmserve.engine.ngram_proposer import NgramProposer
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.sampling_params import SamplingParams
+from lmserve.speculative_config import SpeculativeConfig
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
 _ids = itertools.count()

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserve.config import CacheConfig, GiB, add_engine_args, engine_kwargs, make_engine_config
+from lmserve.config import CacheConfig, add_engine_args, engine_kwargs, make_engine_config
+from lmserve.config_values import GiB
 from lmserve.kv_sizing import kv_blocks_for_memory_utilization
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker.loader import load_weights

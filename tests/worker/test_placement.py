@@ -8,7 +8,8 @@ import pytest
 import torch
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from lmserve.config import PlacementConfig, make_engine_config, parse_cpus
+from lmserve.config import PlacementConfig, make_engine_config
+from lmserve.config_values import parse_cpus
 from lmserve.worker.placement import apply_placement
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lmserve.config import KVTransferConfig
+from lmserve.kv_transfer_config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 

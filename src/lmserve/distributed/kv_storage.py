@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from lmserve.config import KV_LINK_BUFFER_PREFIX as BUFFER_PREFIX
+from lmserve.kv_transfer_config import KV_LINK_BUFFER_PREFIX as BUFFER_PREFIX
 from lmserve.process_exit import process_alive
 
 

@@ -18,10 +18,10 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from lmserve.config import KVTransferConfig
 from lmserve.distributed.kv_storage import SharedKVStorage, remove_orphans
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.request import Request
+from lmserve.kv_transfer_config import KVTransferConfig
 
 
 class KVTransferScheduling:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lmserve.config import SpeculativeConfig
 from lmserve.engine.request import Request
+from lmserve.speculative_config import SpeculativeConfig
 
 
 @dataclass

@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lmserve.config import SpeculativeConfig
 from lmserve.engine.ngram_proposer import NgramProposer
 from lmserve.engine.request import Request
+from lmserve.speculative_config import SpeculativeConfig
 from lmserve.step import PLACEHOLDER_TOKEN_ID
 
 PAUSE_BELOW = 0.25

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmserve.config import EngineConfig, MiB, parse_memory
+from lmserve.config import EngineConfig
+from lmserve.config_values import MiB, parse_memory
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.plan.memory import GiB, PlanSettings, activation_bytes, gib, logits_bytes, machine_memory
 from lmserve.plan.model_spec import (

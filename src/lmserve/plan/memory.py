@@ -11,11 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from lmserve.config import (
-    KV_BLOCK_SIZE,
-    GiB,
-    SchedulerConfig,
-)
+from lmserve.config import KV_BLOCK_SIZE, SchedulerConfig
+from lmserve.config_values import GiB
 from lmserve.kv_groups import kv_capacity_tokens
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
 from lmserve.plan.model_spec import (

@@ -6,7 +6,8 @@ import json
 import shlex
 from pathlib import Path
 
-from lmserve.config import MiB, SchedulerConfig
+from lmserve.config import SchedulerConfig
+from lmserve.config_values import MiB
 from lmserve.kv_sizing import blocks_needed
 from lmserve.plan.memory import LayoutOption, Plan
 from lmserve.plan.model_spec import CONFIG_DIR, SHIPPED_CONFIGS

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmserve.config import KVTransferConfig
 from lmserve.distributed.kv_link import MAX_BLOCKS_PER_MESSAGE, KVLink
 from lmserve.distributed.kv_storage import block_file
+from lmserve.kv_transfer_config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmserve.config import CacheConfig, parse_memory
+from lmserve.config import CacheConfig
+from lmserve.config_values import parse_memory
 from lmserve.kv_sizing import blocks_needed, kv_blocks_for_memory_utilization
 from lmserve.worker.attention import ScheduledChunk, build_metadata, kv_cache_shapes
 from lmserve.worker.models.llama import LlamaForCausalLM

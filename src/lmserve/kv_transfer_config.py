@@ -1,0 +1,130 @@
+"""vLLM's --kv-transfer-config: what a prefill/decode pair of instances hands over, and how (engine/kv_transfer.py,
+worker/kv_transfer.py, distributed/kv_link.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from lmserve.config_values import parse_json_config, parse_memory
+
+KV_CONNECTORS = ("SharedStorageConnector", "PyNcclConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_KV_STORAGE_BYTES = 4 * 2**30
+DEFAULT_KV_BUFFER_BYTES = 10**9  # vLLM's kv_buffer_size
+# A PyNcclConnector consumer's own buffer: this prefix + "<port>-<host>-p<pid>-<id>", host and pid those of the
+# process that named it.
+KV_LINK_BUFFER_PREFIX = "lmserve-kv-link-"
+DEFAULT_KV_PORT = 14579  # vLLM's kv_port
+KV_BUFFER_DEVICES = ("cuda", "cpu")  # vLLM's kv_buffer_device values; the buffer itself is host memory here
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config, for prefill/decode disaggregation. A producer (the prefill instance) hands over the
+    KV of every full prompt block it computes, named by the block's prefix-cache hash (SHA-256 of the tokens before and
+    in it); a consumer (the decode instance) loads the longest run of a new prompt's blocks it finds instead of
+    computing them.
+    - SharedStorageConnector: through shared_storage_path, one file per block and rank; kv_both does both. The
+      producer keeps at most max_storage_bytes of its own files (oldest removed first).
+    - PyNcclConnector (vLLM V0's names): over torch.distributed between the two instances (gloo on CPU, NCCL on CUDA),
+      a link per rank; the producer (kv_rank 0, kv_parallel_size 2) listens on kv_ip:kv_port + rank, the consumer
+      (kv_rank 1) connects. The consumer keeps what it received in a buffer of its own (shared_storage_path, a new
+      directory; at most kv_buffer_size bytes, oldest removed first) on buffer_host, the machine of its engine."""
+
+    kv_connector: str
+    kv_role: str
+    shared_storage_path: str
+    max_storage_bytes: int = DEFAULT_KV_STORAGE_BYTES
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = DEFAULT_KV_PORT
+    buffer_host: str = ""
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def over_network(self) -> bool:
+        return self.kv_connector == "PyNcclConnector"
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> KVTransferConfig:
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_rank", "kv_parallel_size",
+                 "kv_buffer_device", "engine_id", "kv_ip", "kv_port", "kv_buffer_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        connector, role = value.get("kv_connector"), value.get("kv_role")
+        if connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not supported; use "
+                             f"{' or '.join(KV_CONNECTORS)}")
+        if role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        device = value.get("kv_buffer_device", "cuda")
+        if device not in KV_BUFFER_DEVICES:
+            # vLLM's default is "cuda"; lmserve's consumer buffers what it receives in host memory either way.
+            raise ValueError(f"kv_transfer_config: kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
+                             f"got {device!r}")
+        extra = value.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")  # noqa: TRY004 - a bad flag value
+        if connector == "PyNcclConnector":
+            return cls._network(value, role)
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path or len(path) > 4096:
+            raise ValueError("kv_transfer_config: SharedStorageConnector needs kv_connector_extra_config."
+                             "shared_storage_path, a directory both instances reach")
+        return cls(connector, role, path, byte_count("max_storage_bytes", extra.get("max_storage_bytes",
+                                                                                     DEFAULT_KV_STORAGE_BYTES)))
+
+    @classmethod
+    def _network(cls, value: dict[str, Any], role: str) -> KVTransferConfig:
+        if role == "kv_both":
+            raise ValueError("kv_transfer_config: PyNcclConnector links one kv_producer to one kv_consumer; kv_both "
+                             "needs SharedStorageConnector")
+        rank = value.get("kv_rank", 0 if role == "kv_producer" else 1)
+        if rank != (0 if role == "kv_producer" else 1):
+            raise ValueError(f"kv_transfer_config: PyNcclConnector's kv_producer is kv_rank 0 and its kv_consumer "
+                             f"kv_rank 1; a {role} got kv_rank {rank!r}")
+        if value.get("kv_parallel_size", 2) != 2:
+            raise ValueError(f"kv_transfer_config: PyNcclConnector's kv_parallel_size is 2 (one producer, one "
+                             f"consumer), got {value.get('kv_parallel_size')!r}")
+        address, port = value.get("kv_ip", "127.0.0.1"), value.get("kv_port", DEFAULT_KV_PORT)
+        if not isinstance(address, str) or not address or len(address) > 255:
+            raise ValueError(f"kv_transfer_config: kv_ip must be the producer's address, got {address!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ValueError(f"kv_transfer_config: kv_port must be a port number, got {port!r}")
+        buffer = byte_count("kv_buffer_size", value.get("kv_buffer_size", DEFAULT_KV_BUFFER_BYTES))
+        # The consumer's buffer: a directory of its own, named here so that its scheduler and its ranks agree.
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        # The naming process's machine and pid in the name: a later consumer on this machine removes a buffer whose
+        # owner was killed (distributed/kv_storage.remove_orphans).
+        path = os.path.join(base, f"{KV_LINK_BUFFER_PREFIX}{port}-{socket.gethostname()}-p{os.getpid()}-"
+                                  f"{uuid.uuid4().hex[:12]}")
+        return cls("PyNcclConnector", role, path, buffer, address, port, socket.gethostname())
+
+
+def byte_count(name: str, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = parse_memory(value)
+        except (ValueError, OverflowError):
+            raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}") from None
+    if isinstance(value, float) and value.is_integer():  # vLLM writes kv_buffer_size as 1e9
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}")
+    return value
+
+
+def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
+    return parse_json_config(value, KVTransferConfig)
