@@ -12,10 +12,8 @@ import numpy as np
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
-from lmserve.distributed.parallel_state import ParallelGroups, RankLayout, stage_layers
+from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.heap import release_freed_heap
-from lmserve.kv_groups import model_kv_groups
-from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
 from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -23,19 +21,15 @@ from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
     build_metadata,
-    check_attention_backend,
-    check_kv_cache_dtype,
-    kv_cache_shapes,
 )
 from lmserve.worker.draft_model import DraftModel, draft_configs
 from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_activations, check_quantization
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
+from lmserve.worker.kv_cache_setup import allocate_kv_cache
 from lmserve.worker.kv_transfer import KVBlockFiles
 from lmserve.worker.layer_program import ProgramRefused
-from lmserve.worker.lazy_zeros import zeroed_lazily
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
-from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.llama import LlamaForCausalLM
@@ -222,52 +216,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
                            scheduler_config: SchedulerConfig) -> None:
-        """Chooses the attention backend and KV dtype, sizes the block pool (the same count on every rank: one block
-        table serves them all) and allocates it, zeroed lazily."""
-        num_kv_heads, head_dim = model.kv_shape
-        self.attention_backend = check_attention_backend(
-            model_config.attention_backend, self.device, self.dtype, head_dim
-        )
-        self.kv_cache_dtype = check_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.attention_backend)
-        logger.info("attention backend: %s, KV cache in %s", self.attention_backend, self.kv_cache_dtype)
-        # Sliding-window layers in groups of their own (lmserve.kv_groups): then a block holds `slots` layers.
-        self.kv_groups = model_kv_groups(self.hf_config, hybrid=not cache_config.disable_hybrid_kv_cache_manager)
-        model.kv_layer_groups = self.kv_groups.layer_groups
-        # Every rank holds as many blocks (one block table serves them all): size them for the largest stage.
-        largest_stage = len(stage_layers(self.hf_config.num_hidden_layers, self.layout.pp_size, 0))
-        layers_per_block = self.kv_groups.slots if self.kv_groups.is_hybrid else largest_stage
-        per_block = kv_bytes_per_block(
-            layers_per_block, num_kv_heads, head_dim, self.block_size, self.kv_cache_dtype.itemsize
-        )
-        blocks_per_request = self.kv_groups.request_blocks(
-            self.max_model_len, self.block_size, scheduler_config.max_num_batched_tokens
-        )
-        self.num_blocks = num_kv_blocks(cache_config, per_block, self.device, lambda: measure_cuda_memory(
-            self.device, lambda: profiling_step(
-                model, scheduler_config.max_num_batched_tokens, self.max_model_len, scheduler_config.max_num_seqs,
-                self.block_size, self.attention_backend, self.kv_cache_dtype,
-            ),
-        ), most_blocks_usable=scheduler_config.max_num_seqs * blocks_per_request)
-        k_shape, v_shape = kv_cache_shapes(
-            self.attention_backend, self.num_blocks, num_kv_heads, self.block_size, head_dim
-        )
-        tensors = [
-            (
-                zeroed_lazily(k_shape, self.kv_cache_dtype, self.device),
-                zeroed_lazily(v_shape, self.kv_cache_dtype, self.device),
-            )
-            for _ in range(layers_per_block if self.kv_groups.is_hybrid else model.num_layers)
-        ]
-        # Layer i's K/V: its slot's tensors at its group's block ids (hybrid), else its own tensors.
-        self.kv_caches = ([tensors[self.kv_groups.layer_slots[i]] for i in model.stage_layers]
-                          if self.kv_groups.is_hybrid else tensors)
-        tokens = self.num_blocks * self.block_size
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at %d tokens per request: %.1f",
-            self.num_blocks, self.block_size, self.num_blocks * per_block / 2**30, tokens,
-            self.max_model_len, tokens / self.max_model_len,
-        )
-        self.kv_bytes_per_block = per_block
+        """The block pool (worker/kv_cache_setup.py) and what decided it, kept on the runner."""
+        setup = allocate_kv_cache(model, self.hf_config, self.layout.pp_size, self.device, self.dtype,
+                                  self.max_model_len, self.block_size, model_config, cache_config, scheduler_config)
+        self.attention_backend, self.kv_cache_dtype, self.kv_groups = setup.attention_backend, setup.dtype, setup.groups
+        self.num_blocks, self.kv_caches, self.kv_bytes_per_block = setup.num_blocks, setup.caches, setup.bytes_per_block
 
     def _use_layer_program(self, model: LlamaForCausalLM) -> str:
         """How the decoder layers run: one C++ program where the model's layers are what it runs, else from Python."""
