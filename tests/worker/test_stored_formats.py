@@ -246,21 +246,22 @@ def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its
         assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
 
 
-def test_a_files_q3_k_down_projections_run_as_q6_k_layers(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
-    """What a Q3_K_S file of a model whose MLP is 256-wide blocks holds in its down projections: each loads into a q6_k
-    layer with the file's values (where the K-quant kernel runs; float16 weights elsewhere), and the planner counts
-    6.5625 bits a weight for them."""
+def test_a_files_q3_k_matrices_run_as_q6_k_layers(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+    """What a Q3_K file of a model 256-wide blocks wide holds in its down projections and (tied) embedding: each
+    matrix loads into a q6_k layer with the file's values (where the K-quant kernel runs; float16 weights elsewhere),
+    the embedding looks its rows up in the file's Q3_K blocks, and the planner counts 6.5625 bits a weight for the
+    layers."""
     directory, kquant_blocks = tiny_kquant
     blocks = dict(kquant_blocks)
     for name, (data, qtype) in kquant_blocks.items():
-        if ".ffn_down." in name:
+        if ".ffn_down." in name or name == "token_embd.weight":
             columns = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
             raw = random_stored_blocks("q3_k", data.shape[0], columns // 256, seed=len(blocks) + data.shape[0])
             blocks[name] = (raw.reshape(data.shape[0], -1), Q.Q3_K)
     path = gguf_writer(directory, tmp_path / "tiny-q3-k.gguf", blocks=blocks)
     source = resolve_model(str(path))
     config, stored = load_hf_config(source), stored_matrix_types(source)
-    assert stored["model.layers.0.mlp.down_proj.weight"] == "q3_k"
+    assert stored["model.layers.0.mlp.down_proj.weight"] == "q3_k" and stored["model.embed_tokens.weight"] == "q3_k"
     formats = kernel_formats()
     reference = build_model(config, 64, CPU, torch.float32)
     reference.load_weights(load_weights(source, torch.float32))
@@ -274,11 +275,21 @@ def test_a_files_q3_k_down_projections_run_as_q6_k_layers(tmp_path: Path, tiny_k
             assert down.method == "q6_k" and torch.equal(down.dequantized(), ref.weight)
         else:
             assert isinstance(down, Float16WeightLinear)
-    # Against the same file with its own down projections: each q3_k one counted at 6.5625 bits instead.
+    every_token = torch.arange(config.vocab_size).view(64, -1)
+    assert torch.equal(model.embed_tokens(every_token), reference.embed_tokens(every_token))
+    if "q6_k" in formats:  # the lookups in the file's blocks, the tied output layer's values in q6_k blocks
+        assert isinstance(model.embed_tokens, BlockEmbedding) and model.embed_tokens.stored_type == "q3_k"
+        assert model.lm_head.method == "q6_k"
+        assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
+    # Against the same file with its own types: each q3_k matrix counted at 6.5625 bits instead; the embedding at its
+    # 3.4375 for the lookups, its tied output layer's q6_k copy beside them (the plain file's Q6_K one shares its blocks).
     header, plain = read_gguf_header(path), gguf_writer(directory, tmp_path / "tiny-plain.gguf", blocks=kquant_blocks)
     total = sum(np.prod(t.shape) for t in header.tensors)
     change = sum(np.prod(t.shape) * (6.5625 - 8 * held_bytes_per_weight(kquant_blocks[t.name][1].name.lower()))
                  for t in header.tensors if ".ffn_down." in t.name)
+    embedding = next(np.prod(t.shape) for t in header.tensors if t.name == "token_embd.weight")
+    assert kquant_blocks["token_embd.weight"][1] == Q.Q6_K
+    change += embedding * ((8 * 110 / 256 + 6.5625) - 8 * 210 / 256)
     assert change != 0 and gguf_held_bits(path) * total == pytest.approx(gguf_held_bits(plain) * total + change)
 
 
