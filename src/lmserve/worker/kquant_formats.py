@@ -132,9 +132,9 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
 
 
 class KQuantLinear(BlockQuantizedLinear):
-    """A layer whose weights stay in the file's K-quant blocks (q4_k, q6_k), run by kernels/kquant_int16.cpp with
-    int16 (or, asked for, int8) activations at every batch size of generated rows; prompt rows and large batches take
-    the same copies as the other block layers (BlockQuantizedLinear), built from these blocks."""
+    """A layer whose weights stay in the file's K-quant blocks (q4_k, q5_k, q6_k), run by kernels/kquant_int16.cpp
+    with int16 (or, asked for, int8) activations at every batch size of generated rows; prompt rows and large batches
+    take the same copies as the other block layers (BlockQuantizedLinear), built from these blocks."""
 
     def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
                  activations: str = "int16") -> None:
@@ -145,7 +145,8 @@ class KQuantLinear(BlockQuantizedLinear):
         super().__init__(weight, bias, batched, activations if activations in INTEGER_ACTIVATIONS else "int16")
 
     def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
-        if isinstance(weight, StoredBlocks) and self.method in HELD_INTO.get(weight.method, ()):  # iq4_xs as iq4_nl
+        # Another stored type this format holds: iq4_xs as iq4_nl, q3_k as q6_k.
+        if isinstance(weight, StoredBlocks) and self.method in HELD_INTO.get(weight.method, ()):
             weight = StoredBlocks(self.method, torch.from_numpy(convert_blocks(weight.method, weight.data.numpy(),
                                                                               self.method)))
         if not isinstance(weight, StoredBlocks) or weight.method != self.method:
