@@ -2,8 +2,8 @@
 
 A llama.cpp file mixes block types: a Q4_K_M file of a model whose rows are 896 wide (not a multiple of the K-quants'
 256) stores most matrices as Q5_0 and some as Q8_0, Q4_K and Q6_K. The kernels (kernels/quantized_linear.cpp,
-kernels/int16_activations.cpp) read q4_1 and q8_0 blocks. Some stored types convert into one of them without changing
-any weight's value, block for block, with the same float16 scale:
+kernels/int16_activations.cpp, kernels/kquant_int16.cpp) read their own formats (block_formats.KERNEL_FORMATS). Some
+stored types convert into one of them without changing any weight's value, block for block, with the same scales:
   q5_0: float16 d, 32 five-bit codes q (w = d (q - 16)) -> q8_0 with the int8 codes q - 16 (where no q5_0 kernel
         runs: kernels/int16_activations.cpp reads q5_0 at its stored size with int16 activations);
   q4_0: float16 d, 32 four-bit codes q (w = d (q - 8))  -> q4_1 with m = -8 d (exact in float16: a power of two),

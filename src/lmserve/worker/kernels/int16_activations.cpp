@@ -1,5 +1,5 @@
-// q4_1, q8_0, q4_0, q5_0, q5_1 and iq4_nl linear layers with the activations as 16-bit integers per block of 32: y = x @ W.T (+ bias),
-// built for AVX-512 VNNI or AVX2 from one source over int16_simd.h's primitives.
+// q4_1, q8_0, q4_0, q5_0, q5_1 and iq4_nl linear layers with the activations as 16-bit integers per block of 32:
+// y = x @ W.T (+ bias), built for AVX-512 VNNI or AVX2 from one source over int16_simd.h's primitives.
 //
 // The float32 block kernel (quantized_linear.cpp) widens every weight to a float and spends an FMA on it: on a
 // 2-core AVX-512 VM 16 decode rows cost about 6x one row. Integer dot products cost a quarter of that per
