@@ -411,7 +411,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if not f.metadata.get("flag", True):
             continue
         names = [f"--{flat.replace('_', '-')}"] + ([f.metadata["short"]] if f.metadata.get("short") else [])
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help") or None, "dest": flat}
+        # argparse formats help with %: a setting's text ("+0.06% on ...") must not be read as a format.
+        help_text = (f.metadata.get("help") or "").replace("%", "%%") or None
+        kwargs: dict[str, Any] = {"default": f.default, "help": help_text, "dest": flat}
         flag_type = str if f.metadata.get("parse") else _flag_type(hint)  # parse() reads the text
         if flag_type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
