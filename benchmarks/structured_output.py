@@ -7,6 +7,9 @@
    requests with 8 new schemas arrive, against the same 4 streams alone.
 
     .venv/bin/python benchmarks/structured_output.py [--rounds 3]
+
+`--serve-args "--distributed-executor-backend mp" --tpot-only`: part 2 alone, with ranks in their own processes
+(where the engine sends each constrained step's grammar masks after the step).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import itertools
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -94,8 +98,8 @@ async def max_gap(client: httpx.AsyncClient, url: str, with_compiles: bool, base
     return max(max(b - a for a, b in itertools.pairwise(t)) for t in results)
 
 
-async def served(rounds: int) -> dict:
-    process, url = start_lmserve("--max-model-len", "1024")
+async def served(rounds: int, serve_args: list[str], tpot_only: bool) -> dict:
+    process, url = start_lmserve("--max-model-len", "1024", *serve_args)
     try:
         async with httpx.AsyncClient(timeout=600) as client:
             await tpot_round(client, url, constrained=True)  # compile the 16 schemas; warm up
@@ -104,7 +108,7 @@ async def served(rounds: int) -> dict:
                 plain += await tpot_round(client, url, constrained=False)
                 constrained += await tpot_round(client, url, constrained=True)
             alone, compiling = [], []
-            for r in range(rounds):
+            for r in range(0 if tpot_only else rounds):
                 alone.append(await max_gap(client, url, False, 0))
                 compiling.append(await max_gap(client, url, True, 1000 + 10 * r))
         return {"plain": plain, "constrained": constrained, "alone": alone, "compiling": compiling}
@@ -116,14 +120,19 @@ async def served(rounds: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--serve-args", default="", help="more `lmserve serve` flags, one string")
+    parser.add_argument("--tpot-only", action="store_true", help="only part 2 (the served TPOT)")
     args = parser.parse_args()
-    cold, cached = compile_times()
-    print(f"compile per schema: cold median {statistics.median(cold) * 1e3:.0f} ms (max {max(cold) * 1e3:.0f}), "
-          f"cached median {statistics.median(cached) * 1e6:.0f} us")
-    r = asyncio.run(served(args.rounds))
+    if not args.tpot_only:
+        cold, cached = compile_times()
+        print(f"compile per schema: cold median {statistics.median(cold) * 1e3:.0f} ms (max "
+              f"{max(cold) * 1e3:.0f}), cached median {statistics.median(cached) * 1e6:.0f} us")
+    r = asyncio.run(served(args.rounds, shlex.split(args.serve_args), args.tpot_only))
     plain, constrained = statistics.median(r["plain"]), statistics.median(r["constrained"])
     print(f"TPOT median, 16 streams: unconstrained {plain * 1e3:.1f} ms, JSON schema {constrained * 1e3:.1f} ms "
           f"({constrained / plain:.2f}x)")
+    if args.tpot_only:
+        return 0
     print(f"max ITL of 4 running streams: alone {[round(x * 1e3) for x in r['alone']]} ms, while 8 new schemas "
           f"compile {[round(x * 1e3) for x in r['compiling']]} ms")
     return 0

@@ -6,6 +6,7 @@ SchedulerOutput and ModelRunnerOutput in modules of their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +58,8 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     num_batched_tokens: int = 0
-    # The grammars of the constrained requests that sample this step (engine.grammar.GrammarBatch), or None.
+    # The grammars of the constrained requests that sample this step, or None: engine.grammar.GrammarBatch for a
+    # runner in the engine's process, GrammarMasks for ranks in other processes.
     grammar: Any = None
     # Prefill/decode disaggregation (distributed/kv_storage.py): (request id, block id, pinned file) to read into the
     # cache beside the forward passes (the request runs once the ranks report its load done: ModelRunnerOutput.
@@ -69,6 +71,32 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.kv_loads and not self.kv_loads_pending
+
+
+@dataclass
+class GrammarMasks:
+    """The constrained rows' allowed tokens for ranks in other processes, which cannot reach the engine's grammar
+    matchers: every row masked before its draw (vLLM V1's GrammarOutput). The engine sends the step first and fills
+    the masks while the ranks run its forward pass; the driver rank `receive`s them when it samples (vLLM splits
+    execute_model and sample_tokens the same way). Plain data: it pickles."""
+
+    matchers: dict[str, int]  # request id -> its row of the mask (the name the runner reads for constrained rows)
+    masked_first: list[str]
+    mask: Any = None  # xgrammar's packed bitmask, int32 [rows, ceil(vocab / 32)]; None until it arrives
+    receive: Callable[[], Any] | None = field(default=None, repr=False, compare=False)  # set where it is decoded
+
+    def fill(self, request_ids: list[str]) -> Any:
+        if self.mask is None:
+            if self.receive is None:
+                raise RuntimeError("the grammar masks of this step never came: nothing receives them here")
+            self.mask = self.receive()
+        return self.mask[[self.matchers[r] for r in request_ids]]
+
+    def allows(self, request_id: str, token_id: int) -> bool:
+        raise AssertionError("every row of a GrammarMasks batch is masked before its draw")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "receive": None}  # a receiver belongs to the process that set it
 
 
 @dataclass

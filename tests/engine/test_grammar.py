@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -14,7 +15,9 @@ from test_scheduler import FakeRunner, make_scheduler, step
 from lmserve import LLM, SamplingParams
 from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.request import Request
+from lmserve.executor.multiproc import MultiprocExecutor
 from lmserve.sampling_params import StructuredOutputsParams
+from lmserve.step import SchedulerOutput
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer", "minimum": 0, "maximum": 8},
@@ -140,9 +143,26 @@ def test_a_grammar_that_starts_after_a_token_leaves_the_thinking_before_it_free(
     assert stand_in not in out.token_ids and out.text in ("yes", "no")
 
 
-def test_a_seeded_constrained_request_draws_the_same_under_every_executor() -> None:
-    """Ranks in their own processes get precomputed masks (applied before the draw); in process the draw used to
-    come first, redrawn under the mask when refused: the same distribution, other tokens for the same seed."""
+def test_a_seeded_constrained_request_draws_the_same_under_every_executor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks in their own processes get every row's mask before the draw; in process the draw used to come first,
+    redrawn under the mask when refused: the same distribution, other tokens for the same seed.
+
+    The ranks' masks are filled after their step was sent, while they run its forward pass (vLLM's
+    execute_model / sample_tokens split): each constrained step goes out without its masks, and they follow."""
+    events: list[tuple[str, object]] = []
+    submit, send_masks = MultiprocExecutor.submit, MultiprocExecutor.send_grammar_masks
+
+    def recording_submit(self: MultiprocExecutor, scheduler_output: SchedulerOutput) -> Future:
+        if scheduler_output.grammar is not None:
+            events.append(("step without masks", scheduler_output.grammar.mask is None))
+        return submit(self, scheduler_output)
+
+    def recording_send(self: MultiprocExecutor, mask: torch.Tensor) -> None:
+        events.append(("masks", mask.shape[0]))
+        send_masks(self, mask)
+
+    monkeypatch.setattr(MultiprocExecutor, "submit", recording_submit)
+    monkeypatch.setattr(MultiprocExecutor, "send_grammar_masks", recording_send)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=60,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     prompts = ["An animal as JSON:", "A dog:", "A cat:"]
@@ -153,3 +173,7 @@ def test_a_seeded_constrained_request_draws_the_same_under_every_executor() -> N
     assert outputs["uni"] == outputs["mp"]
     for _, text in outputs["uni"]:
         jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(events) >= 2 * 20, events  # one step per token of the three JSON objects, at least
+    assert events[0::2] == [("step without masks", True)] * (len(events) // 2)
+    assert [kind for kind, _ in events[1::2]] == ["masks"] * (len(events) // 2)
+    assert max(rows for _, rows in events[1::2]) == len(prompts)  # all three rows of a step in one send

@@ -4,6 +4,7 @@ ranks run by the mp executor and by Ray actors on a simulated two-node cluster."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,13 +123,17 @@ def test_a_ray_rank_that_dies_is_named_first(tiny_llama_dir: Path, two_node_ray_
                          ids=["tp3", "pp2"])
 def test_default_model_splits_and_gives_one_ranks_greedy_tokens(layout: dict) -> None:
     """9 query heads over 3 KV heads split three ways; the GGUF's own q4_1 blocks split at block boundaries. Each
-    pipeline stage runs its layers as one C++ program, as one rank does (tensor-parallel ranks from Python)."""
+    pipeline stage runs its layers as one C++ program, as one rank does (tensor-parallel ranks from Python).
+    A constrained request's masks, sent after each step, reach the rank that samples (the last stage's)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    as_json = SamplingParams(max_tokens=30, temperature=0, structured_outputs=StructuredOutputsParams(json=schema))
     settings = {"kv_cache_memory": "64MiB", "max_model_len": 256}
     with LLM(**settings) as llm:
         assert llm.engine.executor.info.layer_program.startswith("one C++ program")
         expected = [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in llm.generate(prompts, greedy)]
+        expected_json = [o.outputs[0].text for o in llm.generate(prompts, as_json)]
     with LLM(**settings, **layout) as llm:
         info = llm.engine.executor.info
         assert info.num_blocks > 0
@@ -137,7 +142,9 @@ def test_default_model_splits_and_gives_one_ranks_greedy_tokens(layout: dict) ->
         else:
             assert "tensor parallel ranks" in info.layer_program, info.layer_program
         split = [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in llm.generate(prompts, greedy)]
+        split_json = [o.outputs[0].text for o in llm.generate(prompts, as_json)]
     assert [tokens for tokens, _ in split] == [tokens for tokens, _ in expected]
+    assert split_json == expected_json and all(json.loads(text)["city"] for text in split_json), split_json
     if "pipeline_parallel_size" in layout:  # a stage's layers are one rank's layers: the same bits
         assert split == expected
 

@@ -98,10 +98,19 @@ class EngineCore:
             self.scheduler.kv_transfer.close()
 
     def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        if not self.executor.in_process and scheduler_output.grammar is not None:
-            # Remote ranks cannot call into this process's grammar matchers: ship the masks instead.
-            scheduler_output.grammar = scheduler_output.grammar.precomputed()
-        return self.executor.submit(scheduler_output)
+        grammar = scheduler_output.grammar
+        if self.executor.in_process or grammar is None:
+            return self.executor.submit(scheduler_output)
+        # Remote ranks cannot call into this process's grammar matchers: they get the masks, filled here while they
+        # run the step's forward pass (up to a millisecond a row), or before the step where the executor cannot
+        # take them later.
+        masks = scheduler_output.grammar = grammar.for_ranks_elsewhere()
+        if not self.executor.takes_grammar_masks_later:
+            masks.mask = grammar.fill_all()
+            return self.executor.submit(scheduler_output)
+        future = self.executor.submit(scheduler_output)
+        self.executor.send_grammar_masks(grammar.fill_all())
+        return future
 
     def step(self, after_execute: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """One iteration. `after_execute` runs between the forward pass and the update, so that aborts arriving

@@ -16,6 +16,7 @@ from typing import Any
 from lmserve.engine.request import Request
 from lmserve.model_tokenizer import load_tokenizer
 from lmserve.models import resolve_model
+from lmserve.step import GrammarMasks
 from lmserve.structured_output import build_grammar, xgrammar
 
 logger = logging.getLogger(__name__)
@@ -156,24 +157,12 @@ class GrammarBatch:
         matcher.rollback(1)  # only a test: the engine accepts the token after the step
         return True
 
-    def precomputed(self) -> PrecomputedGrammarBatch:
-        """The same constraints for ranks in other processes, which cannot reach the matchers: every row's mask
-        filled here, applied before the first draw (the masked distribution, as masked_first gives it)."""
+    def for_ranks_elsewhere(self) -> GrammarMasks:
+        """The same constraints for ranks in other processes, which cannot reach the matchers: every row masked
+        before its first draw (the masked distribution, as masked_first gives it). Its mask is fill_all()'s."""
         ids = list(self.matchers)
-        mask = self.fill(ids) if ids else None
-        return PrecomputedGrammarBatch({rid: i for i, rid in enumerate(ids)}, ids, mask)
+        return GrammarMasks({rid: i for i, rid in enumerate(ids)}, ids)
 
-
-@dataclass
-class PrecomputedGrammarBatch:
-    """A GrammarBatch whose masks are already filled: plain data, so it pickles."""
-
-    matchers: dict[str, int]  # request id -> its row of mask
-    masked_first: list[str]
-    mask: Any
-
-    def fill(self, request_ids: list[str]) -> Any:
-        return self.mask[[self.matchers[r] for r in request_ids]]
-
-    def allows(self, request_id: str, token_id: int) -> bool:
-        raise AssertionError("every row of a precomputed grammar batch is masked before its draw")
+    def fill_all(self) -> Any:
+        """Every row's mask, in for_ranks_elsewhere()'s row order."""
+        return self.fill(list(self.matchers))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from typing import Any
 
 from lmserve.config import EngineConfig
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
@@ -34,9 +35,18 @@ class Executor(ABC):
     # and updates the next step while this one computes.
     max_concurrent_batches: int = 1
 
+    # Whether the engine may send a step's grammar masks after the step (send_grammar_masks), so that it fills them
+    # while the ranks run the forward pass; otherwise they travel inside the step.
+    takes_grammar_masks_later: bool = False
+
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Starts the step on every rank; the future holds the driver rank's output."""
+
+    def send_grammar_masks(self, mask: Any) -> None:
+        """The masks of the step submitted last (its lmserve.step.GrammarMasks came without them), for the driver
+        rank, the one that samples."""
+        raise NotImplementedError(f"{type(self).__name__} takes grammar masks only inside the step")
 
     def check_health(self) -> None:
         """Raises RankFailedError when a rank is gone."""

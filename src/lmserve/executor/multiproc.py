@@ -102,6 +102,8 @@ class PendingOutput(Future):
 
 
 class MultiprocExecutor(Executor):
+    takes_grammar_masks_later = True
+
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         self.world_size = parallel.world_size
@@ -171,6 +173,13 @@ class MultiprocExecutor(Executor):
         pending = PendingOutput(self)
         self._pending.append(pending)
         return pending
+
+    def send_grammar_masks(self, mask: Any) -> None:
+        try:
+            self._inputs[self.driver_rank].send(pickle.dumps(("grammar", mask), protocol=pickle.HIGHEST_PROTOCOL),
+                                                zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # the driver rank is gone: check_health reports it
 
     def wait_for(self, condition) -> None:
         """Handles the ranks' messages until `condition()` holds; raises RankFailedError if a rank fails first."""

@@ -51,6 +51,16 @@ def next_message(inputs: zmq.Socket, parent: int, engine_pid: int | None = None)
     return pickle.loads(inputs.recv())
 
 
+def grammar_masks(inputs: zmq.Socket, parent: int, engine_pid: int | None) -> object:
+    """A constrained step's masks (lmserve.step.GrammarMasks), which the engine sends right after the step: the next
+    message on this rank's socket when the step samples."""
+    message = next_message(inputs, parent, engine_pid)
+    if message is None or message[0] != "grammar":
+        raise RuntimeError("the engine sent no grammar masks for this step (it sent "
+                           f"{repr(message[0]) if message else 'nothing: it is gone'})")
+    return message[1]
+
+
 def layout_mismatch(config: EngineConfig, layout: str) -> str | None:
     """Why this rank cannot join the engine that configured it: its node was started with another layout
     (`layout`: "WORLD_SIZE/NNODES" as the starter saw it)."""
@@ -110,6 +120,7 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
         results.send(pickle.dumps((kind, rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
     from lmserve.executor.step_messages import StepDecoder
+    from lmserve.step import GrammarMasks
     from lmserve.worker.worker import Worker  # after the sockets: a failed import is still reported
 
     first = next_message(inputs, parent, engine_pid)
@@ -134,7 +145,10 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
         kind, payload = message
         if kind == "execute":
             try:
-                output = worker.execute_model(steps.decode(payload))
+                step = steps.decode(payload)
+                if isinstance(step.grammar, GrammarMasks) and step.grammar.mask is None:
+                    step.grammar.receive = lambda: grammar_masks(inputs, parent, engine_pid)
+                output = worker.execute_model(step)
             except Exception as exc:
                 logger.exception("step failed")
                 send("failed", f"step failed: {type(exc).__name__}: {exc}")
@@ -144,6 +158,8 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
                 send("output", output)
         elif kind == "stats":
             send("stats", worker.communication_stats())
+        elif kind == "grammar":
+            pass  # the masks of a step that sampled none of its constrained rows (it read none)
         elif kind == "shutdown":
             break
     if code == 0:
