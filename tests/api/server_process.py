@@ -82,29 +82,51 @@ class Server:
             return self.process.wait()
 
 
-def start_server(tmp: Path, *args: str, timeout: float = 180, command: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> Server:
-    """`lmserve serve ARGS` (or `command serve ARGS`) on a free port, once /health answers 200; env: variables set
-    for it on top of this process's."""
+def launch_server(tmp: Path, *args: str, command: list[str] | None = None,
+                  env: dict[str, str] | None = None) -> Server:
+    """`lmserve serve ARGS` (or `command serve ARGS`) on a free port, started: wait_healthy() waits for it. env:
+    variables set for it on top of this process's."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
     cmd = [*(command or [str(LMSERVE)]), "serve", "--port", str(port), *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, **(env or {})})
-    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    return Server(process, f"http://127.0.0.1:{port}", log_path)
+
+
+def wait_healthy(server: Server, timeout: float = 180) -> Server:
+    """The server once /health answers 200; raises with its log if it exits or takes longer than `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
+
+
+def start_server(tmp: Path, *args: str, timeout: float = 180, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """launch_server(), then wait_healthy()."""
+    return wait_healthy(launch_server(tmp, *args, command=command, env=env), timeout)
+
+
+def start_servers(tmp: Path, *arguments: tuple[str, ...], timeout: float = 180) -> list[Server]:
+    """Several servers started side by side (a start is mostly one core's imports): each once healthy. If one fails,
+    the others are stopped too."""
+    servers = [launch_server(tmp, *args) for args in arguments]
+    try:
+        return [wait_healthy(server, timeout) for server in servers]
+    except BaseException:
+        for server in servers:
+            server.stop(signal.SIGKILL)
+        raise
 
 
 def debug_engine(server: Server, *request_ids: str) -> dict:

@@ -11,27 +11,21 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_process import Server, debug_engine, start_server, wait_for
+from server_process import Server, debug_engine, start_servers, wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
 
 
-def serve(tmp: Path, model: Path, *flags: str) -> Server:
-    return start_server(tmp, str(model), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "16MiB",
-                        "--max-model-len", "256", "--max-num-batched-tokens", "16", *flags)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Iterator[tuple[Server, Server]]:
-    tmp = tmp_path_factory.mktemp("async-server")
-    synchronous = serve(tmp, tiny_llama_dir)
+    common = (str(tiny_llama_dir), "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "16MiB",
+              "--max-model-len", "256", "--max-num-batched-tokens", "16")
+    synchronous, asynchronous = start_servers(tmp_path_factory.mktemp("async-server"), common,
+                                              (*common, "--async-scheduling"))
     try:
-        asynchronous = serve(tmp, tiny_llama_dir, "--async-scheduling")
-        try:
-            yield synchronous, asynchronous
-        finally:
-            asynchronous.stop(signal.SIGKILL)
+        yield synchronous, asynchronous
     finally:
+        asynchronous.stop(signal.SIGKILL)
         synchronous.stop(signal.SIGKILL)
 
 

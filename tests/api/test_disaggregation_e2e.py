@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from network_addresses import free_port_block
-from server_process import LMSERVE, Server, free_port, start_server, wait_for
+from server_process import LMSERVE, Server, free_port, start_servers, wait_for
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = ("Paris is the capital of France. It lies on the Seine, in the north of the country, and has been a centre "
@@ -56,8 +56,8 @@ def engine(server: Server) -> dict:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Server]]:
     tmp = tmp_path_factory.mktemp("disaggregated")
     common = ("--max-model-len", "1024", "--kv-cache-memory", "64MiB")
-    prefill = start_server(tmp, *common, "--kv-transfer-config", transfer("kv_producer", tmp / "kv"))
-    decode = start_server(tmp, *common, "--kv-transfer-config", transfer("kv_consumer", tmp / "kv"))
+    prefill, decode = start_servers(tmp, (*common, "--kv-transfer-config", transfer("kv_producer", tmp / "kv")),
+                                    (*common, "--kv-transfer-config", transfer("kv_consumer", tmp / "kv")))
     router = start_router(tmp, prefill, decode)
     yield prefill, decode, router
     for server in (router, decode, prefill):
@@ -69,8 +69,8 @@ def linked_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
     tmp = tmp_path_factory.mktemp("linked")
     port = free_port_block("127.0.0.1", 2)  # a link per rank: kv_port and kv_port + 1
     common = ("-pp", "2", "--max-model-len", "1024", "--kv-cache-memory", "64MiB")
-    prefill = start_server(tmp, *common, "--kv-transfer-config", link("kv_producer", port))
-    decode = start_server(tmp, *common, "--kv-transfer-config", link("kv_consumer", port))
+    prefill, decode = start_servers(tmp, (*common, "--kv-transfer-config", link("kv_producer", port)),
+                                    (*common, "--kv-transfer-config", link("kv_consumer", port)))
     router = start_router(tmp, prefill, decode)
     yield prefill, decode, router
     for server in (router, decode, prefill):
