@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import lmserve
 from lmserve import cli, models
 
 
@@ -43,6 +44,55 @@ def test_every_commands_help_prints(command: tuple[str, ...], capsys) -> None:
     assert out.startswith("usage: lmserve") and "--help" in out
     if command in (("serve",), ("generate",)):
         assert "--block-activations" in out and "+0.06% on Qwen2.5" in out
+
+
+NOT_HERE = max(os.sched_getaffinity(0)) + 1  # a CPU id this process may not run on
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--max-model-len", "0"], "max_model_len must be an integer >= 1"),
+    (["generate", "hi", "--max-model-len", "-5"], "max_model_len must be an integer >= 1"),
+    (["generate", "hi", "--kv-cache-memory", "0"], "kv_cache_memory must be more than 0 bytes"),
+    (["generate", "hi", "--kv-cache-memory", "-1"], "kv_cache_memory must be more than 0 bytes"),
+    (["generate", "hi", "--kv-cache-memory", "inf"], "bad memory size 'inf': use e.g. 2GiB"),
+    (["generate", "hi", "--engine-threads", "0"], "engine_threads must be an integer in [1, 1024]"),
+    (["generate", "hi", "--engine-threads", "99999"], "engine_threads must be an integer in [1, 1024]"),
+    (["generate", "hi", "--engine-cpus", "0-99999999999"], "bad CPU list '0-99999999999'"),
+    (["generate", "hi", "--engine-cpus", str(NOT_HERE)], f"--engine-cpus: CPU(s) {NOT_HERE} are not among"),
+    (["generate", "hi", "--seed", str(10**30)], "seed must be an integer in [-2**63, 2**63)"),
+    (["serve", "--engine-cpus", str(NOT_HERE)], f"--engine-cpus: CPU(s) {NOT_HERE} are not among"),
+    (["serve", "--api-cpus", str(NOT_HERE)], f"--api-cpus: CPU(s) {NOT_HERE} are not among"),
+])  # fmt: skip
+def test_a_setting_out_of_bounds_is_one_line_before_anything_loads(argv, message, capsys) -> None:
+    """0 was taken as "the default" for max_model_len, kv_cache_memory and engine_threads; -5 and -1 ended in
+    tracebacks from the loader, 99,999 threads in a segmentation fault, a CPU the machine lacks in "OSError: [Errno
+    22]" from the engine process."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lmserve: error: {message}"), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--port", "99999"], "argument --port: must be a port in [0, 65535], got 99999"),
+    (["serve", "--port", "-5"], "argument --port: must be a port in [0, 65535], got -5"),
+    (["router", "--prefill", "a", "--decode", "b", "--port", "70000"], "argument --port: must be a port in"),
+    (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+])  # fmt: skip
+def test_a_bad_port_or_log_level_is_an_argument_error(argv, message, capsys) -> None:
+    """Port 99,999 used to start the engine, then serve nothing; a bad log level was a traceback."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_version_and_log_levels_in_any_case(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"lmserve {lmserve.__version__}"
+    args = cli.build_parser().parse_args(["serve", "--log-level", "DEBUG"])
+    assert args.log_level == "debug"
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -17,7 +17,10 @@ from lmserve.config import (
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from lmserve import LLM, SamplingParams
+    from lmserve.config_values import cpus_not_here, parse_cpus
 
+    if problem := cpus_not_here(parse_cpus(args.engine_cpus)):
+        raise ValueError(f"--engine-cpus: {problem}")
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -60,13 +63,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lmserve.api.serve import ShutdownRequested, engine_death_grace_s, serve
     from lmserve.api.tool_parsers import ToolConfig
     from lmserve.config import make_engine_config
-    from lmserve.config_values import parse_cpus
+    from lmserve.config_values import cpus_not_here, parse_cpus
 
     def stop(signum: int, _frame: object) -> None:
         raise ShutdownRequested(signum)
 
     config = make_engine_config(**engine_kwargs(args))
     engine_death_grace = engine_death_grace_s()  # a bad value fails here, before any engine starts
+    api_cpus = parse_cpus(args.api_cpus)
+    for flag, cpus in (("--engine-cpus", config.placement.engine_cpus), ("--api-cpus", api_cpus)):
+        if problem := cpus_not_here(cpus):
+            raise ValueError(f"{flag}: {problem}")
     if config.parallel.node_rank and not args.headless:
         raise ValueError(f"--node-rank {config.parallel.node_rank}: nodes other than 0 run only their ranks; add "
                          "--headless (node 0 serves the API)")
@@ -84,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = asyncio.run(serve(
         config, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
-        api_cpus=parse_cpus(args.api_cpus), max_queued_requests=args.max_queued_requests,
+        api_cpus=api_cpus, max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser),
         allowed_origins=args.allowed_origins, engine_death_grace=engine_death_grace,
@@ -101,8 +108,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default, type=str.lower, choices=LOG_LEVELS,
+                        help=f"(default: {default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from lmserve import __version__
+
     parser = argparse.ArgumentParser(prog="lmserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline and stream it to the terminal")
@@ -115,14 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--log-level", default="WARNING")
+    _log_level(gen, "warning")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible API")
     add_model_argument(srv)
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model's names in the API: requests may use any, responses and /metrics the first "
@@ -133,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-cpus", default=None, help="CPUs the API process runs on, e.g. '0' (default: all)")
     srv.add_argument("--request-log", default=None, metavar="FILE",
                      help="append one JSON line per finished request with its whole timeline")
-    srv.add_argument("--log-level", default="INFO")
+    _log_level(srv, "info")
     srv.add_argument("--max-queued-requests", type=_positive_int, default=None, metavar="N",
                      help="answer 429 (with Retry-After) while N requests already wait for the engine "
                           "(default: no limit)")
@@ -161,10 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode", required=True, metavar="URL",
                         help="the decode instance (kv_consumer), e.g. http://127.0.0.1:8200")
     router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--port", type=_port, default=8000)
     router.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
-    router.add_argument("--log-level", default="INFO")
+    _log_level(router, "info")
     router.set_defaults(func=cmd_router)
 
     # These parsers import only argparse; the load generator and the planners import the rest when they run.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmserve.config_values import parse_cpus, parse_json_object, parse_memory
+from lmserve.config_values import MAX_CPUS, parse_cpus, parse_json_object, parse_memory
 from lmserve.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from lmserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -77,6 +77,12 @@ def setting(
 
 # vLLM's other names for dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# More compute threads than any machine has CPUs for: OpenMP crashes trying to start 100,000 of them.
+MAX_ENGINE_THREADS = 1024
+
+
+def _positive_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -136,6 +142,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.max_model_len is not None and not _positive_integer(self.max_model_len):
+            raise ValueError(f"max_model_len must be an integer >= 1 (leave it out for the model's own), got "
+                             f"{self.max_model_len!r}")
 
 
 @dataclass
@@ -164,6 +175,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        # Given as bytes or as text with a unit ("64MiB"; LLM(kv_cache_memory=...) keeps the text).
+        if self.kv_cache_memory is not None and (size := parse_memory(self.kv_cache_memory) or 0) <= 0:
+            raise ValueError(f"kv_cache_memory must be more than 0 bytes, e.g. 2GiB or 512MiB, got {size} bytes")
+        if self.num_blocks is not None and not _positive_integer(self.num_blocks):
+            raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
 
 
 @dataclass
@@ -197,6 +213,17 @@ class PlacementConfig:
     engine_cpus: list[int] | None = setting(  # noqa: RUF009 - setting() is a dataclasses.field, default None
         None, "CPUs the engine runs on, e.g. '1' or '0-3' (default: all)",
         parse=lambda v: parse_cpus(v) if isinstance(v, str) else v)
+
+    def __post_init__(self) -> None:
+        # Not checked against this machine's CPUs here: a configuration may be made for another machine's ranks.
+        # worker.placement checks where it is applied, and the CLI before anything starts.
+        if self.engine_threads is not None and not (
+                _positive_integer(self.engine_threads) and self.engine_threads <= MAX_ENGINE_THREADS):
+            raise ValueError(f"engine_threads must be an integer in [1, {MAX_ENGINE_THREADS}], got "
+                             f"{self.engine_threads!r}")
+        if self.engine_cpus is not None and not (
+                self.engine_cpus and all(isinstance(c, int) and 0 <= c < MAX_CPUS for c in self.engine_cpus)):
+            raise ValueError(f"engine_cpus must be CPU ids from 0 to {MAX_CPUS - 1}, got {self.engine_cpus!r}")
 
 
 def cuda_device_index(data_parallel_rank: int, world_size: int, rank: int, device_count: int) -> int:
@@ -263,7 +290,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _positive_integer(value):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
                 or not 0 <= self.node_rank < self.nnodes:

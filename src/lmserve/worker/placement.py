@@ -9,6 +9,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from lmserve.config import PlacementConfig
+from lmserve.config_values import cpus_not_here
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ def apply_placement(placement: PlacementConfig, blas_does_matmuls: bool) -> int:
     OpenBLAS's for every small op in between (2-3x slower decode steps on 2 cores).
     """
     if placement.engine_cpus:
+        if problem := cpus_not_here(placement.engine_cpus):
+            raise ValueError(f"engine_cpus: {problem}")
         os.sched_setaffinity(0, placement.engine_cpus)
     cpus = sorted(os.sched_getaffinity(0))
     threads = placement.engine_threads or len(cpus)
