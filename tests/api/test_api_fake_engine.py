@@ -479,10 +479,19 @@ def test_bad_request(http: httpx.Client, path: str, body: dict, param: str) -> N
 
 def test_unknown_fields_are_refused_and_bookkeeping_fields_accepted(http: httpx.Client) -> None:
     # As vLLM: a field lmserve does not implement is a 400 naming it, never silently dropped.
-    response = http.post("/v1/completions", json={**COMPLETION, "suffix": "x", "best_of": 1, "made_up": {"a": 1}})
+    response = http.post("/v1/completions", json={**COMPLETION, "suffix": "x", "best_of": 2, "made_up": {"a": 1}})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "suffix" and "suffix, best_of, made_up" in error["message"]
+    # Unless it asks for nothing: null (clients that send every field), best_of equal to n, text-only modalities.
+    for nothing in ({"suffix": None, "made_up": None}, {"best_of": 1}, {"best_of": 2, "n": 2}):
+        assert http.post("/v1/completions", json={**COMPLETION, **nothing}).status_code == 200, nothing
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "p"}]}
+    for nothing in ({"audio": None, "prediction": None, "modalities": ["text"]}, {"reasoning_effort": None}):
+        assert http.post("/v1/chat/completions", json={**chat, **nothing}).status_code == 200, nothing
+    for something, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"best_of": 3, "n": 2}, "best_of")):
+        error = http.post("/v1/chat/completions", json={**chat, **something}).json()["error"]
+        assert error["param"] == param and "unsupported" in error["message"], error
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "p"}], "response_formt": {"type": "text"}}
     assert http.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "response_formt"
     harmless = {"user": "u", "store": False, "metadata": {"k": "v"}, "service_tier": "auto"}
@@ -557,6 +566,9 @@ def test_several_served_model_names(engine: FakeEngine) -> None:
     with ServerThread(build_app(engine, served_model_name=["first", "alias"])) as running:
         oai = openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0)
         assert [m.id for m in oai.models.list().data] == ["first", "alias"]
+        assert oai.models.retrieve("alias").id == "alias"  # OpenAI's retrieve-model, GET /v1/models/{model}
+        with pytest.raises(openai.NotFoundError, match="'first', 'alias'"):
+            oai.models.retrieve("org/other-model")
         for name in ("first", "alias"):
             answer = oai.completions.create(model=name, prompt="x y")
             assert answer.model == "first" and answer.choices[0].text == "x y"
@@ -579,6 +591,8 @@ def test_api_key(engine: FakeEngine) -> None:
             oai.completions.create(model=MODEL, prompt="x")  # only the served name is accepted
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{running.url}/v1", api_key="nope", max_retries=0).models.list()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{running.url}/v1", api_key="nope", max_retries=0).models.retrieve("served")
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 200
         assert http.get("/debug/engine").status_code == 401
@@ -590,7 +604,7 @@ def test_engine_unavailable(http: httpx.Client, oai: openai.OpenAI, engine: Fake
         engine.is_ready = False
     else:
         engine.errored = True
-    for response in (http.post("/v1/completions", json=COMPLETION), http.get("/health")):
+    for response in (http.post("/v1/completions", json=COMPLETION), http.get("/health"), http.get("/ping")):
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "ServiceUnavailableError"
     with pytest.raises(openai.InternalServerError):
@@ -630,6 +644,9 @@ def test_models_version_metrics_debug(oai: openai.OpenAI, http: httpx.Client, en
     assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     assert http.get("/version").json() == {"server": "lmserve", "version": __version__}
     assert http.get("/health").status_code == 200
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200  # vLLM's, SageMaker's
+    card = oai.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == MAX_MODEL_LEN
     text = http.get("/metrics").text
     for name in (
         "lmserve:num_requests_running", "lmserve:num_requests_waiting", "lmserve:kv_cache_usage_perc",

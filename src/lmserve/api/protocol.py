@@ -132,6 +132,23 @@ class _SamplingRequest(OpenAIRequestModel):
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_that_ask_for_nothing(cls, data: Any) -> Any:
+        """A field sent as null asks for nothing, even one lmserve does not implement (clients that serialize every
+        field send `"suffix": null`), and so do best_of equal to n and modalities ["text"]: they are dropped. Any
+        other value of an unknown field is still a 400 naming it."""
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields
+        kept = {key: value for key, value in data.items() if value is not None or key in known}
+        n = kept.get("n") if kept.get("n") is not None else 1
+        if "best_of" not in known and type(kept.get("best_of")) is int and kept["best_of"] == n:
+            del kept["best_of"]
+        if "modalities" not in known and kept.get("modalities") == ["text"]:
+            del kept["modalities"]
+        return kept
+
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> _SamplingRequest:
         # As OpenAI and vLLM: options of a stream that is not there are a mistake, not a no-op.

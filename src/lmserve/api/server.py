@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmserve import __version__
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
-from lmserve.api.errors import ErrorMappingRoute, NotFoundError, exception_to_response
+from lmserve.api.errors import ErrorMappingRoute, ModelNotFoundError, NotFoundError, exception_to_response
 from lmserve.api.middleware import ApiKeyMiddleware, ArrivalStampMiddleware
 from lmserve.api.protocol import (
     ChatCompletionRequest,
@@ -102,10 +102,26 @@ async def models(raw: Request) -> Response:
     return json_response(ModelList(data=cards))
 
 
+@v1.get("/models/{model_id:path}")
+async def model(raw: Request, model_id: str) -> Response:
+    """OpenAI's retrieve-model (`client.models.retrieve(name)`): one served name's card."""
+    serving = _serving(raw)
+    if model_id not in serving.model_names:
+        raise ModelNotFoundError(f"the model {model_id!r} does not exist; this server serves "
+                                 f"{', '.join(map(repr, serving.model_names))}")
+    return json_response(ModelCard(id=model_id, max_model_len=serving.client.max_model_len))
+
+
 @plain.get("/health")
 async def health(raw: Request) -> Response:
     require_engine_ready(raw)
     return Response(status_code=200)
+
+
+@plain.api_route("/ping", methods=["GET", "POST"])
+async def ping(raw: Request) -> Response:
+    """vLLM's (and SageMaker's) liveness route: /health's answer."""
+    return await health(raw)
 
 
 @plain.get("/version")
