@@ -207,7 +207,8 @@ class ModelRunner:
         if self.quantization not in LAYER_METHODS:
             return ""
         path = self.batched_path
-        batches = f", {path.weights} weights above {path.block_kernel_max_rows} rows"
+        batches = (", every row on the stored blocks" if path.weights == "none"
+                   else f", {path.weights} weights above {path.block_kernel_max_rows} rows")
         if self.prompt_copies:  # the path asked for it and some layer took it
             on = {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
                   "int8": "the stored blocks (8-bit activations)"}[path.prompt_weights]
