@@ -152,11 +152,24 @@ def test_configs_ship_as_package_data():
     (["--model", "llama-3-8b", "--tp", "2", "--gpus", "1"], "needs more than --gpus 1"),
     (["--model", "llama-3-8b", "--context", "100000"], "exceeds max_model_len"),
     (["--config", "/no/such/config.json"], "no such config file"),
+    (["--max-model-len", "0"], "max_model_len must be >= 1 (leave it out for the model's own), got 0"),
+    (["--context", "0"], "context must be >= 1"),
+    (["llama-3-8b", "--model", "qwen2.5-7b"], "two models: llama-3-8b and --model qwen2.5-7b"),
 ])  # fmt: skip
 def test_bad_input_is_a_clear_error(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmserve: error:") and message in err
+
+
+def test_the_model_is_the_first_argument_as_serve_takes_it(capsys):
+    """`lmserve plan MODEL`, as `lmserve serve MODEL` (it was "unrecognized arguments"); --model says the same."""
+    outputs = []
+    for args in (["llama-3-8b"], ["--model", "llama-3-8b"], ["llama-3-8b", "--model", "llama-3-8b"]):
+        main(["plan", *args, "--json", "--device-memory", "80"])
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["model"] == "llama-3-8b" and outputs[0]["num_params"] == 8_030_261_248
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_gguf, mixed_gguf):

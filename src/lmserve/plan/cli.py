@@ -13,6 +13,8 @@ from lmserve.config import DEFAULT_MODEL, SchedulerConfig
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="memory budget: will a model and a target concurrency fit (no weights loaded)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `lmserve serve MODEL` takes it (the same as --model)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", default=None,
                         help="shipped config name (llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, smollm2-135m), "
@@ -63,6 +65,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from lmserve.plan.model_spec import Layout, load_spec
     from lmserve.plan.serve_command import recommended_plan, serve_command
 
+    if args.model_tag is not None:
+        if (args.model or args.config or args.model_tag) != args.model_tag:
+            raise ValueError(f"two models: {args.model_tag} and --{'model' if args.model else 'config'} "
+                             f"{args.model or args.config}; give one")
+        args.model = args.model_tag
     spec = load_spec(args.model if args.model or args.config else DEFAULT_MODEL, args.config)
     group = args.tp * args.pp
     if args.gpus is None:  # `lmserve plan -tp 2` plans two devices, as `lmserve serve -tp 2` runs two ranks

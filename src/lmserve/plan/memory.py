@@ -144,6 +144,9 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     nbytes, kv_dtype = bytes_of_dtype(settings.dtype), settings.kv_dtype or settings.dtype
     kv_nbytes = bytes_of_dtype(kv_dtype)
     memory = settings.device_memory if settings.device_memory is not None else machine_memory()
+    for name in ("max_model_len", "context"):  # None: the model's own; 0 is no length (it was taken for None)
+        if getattr(settings, name) is not None and getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be >= 1 (leave it out for the model's own), got {getattr(settings, name)}")
     max_model_len = settings.max_model_len or spec.max_position_embeddings
     context = settings.context or max_model_len
     bs = settings.block_size
