@@ -151,3 +151,17 @@ def test_serve_refuses_a_bad_engine_death_grace_before_starting_anything(value, 
     assert cli.main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert f"LMSERVE_ENGINE_DEATH_GRACE_S={value!r}: give seconds from 0 to 600" in err and "Traceback" not in err
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly() -> None:
+    """`lmserve plan ... | head -2` printed a BrokenPipeError traceback once head had its lines. Here the reader is
+    gone before the first line."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "lmserve.cli", "plan", "llama-3-8b", "--json"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, env=_this_checkout(), check=False)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
