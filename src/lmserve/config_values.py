@@ -10,6 +10,7 @@ from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
+MAX_CPUS = 8192  # Linux's largest CONFIG_NR_CPUS: a CPU id is below it
 
 
 def parse_memory(value: float | str | None) -> int | None:
@@ -29,9 +30,6 @@ def parse_memory(value: float | str | None) -> int | None:
         return int(number * GiB) if number < 4096 else int(number)
     except (ValueError, OverflowError, AttributeError):  # not a number, inf, not text
         raise ValueError(f"bad memory size {value!r}: use e.g. 2GiB, 512MiB or a number of bytes") from None
-
-
-MAX_CPUS = 8192  # Linux's largest CONFIG_NR_CPUS: a CPU id is below it
 
 
 def parse_cpus(value: str | None) -> list[int] | None:

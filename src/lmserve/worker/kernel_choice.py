@@ -47,6 +47,15 @@ class BatchedPath:
     prompt_copies: bool = False
     prompt_weights: str = "bf16"
 
+    def describe(self, copies_taken: bool) -> str:
+        """What batches run on, for the load's log line; `copies_taken`: some layer took the prompt copy asked for."""
+        if self.prompt_copies and copies_taken:
+            return "prompt tokens on " + {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
+                                          "int8": "the stored blocks (8-bit activations)"}[self.prompt_weights]
+        if self.weights == "none":
+            return "every row on the stored blocks"
+        return f"{self.weights} weights above {self.block_kernel_max_rows} rows"
+
 
 def batched_path(setting: str | None = "auto", activations: str = "int16") -> BatchedPath:
     """Each row's path fixed by what the row is, never by the batch: prompt-bf16 (auto where the CPU has AMX): prompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ from lmserve.worker.quantization import (
     use_prompt_copies,
 )
 from lmserve.worker.sampler import Sampler, token_logprobs
-from lmserve.worker.sampling_metadata import SamplingMetadata, reads_output_token_ids
+from lmserve.worker.sampling_metadata import SamplingMetadata, draft_rows, reads_output_token_ids
 from lmserve.worker.stored_formats import (
     STORED_BLOCK_TYPES,
     float_fallbacks,
@@ -206,14 +206,8 @@ class ModelRunner:
         """What the block layers run batches on, for the load's log line ("" without block layers)."""
         if self.quantization not in LAYER_METHODS:
             return ""
-        path = self.batched_path
-        batches = (", every row on the stored blocks" if path.weights == "none"
-                   else f", {path.weights} weights above {path.block_kernel_max_rows} rows")
-        if self.prompt_copies:  # the path asked for it and some layer took it
-            on = {"bf16": "AMX tiles (bf16 weights)", "fp16": "fbgemm (fp16 weights)",
-                  "int8": "the stored blocks (8-bit activations)"}[path.prompt_weights]
-            batches = f", prompt tokens on {on}"
-        return batches + f", {self.block_activations} activations in the block kernel"
+        return f", {self.batched_path.describe(self.prompt_copies)}, {self.block_activations} activations in the " \
+               "block kernel"
 
     def _allocate_kv_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
                            scheduler_config: SchedulerConfig) -> None:
@@ -265,7 +259,7 @@ class ModelRunner:
             row += r.num_tokens
             if r.draft_token_ids:
                 logits_rows.extend(range(row - 1 - len(r.draft_token_ids), row))
-                sampling.extend(self._draft_rows(r))
+                sampling.extend(draft_rows(r))
             elif r.samples:
                 logits_rows.append(row - 1)
                 sampling.append(r)
@@ -402,17 +396,6 @@ class ModelRunner:
             row += 1 + (len(drafts) - kept if drafts else 0)
         self.last_sampled.update(output.sampled_token_ids)
         return output
-
-    def _draft_rows(self, r: ScheduledRequest) -> list[ScheduledRequest]:
-        """A drafted request's sampling rows: row i follows the drafts before it, so the penalties and min_tokens
-        that read the output so far see them as tokens already generated."""
-        rows = [r]
-        for i in range(1, len(r.draft_token_ids) + 1):
-            if reads_output_token_ids(r.sampling_params):
-                rows.append(replace(r, output_token_ids=[*r.output_token_ids, *r.draft_token_ids[:i]]))
-            else:
-                rows.append(r)
-        return rows
 
     def _metadata(self, rows: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
         return SamplingMetadata.build(

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from lmserve.sampling_params import SamplingParams
+from lmserve.step import ScheduledRequest
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -28,6 +29,15 @@ def reads_output_token_ids(params: SamplingParams) -> bool:
         params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         or params.min_tokens > 0
     )
+
+
+def draft_rows(r: ScheduledRequest) -> list[ScheduledRequest]:
+    """A drafted request's sampling rows: row i follows the drafts before it, so the penalties and min_tokens that
+    read the output so far see them as tokens already generated."""
+    if not reads_output_token_ids(r.sampling_params):
+        return [r] * (len(r.draft_token_ids) + 1)
+    return [r] + [replace(r, output_token_ids=[*r.output_token_ids, *r.draft_token_ids[:i]])
+                  for i in range(1, len(r.draft_token_ids) + 1)]
 
 
 @dataclass
