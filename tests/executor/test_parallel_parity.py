@@ -97,11 +97,17 @@ def two_node_ray_cluster():
     cluster.shutdown()
 
 
-def test_tensor_parallel_under_ray_on_two_nodes(one_rank, tiny_llama_dir: Path, two_node_ray_cluster) -> None:
-    with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, distributed_executor_backend="ray") as llm:
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_tensor_parallel_under_ray_on_two_nodes(one_rank, tiny_llama_dir: Path, two_node_ray_cluster,
+                                                layout: dict) -> None:
+    """The constrained request's masks reach the driver rank after its step started (RankActor.sample_tokens),
+    with one batch in flight (tp2) and with one per stage (pp2)."""
+    with LLM(str(tiny_llama_dir), **TINY, **layout, distributed_executor_backend="ray") as llm:
         assert len(set(llm.engine.executor.node_ids())) == 2  # one rank on each simulated machine
-        tokens, _ = workload(llm)
+        assert llm.engine.executor.takes_grammar_masks_later
+        tokens, stats = workload(llm)
     assert tokens == one_rank[0]
+    assert stats["choice"] == one_rank[1]["choice"]
 
 
 def test_a_ray_rank_that_dies_is_named_first(tiny_llama_dir: Path, two_node_ray_cluster) -> None:

@@ -5,22 +5,26 @@ Set-up is Ray's own: `ray start --head` on one machine, `ray start --address HEA
 local Ray instance. A placement group reserves one bundle (one CPU, or one GPU on CUDA) per rank; the ranks meet
 through torch.distributed at the address and a free port of rank 0's node, which rank 0's actor reports.
 
-Each step's plan goes to every actor as an actor call; the driver rank's result is the step's output. A failed or
-dead actor fails the engine (RankFailedError) with Ray's reason, a rank whose actor died named first.
+Each step's plan goes to every actor as an actor call; the driver rank's result is the step's output. A step with
+constrained rows is sent before its grammar masks are filled: the driver rank runs it on a thread of its own and
+samples when a second call, `sample_tokens`, brings the masks (vLLM's execute_model / sample_tokens split), so that the
+engine fills them while the ranks compute. A failed or dead actor fails the engine (RankFailedError) with Ray's reason,
+a rank whose actor died named first.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import Future
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from lmserve.config import EngineConfig
 from lmserve.distributed.parallel_state import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 from lmserve.executor.step_messages import StepDecoder, StepEncoder, StepMessage
-from lmserve.step import ModelRunnerOutput, SchedulerOutput
+from lmserve.step import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +54,12 @@ class RankActor:
 
     def __init__(self) -> None:
         self.worker: Any = None
-        # The engine's calls reach an actor in the order it made them (Ray keeps one caller's order), so the
-        # decoder sees every step message once and in order.
+        # The engine's calls reach an actor in the order it made them (Ray keeps one caller's order for an actor
+        # that runs one call at a time), so the decoder sees every step message once and in order, and a deferred
+        # step's sample_tokens comes right after its execute_model.
         self.steps = StepDecoder()
+        self._step_thread: ThreadPoolExecutor | None = None  # the driver rank's, for steps that wait for masks
+        self._deferred: tuple[queue.SimpleQueue, Future] | None = None
 
     def node_address(self) -> tuple[str, int]:
         import ray
@@ -61,16 +68,36 @@ class RankActor:
 
         return ray.util.get_node_ip_address(), free_local_port()
 
-    def start(self, config: EngineConfig, rank: int, init_method: str) -> Any:
+    def start(self, config: EngineConfig, rank: int, init_method: str, samples: bool = False) -> Any:
+        """`samples`: this is the driver rank, which draws the tokens (and so is the one rank that reads masks)."""
         from lmserve.worker.worker import Worker
 
         logging.basicConfig(level=os.environ.get("LMSERVE_LOG_LEVEL", "INFO"),
                             format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
         self.worker = Worker(config, rank, init_method)
+        if samples:
+            self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmserve-ray-step")
         return self.worker.info
 
     def execute_model(self, message: StepMessage) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(self.steps.decode(message))
+        """Runs the step; on the driver rank, a step whose masks come later starts on the step thread and returns
+        None at once, so that this actor can take the sample_tokens call that brings them."""
+        step = self.steps.decode(message)
+        if self._step_thread is None or not (isinstance(step.grammar, GrammarMasks) and step.grammar.mask is None):
+            return self.worker.execute_model(step)
+        masks: queue.SimpleQueue = queue.SimpleQueue()
+        step.grammar.receive = masks.get
+        self._deferred = (masks, self._step_thread.submit(self.worker.execute_model, step))
+        return None
+
+    def sample_tokens(self, mask: Any) -> ModelRunnerOutput | None:
+        """The masks of the step execute_model started: they reach its draw (a step that sampled none of its
+        constrained rows never reads them), and the step's output is this call's result."""
+        if self._deferred is None:
+            raise RuntimeError("grammar masks came for no step: execute_model started none that waits for them")
+        (masks, running), self._deferred = self._deferred, None
+        masks.put(mask)
+        return running.result()
 
     def communication_stats(self) -> dict[str, int]:
         return self.worker.communication_stats()
@@ -81,28 +108,32 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
         if self.worker is not None:
             self.worker.shutdown()
 
 
 class RayOutput(Future):
     """The driver rank's output of one step; waiting for it also watches the other ranks, so that a dead rank
-    fails the step at once instead of leaving its peers in a collective until it times out."""
+    fails the step at once instead of leaving its peers in a collective until it times out. A step whose masks come
+    later has its output in the driver's sample_tokens call (`sampled`), set when the masks are sent."""
 
     def __init__(self, refs: list[Any], driver: int) -> None:
         super().__init__()
         self._refs, self._driver = refs, driver
+        self.sampled: Any = None
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         import ray
 
         if not self.done():
-            remaining = list(self._refs)
+            remaining = self._refs + ([self.sampled] if self.sampled is not None else [])
             try:
                 while remaining:
                     ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=POLL_S)
                     ray.get(ready)  # raises if that rank failed
-                self.set_result(ray.get(self._refs[self._driver]))
+                self.set_result(ray.get(self.sampled if self.sampled is not None else self._refs[self._driver]))
             except (ray.exceptions.RayError, ray.exceptions.RayActorError) as exc:
                 raise RankFailedError(self._cause_first(exc)) from exc
         return super().result(timeout)
@@ -112,9 +143,11 @@ class RayOutput(Future):
         whichever of them Ray reports first would otherwise hide the cause (as the multiproc executor orders them)."""
         import ray
 
-        ray.wait(self._refs, num_returns=len(self._refs), timeout=DEATH_SEEN_S)  # let the others settle
+        calls = list(enumerate(self._refs)) + ([(self._driver, self.sampled)] if self.sampled is not None else [])
+        refs = [ref for _, ref in calls]
+        ray.wait(refs, num_returns=len(refs), timeout=DEATH_SEEN_S)  # let the others settle
         died, failed = [], []
-        for rank, ref in enumerate(self._refs):
+        for rank, ref in calls:
             try:
                 ray.get(ref, timeout=0)
             except ray.exceptions.GetTimeoutError:
@@ -125,10 +158,12 @@ class RayOutput(Future):
                 failed.append(f"rank {rank} failed: {str(exc).strip().splitlines()[-1][:500]}")
         if not died and not failed:
             return f"a Ray rank failed: {first}"
-        return "; then ".join(died + failed)
+        return "; then ".join(dict.fromkeys(died + failed))  # the driver's two calls of a deferred step fail alike
 
 
 class RayExecutor(Executor):
+    takes_grammar_masks_later = True
+
     def __init__(self, config: EngineConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -170,7 +205,8 @@ class RayExecutor(Executor):
             self.actors = [actors[i] for i in ranks_by_node(nodes, head if head in nodes else nodes[0])]
             host, port = ray.get(self.actors[0].node_address.remote())
             init_method = f"tcp://{host}:{port}"
-            infos = ray.get([a.start.remote(config, rank, init_method) for rank, a in enumerate(self.actors)])
+            infos = ray.get([a.start.remote(config, rank, init_method, rank == self.driver_rank)
+                             for rank, a in enumerate(self.actors)])
         except Exception:
             self.shutdown()
             raise
@@ -181,7 +217,12 @@ class RayExecutor(Executor):
         import ray
 
         ref = ray.put(self._steps.encode(scheduler_output))  # serialized once for every rank
-        return RayOutput([a.execute_model.remote(ref) for a in self.actors], self.driver_rank)
+        self._last = RayOutput([a.execute_model.remote(ref) for a in self.actors], self.driver_rank)
+        return self._last
+
+    def send_grammar_masks(self, mask: Any) -> None:
+        """The masks of the step just submitted, to the driver rank, which waits for them to sample."""
+        self._last.sampled = self.actors[self.driver_rank].sample_tokens.remote(mask)
 
     def check_health(self) -> None:
         import ray
