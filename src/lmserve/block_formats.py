@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 # Fewest bytes a weight first. All but q4_1 and q8_0 run only where the int16-activation kernels do (AVX-512 VNNI or
 # AVX2, with integer activations).
-KERNEL_FORMATS = ("iq4_nl", "q4_0", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
+KERNEL_FORMATS = ("q3_k", "iq4_nl", "q4_0", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
 # Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
 EXACT_INTO: dict[str, tuple[str, ...]] = {
@@ -21,7 +21,7 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q5_k": ("q5_k",),
     "q6_k": ("q6_k",),
     "iq4_nl": ("iq4_nl", "q8_0"),
-    "q3_k": ("q6_k",),  # 3-bit codes - 4 under int8 sub-block scales: q6_k's codes - 32 hold them
+    "q3_k": ("q3_k", "q6_k"),  # 3-bit codes - 4 under int8 sub-block scales: q6_k's codes - 32 hold them too
 }
 # Stored type -> the kernel formats that hold its blocks with each block's scale rounded once to float16.
 SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("iq4_nl", "q8_0")}

@@ -29,7 +29,7 @@ from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (no AVX2)")
-METHODS = ["q4_k", "q5_k", "q6_k"]
+METHODS = ["q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_packed_blocks_hold_the_files_values_at_the_stored_size(stored, method: 
     assert (layer.out_features, layer.in_features) == (48, 768)
     assert torch.equal(layer.dequantized(), torch.from_numpy(values))
     per_weight = layer.blocks.numel() / (48 * 768)
-    # 4.625, 5.625 and 6.5625 bits a weight (the file's 4.5, 5.5 and 6.5625)
-    assert per_weight == {"q4_k": 2368 / 4096, "q5_k": 2880 / 4096, "q6_k": 3360 / 4096}[method]
+    # 3.5625, 4.625, 5.625 and 6.5625 bits a weight (the file's 3.4375, 4.5, 5.5 and 6.5625)
+    assert per_weight == {"q3_k": 1824 / 4096, "q4_k": 2368 / 4096, "q5_k": 2880 / 4096, "q6_k": 3360 / 4096}[method]
     assert method in repr(layer)
 
 

@@ -113,8 +113,9 @@ BLOCK_LAYERS = {"q4_1": Q4_1Linear, "q8_0": Q8_0Linear}
 def test_auto_keeps_the_files_block_format() -> None:
     assert check_quantization("auto", CPU, torch.float32, "q4_1") == "q4_1"
     assert check_quantization("auto", CPU, torch.float32, "q8_0") == "q8_0"
-    assert check_quantization("auto", CPU, torch.float32, "q3_k") == "fp16"  # a format without a kernel here
+    assert check_quantization("auto", CPU, torch.float32, "q2_k") == "fp16"  # a format without a kernel here
     assert check_quantization("auto", CPU, torch.float32, "q5_k") == "q5_k"  # chosen where its kernel runs
+    assert check_quantization("auto", CPU, torch.float32, "q3_k") == "q3_k"
     assert check_quantization("auto", CPU, torch.float32, None) == "fp16"
     assert check_quantization("auto", CUDA, torch.float32, "q4_1") == "none"
     assert check_quantization("q8_0", CPU, torch.float32, "q4_1") == "q8_0"

@@ -84,9 +84,10 @@ def test_conversion_keeps_every_value(stored_type: str, kernel_format: str) -> N
     torch.testing.assert_close(layer(x), x @ torch.from_numpy(expected).reshape(24, -1).T, atol=1e-5, rtol=1e-4)
 
 
-def test_q3_k_blocks_become_q6_k_blocks_with_every_value() -> None:
-    """Q3_K (w = d (ls - 32) q, q in -4..3, a 6-bit ls a sub-block of 16) is a q6_k block with sc = ls - 32 and codes
-    q + 32: the file's values exactly, on the q6_k kernel (6.56 bits a weight), where it had float16 weights (16)."""
+def test_q3_k_blocks_run_as_they_are_or_as_q6_k_blocks_with_every_value() -> None:
+    """Q3_K (w = d (ls - 32) q, q in -4..3, a 6-bit ls a sub-block of 16) runs on its own kernel format (3.56 bits a
+    weight), and is a q6_k block with sc = ls - 32 and codes q + 32 where a layer fuses it with Q6_K rows: the file's
+    values exactly either way, where it had float16 weights (16)."""
     blocks = random_stored_blocks("q3_k", 32, 3, seed=13)
     _, scales, values = q3_k_fields(blocks)
     assert set(np.unique(values)) == set(range(-4, 4)) and scales.min() == -32 and scales.max() == 31
@@ -95,17 +96,23 @@ def test_q3_k_blocks_become_q6_k_blocks_with_every_value() -> None:
     assert converted.shape == (32, 3, 210) and np.array_equal(gguf_values("q6_k", converted), expected)
     stored = StoredBlocks("q3_k", torch.from_numpy(blocks))
     assert np.array_equal(stored.dequantize().numpy(), expected)
-    assert exact_kernel_format(["q3_k"]) == "q6_k" and exact_kernel_format(["q3_k", "q4_k"]) is None
+    assert exact_kernel_format(["q3_k"]) == "q3_k" and exact_kernel_format(["q3_k", "q6_k"]) == "q6_k"
+    assert exact_kernel_format(["q3_k", "q4_k"]) is None
     assert runnable_types({"a": "q3_k"}, BLOCK_FORMATS) == {"a": "float"}  # no K-quant kernel: float16 as before
     if "q6_k" not in kernel_formats():
         return
-    layer = LAYER_TYPES["q6_k"](stored, None)
-    assert layer.method == "q6_k" and torch.equal(layer.dequantized(), torch.from_numpy(expected))
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(14))
-    got, reference = layer(x), x.double() @ torch.from_numpy(expected).double().T
-    assert (got.double() - reference).abs().max().item() < 2e-3 * reference.abs().max().item()
-    for i in range(5):  # each row's bits its own
-        assert torch.equal(layer(x[i : i + 1]), got[i : i + 1]), i
+    reference = x.double() @ torch.from_numpy(expected).double().T
+    outputs = {}
+    for method in ("q3_k", "q6_k"):
+        layer = LAYER_TYPES[method](stored, None)
+        assert layer.method == method and torch.equal(layer.dequantized(), torch.from_numpy(expected))
+        got = outputs[method] = layer(x)
+        assert (got.double() - reference).abs().max().item() < 2e-3 * reference.abs().max().item()
+        for i in range(5):  # each row's bits its own
+            assert torch.equal(layer(x[i : i + 1]), got[i : i + 1]), i
+    # The same exact integer products under the same scales: the two layouts give the same bits.
+    assert torch.equal(outputs["q3_k"], outputs["q6_k"])
 
 
 def test_a_conversion_that_would_change_values_is_refused() -> None:
@@ -134,7 +141,7 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     assert preferred_kernel_format(mixed) == "q4_k"
     assert preferred_kernel_format(mixed, BLOCK_FORMATS) == "q8_0"
     assert preferred_kernel_format(["q5_0"] * 3 + ["q6_k"]) == "q5_0"
-    assert preferred_kernel_format(["q2_k", "f16"]) is None and preferred_kernel_format(["q3_k", "q2_k"]) == "q6_k"
+    assert preferred_kernel_format(["q2_k", "f16"]) is None and preferred_kernel_format(["q3_k", "q2_k"]) == "q3_k"
     assert preferred_kernel_format(["q5_1", "q5_k"]) == "q5_k" and exact_kernel_format(["q5_1"]) == "q5_1"
     assert runnable_types({"a": "q6_k", "b": "q5_0", "c": "f32"}, BLOCK_FORMATS) == {"a": "float", "b": "q5_0",
                                                                                     "c": "float"}
@@ -246,11 +253,11 @@ def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its
         assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
 
 
-def test_a_files_q3_k_matrices_run_as_q6_k_layers(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
+def test_a_files_q3_k_matrices_run_as_q3_k_layers(tmp_path: Path, tiny_kquant, gguf_writer) -> None:
     """What a Q3_K file of a model 256-wide blocks wide holds in its down projections and (tied) embedding: each
-    matrix loads into a q6_k layer with the file's values (where the K-quant kernel runs; float16 weights elsewhere),
-    the embedding looks its rows up in the file's Q3_K blocks, and the planner counts 6.5625 bits a weight for the
-    layers."""
+    matrix loads into a q3_k layer with the file's values (where the K-quant kernel runs; float16 weights elsewhere),
+    the embedding looks its rows up in the file's Q3_K blocks, and the planner counts the file's 3.4375 bits a weight
+    for the layers."""
     directory, kquant_blocks = tiny_kquant
     blocks = dict(kquant_blocks)
     for name, (data, qtype) in kquant_blocks.items():
@@ -271,25 +278,25 @@ def test_a_files_q3_k_matrices_run_as_q6_k_layers(tmp_path: Path, tiny_kquant, g
     model.quantize_float_layers("fp16")
     for i in range(config.num_hidden_layers):
         down, ref = model.layers[i].mlp.down_proj, reference.layers[i].mlp.down_proj
-        if "q6_k" in formats:
-            assert down.method == "q6_k" and torch.equal(down.dequantized(), ref.weight)
+        if "q3_k" in formats:
+            assert down.method == "q3_k" and torch.equal(down.dequantized(), ref.weight)
         else:
             assert isinstance(down, Float16WeightLinear)
     every_token = torch.arange(config.vocab_size).view(64, -1)
     assert torch.equal(model.embed_tokens(every_token), reference.embed_tokens(every_token))
-    if "q6_k" in formats:  # the lookups in the file's blocks, the tied output layer's values in q6_k blocks
+    if "q3_k" in formats:  # the lookups in the file's blocks, the tied output layer's values in q3_k blocks
         assert isinstance(model.embed_tokens, BlockEmbedding) and model.embed_tokens.stored_type == "q3_k"
-        assert model.lm_head.method == "q6_k"
+        assert model.lm_head.method == "q3_k"
         assert torch.equal(model.lm_head.dequantized()[: config.vocab_size], reference.embed_tokens.weight)
-    # Against the same file with its own types: each q3_k matrix counted at 6.5625 bits instead; the embedding at its
-    # 3.4375 for the lookups, its tied output layer's q6_k copy beside them (the plain file's Q6_K one shares its blocks).
+    # Against the same file with its own types: each q3_k matrix counted at its 3.4375 bits instead; the embedding at
+    # its 3.4375, the tied output layer in the same format (as the plain file's Q6_K one).
     header, plain = read_gguf_header(path), gguf_writer(directory, tmp_path / "tiny-plain.gguf", blocks=kquant_blocks)
     total = sum(np.prod(t.shape) for t in header.tensors)
-    change = sum(np.prod(t.shape) * (6.5625 - 8 * held_bytes_per_weight(kquant_blocks[t.name][1].name.lower()))
+    change = sum(np.prod(t.shape) * (3.4375 - 8 * held_bytes_per_weight(kquant_blocks[t.name][1].name.lower()))
                  for t in header.tensors if ".ffn_down." in t.name)
     embedding = next(np.prod(t.shape) for t in header.tensors if t.name == "token_embd.weight")
     assert kquant_blocks["token_embd.weight"][1] == Q.Q6_K
-    change += embedding * ((8 * 110 / 256 + 6.5625) - 8 * 210 / 256)
+    change += embedding * (8 * 110 / 256 - 8 * 210 / 256)
     assert change != 0 and gguf_held_bits(path) * total == pytest.approx(gguf_held_bits(plain) * total + change)
 
 

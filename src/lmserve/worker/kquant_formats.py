@@ -1,4 +1,4 @@
-"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q4_k, q5_k, q6_k;
+"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q3_k, q4_k, q5_k, q6_k;
 their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q4_0, q5_0, q5_1 and iq4_nl
 (kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2. IQ4_XS files' blocks run as iq4_nl ones
 (stored_formats.convert_blocks: each sub-block's scale rounded once to float16).
@@ -22,11 +22,18 @@ from lmserve.worker.kernel_choice import (
 )
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.quantization import BlockQuantizedLinear, register_layer_type
-from lmserve.worker.stored_formats import BLOCK_FORMATS, HELD_INTO, KERNEL_FORMATS, convert_blocks
+from lmserve.worker.stored_formats import (
+    BLOCK_FORMATS,
+    HELD_INTO,
+    KERNEL_FORMATS,
+    convert_blocks,
+    q3_k_fields,
+)
 
 SUPER_BLOCK = 256
 GROUP_ROWS = 16  # output rows per group of the kernel's layout
-KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # llama.cpp's block_q4_K, block_q5_K, block_q6_K
+# llama.cpp's block_q3_K, block_q4_K, block_q5_K, block_q6_K
+KQUANT_BLOCK_BYTES = {"q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 INT16_BLOCK_METHODS = ("q4_0", "q5_0", "q5_1", "iq4_nl")  # kernels/int16_activations.cpp's, blocks of 32
 
 
@@ -97,6 +104,14 @@ def _per_group(values: np.ndarray) -> np.ndarray:
         rows // GROUP_ROWS, x, GROUP_ROWS * width)
 
 
+def _two_bits(quant_rows: np.ndarray) -> np.ndarray:
+    """[G, B, 8, 64] 2-bit values -> [G, B, 128]: chunk h holds row 4h + r in bits 2r, 2r + 1."""
+    groups = quant_rows.shape[0]
+    two = quant_rows.reshape(groups, -1, 2, 4, 64)
+    return (two[:, :, :, 0] | (two[:, :, :, 1] << 2) | (two[:, :, :, 2] << 4) | (two[:, :, :, 3] << 6)).reshape(
+        groups, -1, 128)
+
+
 def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
     """[N, K / 256, bytes] of the file's blocks in kernels/kquant_int16.cpp's layout: uint8 [N / 16, bytes per group]."""
     rows, supers, block_bytes = blocks.shape
@@ -117,22 +132,30 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
             fifth = ((quant_rows >> 4) & 1) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
             parts.append(np.bitwise_or.reduce(fifth, axis=2))
     else:
-        d, sc, codes = q6_k_fields(blocks)
+        if method == "q6_k":
+            d, sc, codes = q6_k_fields(blocks)
+        else:  # q3_k: its integers -4..3 as codes 0..7 under the offset 4
+            d, scales, values = q3_k_fields(blocks)
+            sc, codes = scales.view(np.uint8), (values + np.int8(4)).view(np.uint8).reshape(rows, -1)
         header = _per_group(d)
         pairs = sc.reshape(rows, -1, 2)  # per block of 32 inputs: the scales of its two halves of 16
         quant_rows = _rows_of_four(codes)
-        low = quant_rows & 0x0F
-        nibbles = low[:, :, 0::2] | (low[:, :, 1::2] << 4)
-        top = (quant_rows >> 4).reshape(groups, -1, 2, 4, 64)
-        top_bits = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
-        parts = [_per_group(pairs[..., 0:1]), _per_group(pairs[..., 1:2]), nibbles.reshape(groups, -1, 256), top_bits.reshape(groups, -1, 128)]
+        parts = [_per_group(pairs[..., 0:1]), _per_group(pairs[..., 1:2])]
+        if method == "q6_k":
+            low = quant_rows & 0x0F
+            parts.append((low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(groups, -1, 256))
+            parts.append(_two_bits(quant_rows >> 4))
+        else:  # the low 2 bits as q6_k's top ones, the third as q5_k's fifth
+            parts.append(_two_bits(quant_rows & 0x03))
+            third = ((quant_rows >> 2) & 1) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            parts.append(np.bitwise_or.reduce(third, axis=2))
     per_block = np.concatenate(parts, axis=-1).reshape(groups, supers, blocks_per_super, -1)
     packed = np.concatenate([header, per_block.reshape(groups, supers, -1)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(packed.reshape(groups, -1)))
 
 
 class KQuantLinear(BlockQuantizedLinear):
-    """A layer whose weights stay in the file's K-quant blocks (q4_k, q5_k, q6_k), run by kernels/kquant_int16.cpp
+    """A layer whose weights stay in the file's K-quant blocks (q3_k, q4_k, q5_k, q6_k), run by kernels/kquant_int16.cpp
     with int16 (or, asked for, int8) activations at every batch size of generated rows; prompt rows and large batches
     take the same copies as the other block layers (BlockQuantizedLinear), built from these blocks."""
 

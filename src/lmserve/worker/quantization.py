@@ -2,8 +2,8 @@
 put them in place (`--quantization auto|fp16|q8_0|q4_1|none`).
 
 Decoding on a CPU is bound by the bytes of weights read per step, so a layer keeps its weights as small as its file
-holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; q4_k,
-q5_k, q6_k, q5_0, q5_1 in worker/kquant_formats.py) and multiplies through C++ kernels that widen the blocks in
+holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; q3_k,
+q4_k, q5_k, q6_k, q4_0, q5_0, q5_1, iq4_nl in worker/kquant_formats.py) and multiplies through C++ kernels that widen the blocks in
 registers (worker/kernels). Under `auto` each matrix of a GGUF file keeps the format it is stored in
 (worker/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from the file
 (StoredBlocks, PendingBlockLinear: no float copy on the way); a matrix no kernel format holds, and a Hugging Face

@@ -1,5 +1,5 @@
 // The few vector primitives the int16-activation kernels are written over (int16_activations.cpp: q4_1, q8_0, q5_0,
-// q5_1, iq4_nl; kquant_int16.cpp: q4_k, q5_k, q6_k), so that one source builds for AVX-512 VNNI and for AVX2.
+// q5_1, iq4_nl; kquant_int16.cpp: q3_k, q4_k, q5_k, q6_k), so that one source builds for AVX-512 VNNI and for AVX2.
 //
 // 16 lanes of int32 or float32 (one per output row of a group of 16) and 64 bytes: one AVX-512 register each, or two
 // AVX2 ones (lanes 0-7, 8-15; bytes 0-31, 32-63). dot4 is VPDPBUSD on AVX-512 VNNI; on AVX2 the same products as

@@ -1,4 +1,4 @@
-// Linear layers over llama.cpp's K-quant weights (q4_k, q5_k, q6_k), with the activations as 16-bit integers per block of
+// Linear layers over llama.cpp's K-quant weights (q3_k, q4_k, q5_k, q6_k), with the activations as 16-bit integers per block of
 // 32 inputs: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size. Built for AVX-512
 // VNNI (VPDPBUSD) or for AVX2 (the same products as VPMADDUBSW + VPMADDWD), from one source over a few primitives.
 //
@@ -7,18 +7,21 @@
 //   q4_k: 8 sub-blocks of 32, 6-bit scale sc and minimum mn, 4-bit q:  w = (d sc) q - (dmin mn)   (4.5 bits a weight)
 //   q5_k: the same with 5-bit q                                                                       (5.5 bits)
 //   q6_k: 16 sub-blocks of 16, int8 scale sc, 6-bit q:                  w = (d sc) (q - 32)        (6.5625 bits)
+//   q3_k: the same with 3-bit q (the file's 6-bit ls, as sc = ls - 32):   w = (d sc) (q - 4)         (3.4375 bits)
 // d sc and dmin mn are exact in float32 (11-bit by 8-bit products), so each sub-block is a q4_1 / q8_0 block with
-// float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k: per half
-// block, each half with its scale). Every row is computed alone, in the same order whatever shares its call.
+// float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k, q3_k: per
+// half block, each half with its scale). Every row is computed alone, in the same order whatever shares its call.
 //
 // Layout (worker/kquant_formats.py packs it from the file's blocks, byte for byte of what they hold), per group of 16
 // output rows and super-block of 256 inputs: a header of the 16 rows' d (float16; q4_k: then their dmin), then per
 // block of 32 inputs, as int16_activations.cpp's: the 16 rows' sub-block scales (q4_k: 16 sc, 16 mn as bytes; q6_k:
 // 16 int8 sc of the first 16 inputs, 16 of the second), the low 4 bits of q as 4 chunks of 64 bytes (chunk c: row 2c
 // in the low nibbles, 2c + 1 in the high ones; row j holds q[n][4j..4j+3] for n = 0..15), and (q6_k) the top 2 bits
-// as 2 chunks of 64 (chunk h: row 4h + r in bits 2r, 2r + 1).
+// as 2 chunks of 64 (chunk h: row 4h + r in bits 2r, 2r + 1). q3_k: q6_k's scales, then the low 2 bits of q as q6_k's
+// top bits, then the third bit as q5_k's fifth (bit j of byte 4n + e: row j's).
 //   q4_k: 64 + 8 x (32 + 256) = 2,368 bytes per 16 x 256 weights (the file's 144 per 256: 4.5 bits + 0.125)
 //   q6_k: 32 + 8 x (32 + 384) = 3,360 bytes (the file's 210 per 256: 6.5625 bits)
+//   q3_k: 32 + 8 x (32 + 192) = 1,824 bytes (the file's 110 per 256: 3.4375 bits + 0.125)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -80,6 +83,7 @@ struct Q5_K {
 
 struct Q6_K {
   static constexpr const char* kName = "q6_k";
+  static constexpr int kOffset = 32;  // w = (d sc) (q - 32)
   static constexpr int64_t kHeader = 32;                  // 16 d
   static constexpr int64_t kBlockBytes = 32 + 256 + 128;  // 16 + 16 sc, nibbles, top bits
   static constexpr int kTileRows = kAvx512 ? 4 : 1;      // four accumulators a row
@@ -104,6 +108,45 @@ struct Q6_K {
   }
 };
 
+struct Q3_K {
+  static constexpr const char* kName = "q3_k";
+  static constexpr int kOffset = 4;                     // w = (d sc) (q - 4)
+  static constexpr int64_t kHeader = 32;                // 16 d
+  static constexpr int64_t kBlockBytes = 32 + 128 + 64;  // 16 + 16 sc, low 2 bits, third bits
+  static constexpr int kTileRows = kAvx512 ? 4 : 1;     // four accumulators a row, as q6_k
+  static constexpr int kTileRows8 = kAvx512 ? 6 : 2;
+  static constexpr int kPerWiden = 4;                    // codes <= 7: 4 x 2 x 7 x 127 < 2^15 (4 rows a half)
+  static inline void quants(const uint8_t* block, U8 rows[8]) {
+    for (int h = 0; h < 2; ++h) {
+      const U8 v = load64(block + 32 + 64 * h);
+      rows[4 * h] = and8(v, 0x03);
+      rows[4 * h + 1] = and8(shift_right16<2>(v), 0x03);
+      rows[4 * h + 2] = and8(shift_right16<4>(v), 0x03);
+      rows[4 * h + 3] = and8(shift_right16<6>(v), 0x03);
+    }
+    // Row j's third bit sits at bit j: moved to bit 2 (16-bit shifts; what crosses bytes is masked).
+    const U8 bits = load64(block + 32 + 128);
+    rows[0] = or8(rows[0], and8(shift_left16<2>(bits), 0x04));
+    rows[1] = or8(rows[1], and8(shift_left16<1>(bits), 0x04));
+    rows[2] = or8(rows[2], and8(bits, 0x04));
+    rows[3] = or8(rows[3], and8(shift_right16<1>(bits), 0x04));
+    rows[4] = or8(rows[4], and8(shift_right16<2>(bits), 0x04));
+    rows[5] = or8(rows[5], and8(shift_right16<3>(bits), 0x04));
+    rows[6] = or8(rows[6], and8(shift_right16<4>(bits), 0x04));
+    rows[7] = or8(rows[7], and8(shift_right16<5>(bits), 0x04));
+  }
+  static inline int quant(const uint8_t* block, int n, int k) {
+    const int j = k / 4, e = k % 4;
+    const uint8_t low = block[32 + 64 * (j / 4) + 4 * n + e];
+    const uint8_t third = block[32 + 128 + 4 * n + e];
+    return ((low >> (2 * (j % 4))) & 3) | (((third >> j) & 1) << 2);
+  }
+};
+
+// Sub-blocks of 16 with int8 scales and an offset code (q6_k, q3_k): each half of a block of 32 inputs has its scale.
+template <class Format>
+constexpr bool kHalfBlocks = std::is_same_v<Format, Q6_K> || std::is_same_v<Format, Q3_K>;
+
 template <class Format>
 constexpr int64_t super_bytes() { return Format::kHeader + kBlocksPerSuper * Format::kBlockBytes; }
 
@@ -112,7 +155,7 @@ constexpr int64_t super_bytes() { return Format::kHeader + kBlocksPerSuper * For
 template <class Format, int T, bool kLow = true>
 void group_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
                    const float* bias, float* y, int64_t N, int64_t n0) {
-  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
+  constexpr bool kSixBit = kHalfBlocks<Format>;
   F32 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = zero_f();
   const int8_t* high = a.high.data() + row * K;
@@ -154,9 +197,9 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         const int64_t i = first + t * blocks + b;
         const F32 s = set1(a.scale[i]);
         for (int h = 0; h < 2; ++h) {
-          // q - 32: 32 (sum of the half's activations) off each exact dot product.
-          const F32 dh = to_float(sub_i(dot_high[t][h], 32 * a.high_half[2 * i + h]));
-          const F32 dl = kLow ? to_float(sub_i(dot_low[t][h], 32 * a.low_half[2 * i + h])) : zero_f();
+          // q - offset: offset x (sum of the half's activations) off each exact dot product.
+          const F32 dh = to_float(sub_i(dot_high[t][h], Format::kOffset * a.high_half[2 * i + h]));
+          const F32 dl = kLow ? to_float(sub_i(dot_low[t][h], Format::kOffset * a.low_half[2 * i + h])) : zero_f();
           acc[t] = fmadd(fmadd(dh, set1(256.0f), dl), mul(h ? scale1 : scale0, s), acc[t]);
         }
       }
@@ -237,19 +280,37 @@ struct SourceQ5_K {  // block_q5_K: d, dmin, 12 bytes of scales and minimums, 32
   }
 };
 struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, d
-  static constexpr int64_t kBytes = 210;
+  static constexpr int64_t kBytes = 210, kScaleAt = 208;
   static int code(const uint8_t* src, int w) {
     const int h = w / 128, low = (src[64 * h + w % 64] >> (4 * (w % 128 / 64))) & 0x0F;
     const int top = (src[128 + 32 * h + w % 32] >> (2 * (w % 128 / 32))) & 3;
     return low | (top << 4);
   }
+  static uint8_t scale(const uint8_t* src, int j) { return src[192 + j]; }
+};
+struct SourceQ3_K {  // block_q3_K: 32 bytes of third bits (hmask), 64 of 2-bit codes, 12 of 6-bit scales, d
+  static constexpr int64_t kBytes = 110, kScaleAt = 108;
+  // Weight 128 h + 32 j + p: bits 2j of byte 32 h + p, its third bit at bit 4 h + j of hmask byte p; q = that + 4.
+  static int code(const uint8_t* src, int w) {
+    const int h = w / 128, j = w % 128 / 32, p = w % 32;
+    return ((src[32 + 32 * h + p] >> (2 * j)) & 3) | (((src[p] >> (4 * h + j)) & 1) << 2);
+  }
+  // Sub-block j's ls - 32 as an int8 byte: its low 4 bits in byte j % 8 (the high nibble from j = 8), the top 2 in
+  // byte 8 + j % 4 at bit 2 (j / 4).
+  static uint8_t scale(const uint8_t* src, int j) {
+    const uint8_t* s = src + 96;
+    const int ls = ((s[j % 8] >> (4 * (j / 8))) & 0x0F) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+    return static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+  }
 };
 
 template <class Format>
 at::Tensor pack(const at::Tensor& blocks) {
-  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
+  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>, kThreeBit = std::is_same_v<Format, Q3_K>;
   constexpr bool kFiveBit = std::is_same_v<Format, Q5_K>;
-  using Source = std::conditional_t<kSixBit, SourceQ6_K, std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>;
+  using Source = std::conditional_t<
+      kSixBit, SourceQ6_K,
+      std::conditional_t<kThreeBit, SourceQ3_K, std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>>;
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == Source::kBytes,
               Format::kName, " blocks must be uint8 [N, K / 256, ", Source::kBytes, "]");
   const int64_t N = blocks.size(0), supers = blocks.size(1);
@@ -266,11 +327,11 @@ at::Tensor pack(const at::Tensor& blocks) {
         uint8_t* dst = out_all + (g * supers + s) * super_bytes<Format>();
         for (int n = 0; n < kGroup; ++n) {
           const uint8_t* src = src_all + ((g * kGroup + n) * supers + s) * Source::kBytes;
-          if constexpr (kSixBit) {
-            std::memcpy(dst + 2 * n, src + 208, 2);
+          if constexpr (kHalfBlocks<Format>) {
+            std::memcpy(dst + 2 * n, src + Source::kScaleAt, 2);
             for (int b = 0; b < kBlocksPerSuper; ++b) {
-              first[n][b] = src[192 + 2 * b];
-              second[n][b] = src[192 + 2 * b + 1];
+              first[n][b] = Source::scale(src, 2 * b);
+              second[n][b] = Source::scale(src, 2 * b + 1);
             }
           } else {
             std::memcpy(dst + 2 * n, src, 2);
@@ -286,6 +347,18 @@ at::Tensor pack(const at::Tensor& blocks) {
             block[n] = first[n][b];
             block[16 + n] = second[n][b];
             q[n] = codes[n] + kBlock * b;
+          }
+          if constexpr (kThreeBit) {
+            for (int h = 0; h < 2; ++h)
+              for (int n = 0; n < kGroup; ++n)
+                for (int e = 0; e < 4; ++e) {
+                  uint8_t low = 0, third = 0;
+                  for (int r = 0; r < 4; ++r) low |= static_cast<uint8_t>((q[n][4 * (4 * h + r) + e] & 3) << (2 * r));
+                  block[32 + 64 * h + 4 * n + e] = low;
+                  for (int j = 0; j < 8; ++j) third |= static_cast<uint8_t>(((q[n][4 * j + e] >> 2) & 1) << j);
+                  block[32 + 128 + 4 * n + e] = third;
+                }
+            continue;
           }
           for (int c = 0; c < 4; ++c)
             for (int n = 0; n < kGroup; ++n)
@@ -311,7 +384,7 @@ at::Tensor pack(const at::Tensor& blocks) {
 }
 
 // The float32 weights [N, K]: gguf's values bit for bit (q4_k: (d sc) q - dmin mn, one rounding as an FMA of exact
-// terms; q6_k: (d sc) (q - 32), exact).
+// terms; q6_k, q3_k: (d sc) (q - offset), exact).
 template <class Format>
 void dequantize(const at::Tensor& weight, at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2,
@@ -327,7 +400,7 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
         const uint8_t* super = wp + g * group_bytes + b / kBlocksPerSuper * super_bytes<Format>();
         const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
         alignas(64) float second[16], first_scale[16];
-        if constexpr (!std::is_same_v<Format, Q6_K>) {
+        if constexpr (!kHalfBlocks<Format>) {
           storeu(first_scale, mul(widen16(super), bytes_unsigned(block)));
           storeu(second, mul(widen16(super + 32), bytes_unsigned(block + 16)));  // dmin mn
         } else {
@@ -338,8 +411,8 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
           for (int k = 0; k < kBlock; ++k) {
             const float q = static_cast<float>(Format::quant(block, n, k));
             float* dst = op + (g * kGroup + n) * K + b * kBlock + k;
-            if constexpr (!std::is_same_v<Format, Q6_K>) *dst = std::fma(q, first_scale[n], -second[n]);
-            else *dst = (q - 32.0f) * (k < 16 ? first_scale[n] : second[n]);
+            if constexpr (!kHalfBlocks<Format>) *dst = std::fma(q, first_scale[n], -second[n]);
+            else *dst = (q - static_cast<float>(Format::kOffset)) * (k < 16 ? first_scale[n] : second[n]);
           }
       }
   });
@@ -360,6 +433,10 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("q3_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q3_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q3_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q3_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
@@ -375,6 +452,10 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q6_k_int16_linear", &linear<Q6_K>);
   m.impl("q6_k_int8_linear", &linear<Q6_K, false>);
   m.impl("q6_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q6_K>(w, out); });
+  m.impl("q3_k_int16_pack", &pack<Q3_K>);
+  m.impl("q3_k_int16_linear", &linear<Q3_K>);
+  m.impl("q3_k_int8_linear", &linear<Q3_K, false>);
+  m.impl("q3_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q3_K>(w, out); });
 }
 
 #endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C
