@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 # Fewest bytes a weight first. All but q4_1 and q8_0 run only where the int16-activation kernels do (AVX-512 VNNI or
 # AVX2, with integer activations).
-KERNEL_FORMATS = ("q3_k", "iq4_nl", "q4_0", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
+KERNEL_FORMATS = ("q2_k", "q3_k", "iq4_nl", "q4_0", "q4_k", "q4_1", "q5_0", "q5_k", "q5_1", "q6_k", "q8_0")
 BLOCK_FORMATS = ("q4_1", "q8_0")  # the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp)
 # Stored type -> the kernel formats that hold its blocks exactly, fewest bytes first.
 EXACT_INTO: dict[str, tuple[str, ...]] = {
@@ -21,6 +21,7 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
     "q5_k": ("q5_k",),
     "q6_k": ("q6_k",),
     "iq4_nl": ("iq4_nl", "q8_0"),
+    "q2_k": ("q2_k",),
     "q3_k": ("q3_k", "q6_k"),  # 3-bit codes - 4 under int8 sub-block scales: q6_k's codes - 32 hold them too
 }
 # Stored type -> the kernel formats that hold its blocks with each block's scale rounded once to float16.
@@ -28,8 +29,8 @@ SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("iq4_nl", "q8_0")}
 HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may take
 STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
 STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-                      "iq4_nl": 18, "iq4_xs": 136, "q3_k": 110}
-BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256}  # weights a block; 32 for the others
+                      "iq4_nl": 18, "iq4_xs": 136, "q3_k": 110, "q2_k": 84}
+BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256, "q2_k": 256}  # weights a block; 32 for the others
 
 
 def block_width(stored_type: str) -> int:

@@ -234,7 +234,7 @@ def _fused_held_bytes(types: list[str]) -> list[float]:
 def gguf_held_bits(path: Path) -> float:
     """Bits a parameter the file's tensors take as the engine holds them where every kernel runs: a matrix in the
     kernel format its blocks convert into (IQ4_XS as iq4_nl, Q3_K beside Q6_K as q6_k; the parts of a fused q/k/v or
-    gate/up as above), one that no format holds (Q2_K, floats) as float16; the token embedding in the file's
+    gate/up as above), one that no format holds (floats) as float16; the token embedding in the file's
     blocks where they can be looked up, and when the output layer is the embedding (no output.weight), that layer in
     its kernel format besides unless the two share the blocks; vectors in float32."""
     tensors = read_gguf_header(path).tensors

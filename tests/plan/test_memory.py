@@ -183,21 +183,17 @@ def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_g
     from lmserve.plan.fit import layout_memory
 
     # Bytes a weight as the engine holds each matrix (tests/worker/test_stored_formats.py and test_kquant_formats.py
-    # check the layers): K-quants, Q5_0 and Q8_0 as stored, Q4_0 as q4_1 (20 bytes a 32), Q2_K and Q3_K as float16;
-    # fused layers: tiny_kquant's layer 1 q/k/v (Q2_K, Q3_K, Q5_K) and gate/up (Q5_K, Q2_K) all float16, mixed's gate
-    # and up (Q5_0, Q4_0) and
-    # q/k/v (Q5_0, Q5_0, Q8_0) all q8_0. Both tied embeddings (Q6_K, Q5_0) keep their blocks, which their output layers
+    # check the layers): K-quants (Q2_K and Q3_K too), Q4_0, Q5_0 and Q8_0 as stored; fused layers: tiny_kquant's
+    # layer 1 q/k/v (Q2_K, Q3_K, Q5_K) and gate/up (Q5_K, Q2_K) each part in its own format, mixed's gate and up
+    # (Q5_0, Q4_0) and q/k/v (Q5_0, Q5_0, Q8_0) all q8_0. Both tied embeddings (Q6_K, Q5_0) keep their blocks, which their output layers
     # share; vectors are float32.
-    held = {"Q2_K": 2.0, "Q3_K": 2.0, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256, "Q5_0": 22 / 32,
-            "Q8_0": 34 / 32, "Q4_0": 20 / 32, "F32": 4.0}
+    held = {"Q2_K": 84 / 256, "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256,
+            "Q5_0": 22 / 32, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "F32": 4.0}
 
     def rate(path, t) -> float:
         if path == mixed_gguf and any(f".{part}." in t.name for part in ("attn_q", "attn_k", "attn_v", "ffn_gate",
                                                                           "ffn_up")):
             return 34 / 32
-        if path == tiny_kquant_gguf and any(f".{part}." in t.name for part in ("attn_v", "ffn_gate")) and int(
-                t.name.split(".")[1]) % 2:
-            return 2.0
         return held[gguf.GGMLQuantizationType(t.ggml_type).name]
 
     for path in (tiny_kquant_gguf, mixed_gguf):

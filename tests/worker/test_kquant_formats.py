@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.batched_copies import Float16WeightLinear
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.kernel_choice import int16_kernel_loads
 from lmserve.worker.kernels import cpu_kernels
@@ -29,7 +28,7 @@ from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (no AVX2)")
-METHODS = ["q3_k", "q4_k", "q5_k", "q6_k"]
+METHODS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +73,9 @@ def test_packed_blocks_hold_the_files_values_at_the_stored_size(stored, method: 
     assert (layer.out_features, layer.in_features) == (48, 768)
     assert torch.equal(layer.dequantized(), torch.from_numpy(values))
     per_weight = layer.blocks.numel() / (48 * 768)
-    # 3.5625, 4.625, 5.625 and 6.5625 bits a weight (the file's 3.4375, 4.5, 5.5 and 6.5625)
-    assert per_weight == {"q3_k": 1824 / 4096, "q4_k": 2368 / 4096, "q5_k": 2880 / 4096, "q6_k": 3360 / 4096}[method]
+    # 3.125, 3.5625, 4.625, 5.625 and 6.5625 bits a weight (the file's 2.625, 3.4375, 4.5, 5.5 and 6.5625)
+    assert per_weight == {"q2_k": 1600 / 4096, "q3_k": 1824 / 4096, "q4_k": 2368 / 4096, "q5_k": 2880 / 4096,
+                          "q6_k": 3360 / 4096}[method]
     assert method in repr(layer)
 
 
@@ -140,7 +140,7 @@ def test_packing_refuses_what_the_kernel_cannot_tile(stored) -> None:
 @needs_kernel
 def test_a_fused_layer_of_two_k_quants_runs_each_part_in_its_own_format(tiny_kquant_gguf) -> None:
     """Q4_K_M's layer: q and k in Q4_K, v in Q6_K (conftest.K_QUANT_LAYER_TYPES, layer 0): q/k/v as segments of rows,
-    each at its stored size with the file's values; layer 1 (Q2_K, Q3_K, Q5_K: no kernel) stays float16."""
+    each at its stored size with the file's values; layer 1's (Q2_K, Q3_K, Q5_K) too."""
     source = resolve_model(str(tiny_kquant_gguf))
     config = load_hf_config(source)
     formats = kernel_formats()
@@ -155,7 +155,9 @@ def test_a_fused_layer_of_two_k_quants_runs_each_part_in_its_own_format(tiny_kqu
     assert [(s.method, s.out_features) for s in qkv.segments] == [("q4_k", 256), ("q4_k", 128), ("q6_k", 128)]
     assert torch.equal(qkv.dequantized(), reference.layers[0].self_attn.qkv_proj.weight)
     assert isinstance(model.layers[0].mlp.gate_up_proj, KQuantLinear)  # Q4_K gate and up: one layer
-    assert isinstance(model.layers[1].self_attn.qkv_proj, Float16WeightLinear)
+    other = model.layers[1].self_attn.qkv_proj
+    assert [(s.method, s.out_features) for s in other.segments] == [("q2_k", 256), ("q3_k", 128), ("q5_k", 128)]
+    assert torch.equal(other.dequantized(), reference.layers[1].self_attn.qkv_proj.weight)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference.layers[0].self_attn.qkv_proj(x)

@@ -141,7 +141,7 @@ def test_each_layer_takes_the_format_that_holds_all_its_rows() -> None:
     assert preferred_kernel_format(mixed) == "q4_k"
     assert preferred_kernel_format(mixed, BLOCK_FORMATS) == "q8_0"
     assert preferred_kernel_format(["q5_0"] * 3 + ["q6_k"]) == "q5_0"
-    assert preferred_kernel_format(["q2_k", "f16"]) is None and preferred_kernel_format(["q3_k", "q2_k"]) == "q3_k"
+    assert preferred_kernel_format(["iq3_s", "f16"]) is None and preferred_kernel_format(["q3_k", "q2_k"]) == "q2_k"
     assert preferred_kernel_format(["q5_1", "q5_k"]) == "q5_k" and exact_kernel_format(["q5_1"]) == "q5_1"
     assert runnable_types({"a": "q6_k", "b": "q5_0", "c": "f32"}, BLOCK_FORMATS) == {"a": "float", "b": "q5_0",
                                                                                     "c": "float"}

@@ -20,7 +20,7 @@ QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
 # Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): kernels with int16 (or int8)
 # activations only.
-INT16_ONLY_METHODS = ("q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_0", "q5_1", "iq4_nl")
+INT16_ONLY_METHODS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_0", "q5_1", "iq4_nl")
 LAYER_METHODS = BLOCK_METHODS + INT16_ONLY_METHODS
 BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16", "int8")

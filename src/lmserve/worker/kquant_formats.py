@@ -1,4 +1,4 @@
-"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q3_k, q4_k, q5_k, q6_k;
+"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q2_k, q3_k, q4_k, q5_k, q6_k;
 their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q4_0, q5_0, q5_1 and iq4_nl
 (kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2. IQ4_XS files' blocks run as iq4_nl ones
 (stored_formats.convert_blocks: each sub-block's scale rounded once to float16).
@@ -32,8 +32,8 @@ from lmserve.worker.stored_formats import (
 
 SUPER_BLOCK = 256
 GROUP_ROWS = 16  # output rows per group of the kernel's layout
-# llama.cpp's block_q3_K, block_q4_K, block_q5_K, block_q6_K
-KQUANT_BLOCK_BYTES = {"q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+# llama.cpp's block_q2_K, block_q3_K, block_q4_K, block_q5_K, block_q6_K
+KQUANT_BLOCK_BYTES = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 INT16_BLOCK_METHODS = ("q4_0", "q5_0", "q5_1", "iq4_nl")  # kernels/int16_activations.cpp's, blocks of 32
 
 
@@ -89,6 +89,17 @@ def q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return _float16_bytes(blocks, 208), np.ascontiguousarray(blocks[..., 192:208]), codes
 
 
+def q2_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[N, S, 84] block_q2_K -> d and dmin (float16 bytes [N, S, 2]), the 16 sub-blocks' sc and mn (uint8 [N, S, 16],
+    4-bit) and codes (uint8 [N, S * 256], 0..3): gguf's Q2_K.dequantize_blocks reading (w = d sc q - dmin mn; weight
+    128 h + 32 j + p in bits 2j of code byte 32 h + p)."""
+    rows, supers, _ = blocks.shape
+    packed = blocks[..., 0:16]
+    qs = blocks[..., 16:80].reshape(rows, supers, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1))
+    codes = (qs & 3).reshape(rows, supers * SUPER_BLOCK)
+    return _float16_bytes(blocks, 80), _float16_bytes(blocks, 82), packed & 0x0F, packed >> 4, codes
+
+
 def _rows_of_four(codes: np.ndarray) -> np.ndarray:
     """uint8 [N, K] codes -> [G, K / 32, 8, 64]: per group of 16 outputs and block of 32 inputs, row j holds
     q[n][4j..4j+3] for n = 0..15 (the VNNI order)."""
@@ -120,7 +131,13 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
     if rows % GROUP_ROWS:
         raise ValueError(f"{method} layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
     groups, blocks_per_super = rows // GROUP_ROWS, SUPER_BLOCK // 32
-    if method in ("q4_k", "q5_k"):
+    if method == "q2_k":
+        d, dmin, sc, mn, codes = q2_k_fields(blocks)
+        header = np.concatenate([_per_group(d), _per_group(dmin)], axis=-1)
+        sc_pairs, mn_pairs = sc.reshape(rows, -1, 2), mn.reshape(rows, -1, 2)  # per block of 32: its two halves'
+        parts = [_per_group(sc_pairs[..., 0:1]), _per_group(sc_pairs[..., 1:2]), _per_group(mn_pairs[..., 0:1]),
+                 _per_group(mn_pairs[..., 1:2]), _two_bits(_rows_of_four(codes))]
+    elif method in ("q4_k", "q5_k"):
         d, dmin, sc, mn, codes = (q4_k_fields if method == "q4_k" else q5_k_fields)(blocks)
         header = np.concatenate([_per_group(d), _per_group(dmin)], axis=-1)
         scales = np.concatenate([_per_group(sc.reshape(rows, -1, 1)), _per_group(mn.reshape(rows, -1, 1))], axis=-1)
@@ -155,7 +172,7 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
 
 
 class KQuantLinear(BlockQuantizedLinear):
-    """A layer whose weights stay in the file's K-quant blocks (q3_k, q4_k, q5_k, q6_k), run by kernels/kquant_int16.cpp
+    """A layer whose weights stay in the file's K-quant blocks (q2_k, q3_k, q4_k, q5_k, q6_k), run by kernels/kquant_int16.cpp
     with int16 (or, asked for, int8) activations at every batch size of generated rows; prompt rows and large batches
     take the same copies as the other block layers (BlockQuantizedLinear), built from these blocks."""
 

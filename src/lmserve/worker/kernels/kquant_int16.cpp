@@ -1,4 +1,4 @@
-// Linear layers over llama.cpp's K-quant weights (q3_k, q4_k, q5_k, q6_k), with the activations as 16-bit integers per block of
+// Linear layers over llama.cpp's K-quant weights (q2_k, q3_k, q4_k, q5_k, q6_k), with the activations as 16-bit integers per block of
 // 32 inputs: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size. Built for AVX-512
 // VNNI (VPDPBUSD) or for AVX2 (the same products as VPMADDUBSW + VPMADDWD), from one source over a few primitives.
 //
@@ -8,9 +8,10 @@
 //   q5_k: the same with 5-bit q                                                                       (5.5 bits)
 //   q6_k: 16 sub-blocks of 16, int8 scale sc, 6-bit q:                  w = (d sc) (q - 32)        (6.5625 bits)
 //   q3_k: the same with 3-bit q (the file's 6-bit ls, as sc = ls - 32):   w = (d sc) (q - 4)         (3.4375 bits)
+//   q2_k: 16 sub-blocks of 16, 4-bit scale sc and minimum mn, 2-bit q:  w = (d sc) q - (dmin mn)   (2.625 bits)
 // d sc and dmin mn are exact in float32 (11-bit by 8-bit products), so each sub-block is a q4_1 / q8_0 block with
-// float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k, q3_k: per
-// half block, each half with its scale). Every row is computed alone, in the same order whatever shares its call.
+// float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k, q3_k,
+// q2_k: per half block, each half with its scale; q2_k's minimum against the half's sum of the integer activations). Every row is computed alone, in the same order whatever shares its call.
 //
 // Layout (worker/kquant_formats.py packs it from the file's blocks, byte for byte of what they hold), per group of 16
 // output rows and super-block of 256 inputs: a header of the 16 rows' d (float16; q4_k: then their dmin), then per
@@ -22,6 +23,8 @@
 //   q4_k: 64 + 8 x (32 + 256) = 2,368 bytes per 16 x 256 weights (the file's 144 per 256: 4.5 bits + 0.125)
 //   q6_k: 32 + 8 x (32 + 384) = 3,360 bytes (the file's 210 per 256: 6.5625 bits)
 //   q3_k: 32 + 8 x (32 + 192) = 1,824 bytes (the file's 110 per 256: 3.4375 bits + 0.125)
+//   q2_k: 64 + 8 x (64 + 128) = 1,600 bytes (the file's 84 per 256: 2.625 bits + 0.5): the header's 16 d and 16 dmin,
+//         per block the halves' 16 + 16 sc and 16 + 16 mn as bytes, the 2-bit q as q3_k's low bits
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -143,9 +146,31 @@ struct Q3_K {
   }
 };
 
-// Sub-blocks of 16 with int8 scales and an offset code (q6_k, q3_k): each half of a block of 32 inputs has its scale.
+struct Q2_K {
+  static constexpr const char* kName = "q2_k";
+  static constexpr int64_t kHeader = 64;           // 16 d, 16 dmin
+  static constexpr int64_t kBlockBytes = 64 + 128;  // 16 + 16 sc, 16 + 16 mn, 2-bit codes
+  static constexpr int kTileRows = kAvx512 ? 4 : 1;
+  static constexpr int kTileRows8 = kAvx512 ? 6 : 2;
+  static constexpr int kPerWiden = 4;  // codes <= 3 (4 rows a half)
+  static inline void quants(const uint8_t* block, U8 rows[8]) {
+    for (int h = 0; h < 2; ++h) {
+      const U8 v = load64(block + 64 + 64 * h);
+      rows[4 * h] = and8(v, 0x03);
+      rows[4 * h + 1] = and8(shift_right16<2>(v), 0x03);
+      rows[4 * h + 2] = and8(shift_right16<4>(v), 0x03);
+      rows[4 * h + 3] = and8(shift_right16<6>(v), 0x03);
+    }
+  }
+  static inline int quant(const uint8_t* block, int n, int k) {
+    const int j = k / 4, e = k % 4;
+    return (block[64 + 64 * (j / 4) + 4 * n + e] >> (2 * (j % 4))) & 3;
+  }
+};
+
+// Sub-blocks of 16 (q6_k, q3_k, q2_k): each half of a block of 32 inputs has its scale.
 template <class Format>
-constexpr bool kHalfBlocks = std::is_same_v<Format, Q6_K> || std::is_same_v<Format, Q3_K>;
+constexpr bool kHalfBlocks = std::is_same_v<Format, Q6_K> || std::is_same_v<Format, Q3_K> || std::is_same_v<Format, Q2_K>;
 
 template <class Format>
 constexpr int64_t super_bytes() { return Format::kHeader + kBlocksPerSuper * Format::kBlockBytes; }
@@ -191,7 +216,23 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
         }
     }
     const F32 d = widen16(super);
-    if constexpr (kSixBit) {
+    if constexpr (std::is_same_v<Format, Q2_K>) {
+      const F32 dmin = widen16(super + 32);
+      const F32 scales[2] = {mul(d, bytes_unsigned(block)), mul(d, bytes_unsigned(block + 16))};
+      const F32 minimums[2] = {mul(dmin, bytes_unsigned(block + 32)), mul(dmin, bytes_unsigned(block + 48))};
+      for (int t = 0; t < T; ++t) {
+        const int64_t i = first + t * blocks + b;
+        const F32 s = set1(a.scale[i]);
+        for (int h = 0; h < 2; ++h) {
+          // (d sc) (q . x) - (dmin mn) (sum of x), x the half's integer activations (x_hi alone with 8-bit ones).
+          const F32 dh = to_float(dot_high[t][h]), dl = kLow ? to_float(dot_low[t][h]) : zero_f();
+          const float half_sum = 256.0f * static_cast<float>(a.high_half[2 * i + h]) +
+                                 (kLow ? static_cast<float>(a.low_half[2 * i + h]) : 0.0f);
+          acc[t] = fmadd(fmadd(dh, set1(256.0f), dl), mul(scales[h], s), acc[t]);
+          acc[t] = fnmadd(mul(minimums[h], s), set1(half_sum), acc[t]);
+        }
+      }
+    } else if constexpr (kSixBit) {
       const F32 scale0 = mul(d, bytes_signed(block)), scale1 = mul(d, bytes_signed(block + 16));
       for (int t = 0; t < T; ++t) {
         const int64_t i = first + t * blocks + b;
@@ -288,6 +329,11 @@ struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16
   }
   static uint8_t scale(const uint8_t* src, int j) { return src[192 + j]; }
 };
+struct SourceQ2_K {  // block_q2_K: 16 bytes of 4-bit scales (low) and minimums (high), 64 of 2-bit codes, d, dmin
+  static constexpr int64_t kBytes = 84;
+  // Weight 128 h + 32 j + p: bits 2j of byte 16 + 32 h + p.
+  static int code(const uint8_t* src, int w) { return (src[16 + 32 * (w / 128) + w % 32] >> (2 * (w % 128 / 32))) & 3; }
+};
 struct SourceQ3_K {  // block_q3_K: 32 bytes of third bits (hmask), 64 of 2-bit codes, 12 of 6-bit scales, d
   static constexpr int64_t kBytes = 110, kScaleAt = 108;
   // Weight 128 h + 32 j + p: bits 2j of byte 32 h + p, its third bit at bit 4 h + j of hmask byte p; q = that + 4.
@@ -307,10 +353,13 @@ struct SourceQ3_K {  // block_q3_K: 32 bytes of third bits (hmask), 64 of 2-bit 
 template <class Format>
 at::Tensor pack(const at::Tensor& blocks) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>, kThreeBit = std::is_same_v<Format, Q3_K>;
+  constexpr bool kTwoBit = std::is_same_v<Format, Q2_K>;
   constexpr bool kFiveBit = std::is_same_v<Format, Q5_K>;
   using Source = std::conditional_t<
       kSixBit, SourceQ6_K,
-      std::conditional_t<kThreeBit, SourceQ3_K, std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>>;
+      std::conditional_t<kThreeBit, SourceQ3_K,
+                         std::conditional_t<kTwoBit, SourceQ2_K,
+                                            std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>>>;
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == Source::kBytes,
               Format::kName, " blocks must be uint8 [N, K / 256, ", Source::kBytes, "]");
   const int64_t N = blocks.size(0), supers = blocks.size(1);
@@ -322,12 +371,22 @@ at::Tensor pack(const at::Tensor& blocks) {
   at::parallel_for(0, N / kGroup, 4, [&](int64_t begin, int64_t end) {
     uint8_t codes[kGroup][kSuper];
     uint8_t first[kGroup][kBlocksPerSuper], second[kGroup][kBlocksPerSuper];  // q4_k: sc, mn; q6_k: the halves'
+    uint8_t third[kGroup][kBlocksPerSuper], fourth[kGroup][kBlocksPerSuper];  // q2_k: sc of the halves, mn of the halves
     for (int64_t g = begin; g < end; ++g)
       for (int64_t s = 0; s < supers; ++s) {
         uint8_t* dst = out_all + (g * supers + s) * super_bytes<Format>();
         for (int n = 0; n < kGroup; ++n) {
           const uint8_t* src = src_all + ((g * kGroup + n) * supers + s) * Source::kBytes;
-          if constexpr (kHalfBlocks<Format>) {
+          if constexpr (kTwoBit) {
+            std::memcpy(dst + 2 * n, src + 80, 2);
+            std::memcpy(dst + 32 + 2 * n, src + 82, 2);
+            for (int b = 0; b < kBlocksPerSuper; ++b) {
+              first[n][b] = src[2 * b] & 0x0F;
+              second[n][b] = src[2 * b + 1] & 0x0F;
+              third[n][b] = src[2 * b] >> 4;
+              fourth[n][b] = src[2 * b + 1] >> 4;
+            }
+          } else if constexpr (kHalfBlocks<Format>) {
             std::memcpy(dst + 2 * n, src + Source::kScaleAt, 2);
             for (int b = 0; b < kBlocksPerSuper; ++b) {
               first[n][b] = Source::scale(src, 2 * b);
@@ -347,6 +406,20 @@ at::Tensor pack(const at::Tensor& blocks) {
             block[n] = first[n][b];
             block[16 + n] = second[n][b];
             q[n] = codes[n] + kBlock * b;
+          }
+          if constexpr (kTwoBit) {
+            for (int n = 0; n < kGroup; ++n) {
+              block[32 + n] = third[n][b];
+              block[48 + n] = fourth[n][b];
+            }
+            for (int h = 0; h < 2; ++h)
+              for (int n = 0; n < kGroup; ++n)
+                for (int e = 0; e < 4; ++e) {
+                  uint8_t low = 0;
+                  for (int r = 0; r < 4; ++r) low |= static_cast<uint8_t>((q[n][4 * (4 * h + r) + e] & 3) << (2 * r));
+                  block[64 + 64 * h + 4 * n + e] = low;
+                }
+            continue;
           }
           if constexpr (kThreeBit) {
             for (int h = 0; h < 2; ++h)
@@ -399,8 +472,13 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* super = wp + g * group_bytes + b / kBlocksPerSuper * super_bytes<Format>();
         const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
-        alignas(64) float second[16], first_scale[16];
-        if constexpr (!kHalfBlocks<Format>) {
+        alignas(64) float second[16], first_scale[16], minimum[2][16];
+        if constexpr (std::is_same_v<Format, Q2_K>) {
+          storeu(first_scale, mul(widen16(super), bytes_unsigned(block)));
+          storeu(second, mul(widen16(super), bytes_unsigned(block + 16)));  // the second half's scale
+          storeu(minimum[0], mul(widen16(super + 32), bytes_unsigned(block + 32)));
+          storeu(minimum[1], mul(widen16(super + 32), bytes_unsigned(block + 48)));
+        } else if constexpr (!kHalfBlocks<Format>) {
           storeu(first_scale, mul(widen16(super), bytes_unsigned(block)));
           storeu(second, mul(widen16(super + 32), bytes_unsigned(block + 16)));  // dmin mn
         } else {
@@ -411,7 +489,9 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
           for (int k = 0; k < kBlock; ++k) {
             const float q = static_cast<float>(Format::quant(block, n, k));
             float* dst = op + (g * kGroup + n) * K + b * kBlock + k;
-            if constexpr (!kHalfBlocks<Format>) *dst = std::fma(q, first_scale[n], -second[n]);
+            if constexpr (std::is_same_v<Format, Q2_K>)
+              *dst = std::fma(q, k < 16 ? first_scale[n] : second[n], -minimum[k / 16][n]);
+            else if constexpr (!kHalfBlocks<Format>) *dst = std::fma(q, first_scale[n], -second[n]);
             else *dst = (q - static_cast<float>(Format::kOffset)) * (k < 16 ? first_scale[n] : second[n]);
           }
       }
@@ -434,6 +514,10 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q6_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q3_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q2_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q2_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q2_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("q2_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q3_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q3_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q3_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
@@ -453,6 +537,10 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q6_k_int8_linear", &linear<Q6_K, false>);
   m.impl("q6_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q6_K>(w, out); });
   m.impl("q3_k_int16_pack", &pack<Q3_K>);
+  m.impl("q2_k_int16_pack", &pack<Q2_K>);
+  m.impl("q2_k_int16_linear", &linear<Q2_K>);
+  m.impl("q2_k_int8_linear", &linear<Q2_K, false>);
+  m.impl("q2_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q2_K>(w, out); });
   m.impl("q3_k_int16_linear", &linear<Q3_K>);
   m.impl("q3_k_int8_linear", &linear<Q3_K, false>);
   m.impl("q3_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q3_K>(w, out); });
