@@ -30,7 +30,8 @@ HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may 
 STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
 STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
                       "iq4_nl": 18, "iq4_xs": 136, "q3_k": 110, "q2_k": 84}
-BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256, "q2_k": 256}  # weights a block; 32 for the others
+# Weights a block; 32 for the others.
+BLOCK_WIDTH = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "q3_k": 256, "q2_k": 256}
 
 
 def block_width(stored_type: str) -> int:

@@ -72,7 +72,8 @@ def test_the_ray_driver_rank_starts_a_constrained_step_before_its_masks_come() -
     with pytest.raises(RuntimeError, match="no step"):
         driver.sample_tokens(np.array([7]))
     # Masks inside the step, or none at all: the step runs in the call as before.
-    assert driver.execute_model(message(driver, GrammarMasks({"a": 0}, [], mask=np.array([5])))).sampled_token_ids == {"a": 5}
+    inside = GrammarMasks({"a": 0}, [], mask=np.array([5]))
+    assert driver.execute_model(message(driver, inside)).sampled_token_ids == {"a": 5}
     assert driver.execute_model(message(driver, None)).sampled_token_ids == {"a": -1}
     driver.shutdown()
     # A rank that does not sample never waits (it reads no mask; a step that would read one fails, not hangs).

@@ -185,8 +185,8 @@ def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_g
     # Bytes a weight as the engine holds each matrix (tests/worker/test_stored_formats.py and test_kquant_formats.py
     # check the layers): K-quants (Q2_K and Q3_K too), Q4_0, Q5_0 and Q8_0 as stored; fused layers: tiny_kquant's
     # layer 1 q/k/v (Q2_K, Q3_K, Q5_K) and gate/up (Q5_K, Q2_K) each part in its own format, mixed's gate and up
-    # (Q5_0, Q4_0) and q/k/v (Q5_0, Q5_0, Q8_0) all q8_0. Both tied embeddings (Q6_K, Q5_0) keep their blocks, which their output layers
-    # share; vectors are float32.
+    # (Q5_0, Q4_0) and q/k/v (Q5_0, Q5_0, Q8_0) all q8_0. Both tied embeddings (Q6_K, Q5_0) keep their blocks, which
+    # their output layers share; vectors are float32.
     held = {"Q2_K": 84 / 256, "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256,
             "Q5_0": 22 / 32, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "F32": 4.0}
 

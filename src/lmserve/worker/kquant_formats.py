@@ -1,5 +1,5 @@
-"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q2_k, q3_k, q4_k, q5_k, q6_k;
-their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q4_0, q5_0, q5_1 and iq4_nl
+"""Layers that run only with int16 activations, at the file's stored size: llama.cpp's K-quants (q2_k, q3_k, q4_k,
+q5_k, q6_k; their super-blocks rearranged into the layout of kernels/kquant_int16.cpp) and q4_0, q5_0, q5_1 and iq4_nl
 (kernels/int16_activations.cpp), both built for AVX-512 VNNI or AVX2. IQ4_XS files' blocks run as iq4_nl ones
 (stored_formats.convert_blocks: each sub-block's scale rounded once to float16).
 
@@ -172,9 +172,10 @@ def pack_kquant(method: str, blocks: np.ndarray) -> torch.Tensor:
 
 
 class KQuantLinear(BlockQuantizedLinear):
-    """A layer whose weights stay in the file's K-quant blocks (q2_k, q3_k, q4_k, q5_k, q6_k), run by kernels/kquant_int16.cpp
-    with int16 (or, asked for, int8) activations at every batch size of generated rows; prompt rows and large batches
-    take the same copies as the other block layers (BlockQuantizedLinear), built from these blocks."""
+    """A layer whose weights stay in the file's K-quant blocks (q2_k, q3_k, q4_k, q5_k, q6_k), run by
+    kernels/kquant_int16.cpp with int16 (or, asked for, int8) activations at every batch size of generated rows;
+    prompt rows and large batches take the same copies as the other block layers (BlockQuantizedLinear), built from
+    these blocks."""
 
     def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
                  activations: str = "int16") -> None:

@@ -129,8 +129,8 @@ GGMLType = gguf.GGMLQuantizationType
 # The types a GGUF may hold. Under `--quantization auto` a matrix whose type a kernel format holds (Q4_0, Q4_1, Q5_0,
 # Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL exactly, IQ4_XS with its scales rounded:
 # worker/stored_formats.py) stays in its stored blocks or goes into that format's; the others (floats, and any type
-# where this CPU's kernels do not build) are dequantized tensor by tensor into float16 layers (worker/float16_layers.py), and the runner's log names
-# them. A type not listed is refused by name.
+# where this CPU's kernels do not build) are dequantized tensor by tensor into float16 layers
+# (worker/float16_layers.py), and the runner's log names them. A type not listed is refused by name.
 SUPPORTED_GGML_TYPES = (
     GGMLType.F32,
     GGMLType.F16,

@@ -2,12 +2,12 @@
 put them in place (`--quantization auto|fp16|q8_0|q4_1|none`).
 
 Decoding on a CPU is bound by the bytes of weights read per step, so a layer keeps its weights as small as its file
-holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; q3_k,
-q4_k, q5_k, q6_k, q4_0, q5_0, q5_1, iq4_nl in worker/kquant_formats.py) and multiplies through C++ kernels that widen the blocks in
-registers (worker/kernels). Under `auto` each matrix of a GGUF file keeps the format it is stored in
-(worker/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from the file
-(StoredBlocks, PendingBlockLinear: no float copy on the way); a matrix no kernel format holds, and a Hugging Face
-directory's, runs as float16 weights through fbgemm (worker/batched_copies.py, float16_layers.py), within rounding
+holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; the
+K-quants q2_k to q6_k, q4_0, q5_0, q5_1 and iq4_nl in worker/kquant_formats.py) and multiplies through C++ kernels
+that widen the blocks in registers (worker/kernels). Under `auto` each matrix of a GGUF file keeps the format it is
+stored in (worker/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from
+the file (StoredBlocks, PendingBlockLinear: no float copy on the way); a matrix no kernel format holds, and a Hugging
+Face directory's, runs as float16 weights through fbgemm (worker/batched_copies.py, float16_layers.py), within rounding
 of float32 (benchmarks/quantization.py: perplexity 63.080 against 63.075).
 
 Which kernel a row takes is worker/kernel_choice.py's: with `--block-activations auto` (int16 wherever those kernels

@@ -17,7 +17,8 @@ stored types convert into one of them without changing any weight's value, block
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
 (tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
 include a type that converts into none of the formats that run here (the K-quants, q5_0 and q5_1 under
---block-activations float32 or without the int16 kernels) gets no block format: it keeps float weights (float16 under --quantization auto).
+--block-activations float32 or without the int16 kernels) gets no block format: it keeps float weights (float16
+under --quantization auto).
 One type converts with its scales rounded (SCALE_ROUNDED_INTO): iq4_xs, whose 32-weight sub-blocks are scaled by
 d x a 6-bit integer, into iq4_nl blocks (or, where no iq4_nl kernel runs, q8_0 ones) whose float16 scale is that
 product, rounded once: the error of float16 weights (half a unit in their 11th bit) at 0.5625 bytes a weight (the

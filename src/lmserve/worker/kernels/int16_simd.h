@@ -198,19 +198,31 @@ inline void low_nibbles(const uint8_t* quants, U8 rows[8]) {
   }
 }
 
-// A fifth bit per code (q5_0, q5_1, q5_k): 64 bytes whose byte 4n + e holds in bit j the fifth bit of row j's byte
-// 4n + e, ORed into rows' bit 4 (16-bit shifts; what crosses into the other byte is masked off).
-inline void fifth_bits(const uint8_t* packed, U8 rows[8]) {
-  const U8 bits = load64(packed);
-  rows[0] = or8(rows[0], and8(shift_left16<4>(bits), 0x10));
-  rows[1] = or8(rows[1], and8(shift_left16<3>(bits), 0x10));
-  rows[2] = or8(rows[2], and8(shift_left16<2>(bits), 0x10));
-  rows[3] = or8(rows[3], and8(shift_left16<1>(bits), 0x10));
-  rows[4] = or8(rows[4], and8(bits, 0x10));
-  rows[5] = or8(rows[5], and8(shift_right16<1>(bits), 0x10));
-  rows[6] = or8(rows[6], and8(shift_right16<2>(bits), 0x10));
-  rows[7] = or8(rows[7], and8(shift_right16<3>(bits), 0x10));
+// a shifted left by N bits in each 16-bit lane, or right by -N.
+template <int N>
+inline U8 shift16(U8 a) {
+  if constexpr (N >= 0) return shift_left16<N>(a);
+  else return shift_right16<-N>(a);
 }
+
+// One more bit per code: 64 bytes whose byte 4n + e holds in bit j that bit of row j's byte 4n + e, ORed into rows'
+// bit kBit (16-bit shifts; what crosses into the other byte is masked off).
+template <int kBit>
+inline void bit_plane(const uint8_t* packed, U8 rows[8]) {
+  const U8 bits = load64(packed);
+  constexpr int mask = 1 << kBit;
+  rows[0] = or8(rows[0], and8(shift16<kBit>(bits), mask));
+  rows[1] = or8(rows[1], and8(shift16<kBit - 1>(bits), mask));
+  rows[2] = or8(rows[2], and8(shift16<kBit - 2>(bits), mask));
+  rows[3] = or8(rows[3], and8(shift16<kBit - 3>(bits), mask));
+  rows[4] = or8(rows[4], and8(shift16<kBit - 4>(bits), mask));
+  rows[5] = or8(rows[5], and8(shift16<kBit - 5>(bits), mask));
+  rows[6] = or8(rows[6], and8(shift16<kBit - 6>(bits), mask));
+  rows[7] = or8(rows[7], and8(shift16<kBit - 7>(bits), mask));
+}
+
+// The fifth bit of q5_0, q5_1 and q5_k codes.
+inline void fifth_bits(const uint8_t* packed, U8 rows[8]) { bit_plane<4>(packed, rows); }
 
 // The packed byte e of lane n of the fifth-bit chunk, from q(n, k) in 0..31 over the block's 32 inputs.
 template <class Q>

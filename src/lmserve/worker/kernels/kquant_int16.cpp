@@ -1,6 +1,7 @@
-// Linear layers over llama.cpp's K-quant weights (q2_k, q3_k, q4_k, q5_k, q6_k), with the activations as 16-bit integers per block of
-// 32 inputs: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size. Built for AVX-512
-// VNNI (VPDPBUSD) or for AVX2 (the same products as VPMADDUBSW + VPMADDWD), from one source over a few primitives.
+// Linear layers over llama.cpp's K-quant weights (q2_k, q3_k, q4_k, q5_k, q6_k), with the activations as 16-bit
+// integers per block of 32 inputs: y = x @ W.T (+ bias). What Q4_K_M and Q6_K files store, read at their stored size.
+// Built for AVX-512 VNNI (VPDPBUSD) or for AVX2 (the same products as VPMADDUBSW + VPMADDWD), from one source over a
+// few primitives.
 //
 // K-quants group a row's weights in super-blocks of 256 with a float16 scale d (q4_k: and minimum scale dmin), and
 // sub-blocks with small integer scales:
@@ -11,7 +12,8 @@
 //   q2_k: 16 sub-blocks of 16, 4-bit scale sc and minimum mn, 2-bit q:  w = (d sc) q - (dmin mn)   (2.625 bits)
 // d sc and dmin mn are exact in float32 (11-bit by 8-bit products), so each sub-block is a q4_1 / q8_0 block with
 // float32 scales, and int16_activations.cpp's exact integer dot products apply per block of 32 inputs (q6_k, q3_k,
-// q2_k: per half block, each half with its scale; q2_k's minimum against the half's sum of the integer activations). Every row is computed alone, in the same order whatever shares its call.
+// q2_k: per half block, each half with its scale; q2_k's minimum against the half's sum of the integer activations).
+// Every row is computed alone, in the same order whatever shares its call.
 //
 // Layout (worker/kquant_formats.py packs it from the file's blocks, byte for byte of what they hold), per group of 16
 // output rows and super-block of 256 inputs: a header of the 16 rows' d (float16; q4_k: then their dmin), then per
@@ -111,6 +113,22 @@ struct Q6_K {
   }
 };
 
+// Two chunks of 64 bytes of 2-bit codes (chunk h: row 4h + r at bits 2r) as rows 0-7 (q3_k's and q2_k's low bits).
+inline void two_bit_rows(const uint8_t* chunks, U8 rows[8]) {
+  for (int h = 0; h < 2; ++h) {
+    const U8 v = load64(chunks + 64 * h);
+    rows[4 * h] = and8(v, 0x03);
+    rows[4 * h + 1] = and8(shift_right16<2>(v), 0x03);
+    rows[4 * h + 2] = and8(shift_right16<4>(v), 0x03);
+    rows[4 * h + 3] = and8(shift_right16<6>(v), 0x03);
+  }
+}
+
+inline int two_bit_code(const uint8_t* chunks, int n, int k) {
+  const int j = k / 4, e = k % 4;
+  return (chunks[64 * (j / 4) + 4 * n + e] >> (2 * (j % 4))) & 3;
+}
+
 struct Q3_K {
   static constexpr const char* kName = "q3_k";
   static constexpr int kOffset = 4;                     // w = (d sc) (q - 4)
@@ -120,29 +138,12 @@ struct Q3_K {
   static constexpr int kTileRows8 = kAvx512 ? 6 : 2;
   static constexpr int kPerWiden = 4;                    // codes <= 7: 4 x 2 x 7 x 127 < 2^15 (4 rows a half)
   static inline void quants(const uint8_t* block, U8 rows[8]) {
-    for (int h = 0; h < 2; ++h) {
-      const U8 v = load64(block + 32 + 64 * h);
-      rows[4 * h] = and8(v, 0x03);
-      rows[4 * h + 1] = and8(shift_right16<2>(v), 0x03);
-      rows[4 * h + 2] = and8(shift_right16<4>(v), 0x03);
-      rows[4 * h + 3] = and8(shift_right16<6>(v), 0x03);
-    }
-    // Row j's third bit sits at bit j: moved to bit 2 (16-bit shifts; what crosses bytes is masked).
-    const U8 bits = load64(block + 32 + 128);
-    rows[0] = or8(rows[0], and8(shift_left16<2>(bits), 0x04));
-    rows[1] = or8(rows[1], and8(shift_left16<1>(bits), 0x04));
-    rows[2] = or8(rows[2], and8(bits, 0x04));
-    rows[3] = or8(rows[3], and8(shift_right16<1>(bits), 0x04));
-    rows[4] = or8(rows[4], and8(shift_right16<2>(bits), 0x04));
-    rows[5] = or8(rows[5], and8(shift_right16<3>(bits), 0x04));
-    rows[6] = or8(rows[6], and8(shift_right16<4>(bits), 0x04));
-    rows[7] = or8(rows[7], and8(shift_right16<5>(bits), 0x04));
+    two_bit_rows(block + 32, rows);
+    bit_plane<2>(block + 32 + 128, rows);  // row j's third bit, at bit j of each byte
   }
   static inline int quant(const uint8_t* block, int n, int k) {
-    const int j = k / 4, e = k % 4;
-    const uint8_t low = block[32 + 64 * (j / 4) + 4 * n + e];
-    const uint8_t third = block[32 + 128 + 4 * n + e];
-    return ((low >> (2 * (j % 4))) & 3) | (((third >> j) & 1) << 2);
+    const int third = (block[32 + 128 + 4 * n + k % 4] >> (k / 4)) & 1;
+    return two_bit_code(block + 32, n, k) | (third << 2);
   }
 };
 
@@ -153,24 +154,14 @@ struct Q2_K {
   static constexpr int kTileRows = kAvx512 ? 4 : 1;
   static constexpr int kTileRows8 = kAvx512 ? 6 : 2;
   static constexpr int kPerWiden = 4;  // codes <= 3 (4 rows a half)
-  static inline void quants(const uint8_t* block, U8 rows[8]) {
-    for (int h = 0; h < 2; ++h) {
-      const U8 v = load64(block + 64 + 64 * h);
-      rows[4 * h] = and8(v, 0x03);
-      rows[4 * h + 1] = and8(shift_right16<2>(v), 0x03);
-      rows[4 * h + 2] = and8(shift_right16<4>(v), 0x03);
-      rows[4 * h + 3] = and8(shift_right16<6>(v), 0x03);
-    }
-  }
-  static inline int quant(const uint8_t* block, int n, int k) {
-    const int j = k / 4, e = k % 4;
-    return (block[64 + 64 * (j / 4) + 4 * n + e] >> (2 * (j % 4))) & 3;
-  }
+  static inline void quants(const uint8_t* block, U8 rows[8]) { two_bit_rows(block + 64, rows); }
+  static inline int quant(const uint8_t* block, int n, int k) { return two_bit_code(block + 64, n, k); }
 };
 
 // Sub-blocks of 16 (q6_k, q3_k, q2_k): each half of a block of 32 inputs has its scale.
 template <class Format>
-constexpr bool kHalfBlocks = std::is_same_v<Format, Q6_K> || std::is_same_v<Format, Q3_K> || std::is_same_v<Format, Q2_K>;
+constexpr bool kHalfBlocks =
+    std::is_same_v<Format, Q6_K> || std::is_same_v<Format, Q3_K> || std::is_same_v<Format, Q2_K>;
 
 template <class Format>
 constexpr int64_t super_bytes() { return Format::kHeader + kBlocksPerSuper * Format::kBlockBytes; }
@@ -350,6 +341,18 @@ struct SourceQ3_K {  // block_q3_K: 32 bytes of third bits (hmask), 64 of 2-bit 
   }
 };
 
+// Two chunks of 64 bytes from bits `shift`, `shift` + 1 of the block's codes: chunk h holds row 4h + r's at bits 2r
+// (q6_k's top bits; q3_k's and q2_k's low ones).
+inline void two_bit_chunks(uint8_t* out, const uint8_t* const q[kGroup], int shift) {
+  for (int h = 0; h < 2; ++h)
+    for (int n = 0; n < kGroup; ++n)
+      for (int e = 0; e < 4; ++e) {
+        uint8_t byte = 0;
+        for (int r = 0; r < 4; ++r) byte |= static_cast<uint8_t>(((q[n][4 * (4 * h + r) + e] >> shift) & 3) << (2 * r));
+        out[64 * h + 4 * n + e] = byte;
+      }
+}
+
 template <class Format>
 at::Tensor pack(const at::Tensor& blocks) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>, kThreeBit = std::is_same_v<Format, Q3_K>;
@@ -371,7 +374,7 @@ at::Tensor pack(const at::Tensor& blocks) {
   at::parallel_for(0, N / kGroup, 4, [&](int64_t begin, int64_t end) {
     uint8_t codes[kGroup][kSuper];
     uint8_t first[kGroup][kBlocksPerSuper], second[kGroup][kBlocksPerSuper];  // q4_k: sc, mn; q6_k: the halves'
-    uint8_t third[kGroup][kBlocksPerSuper], fourth[kGroup][kBlocksPerSuper];  // q2_k: sc of the halves, mn of the halves
+    uint8_t third[kGroup][kBlocksPerSuper], fourth[kGroup][kBlocksPerSuper];  // q2_k: the halves' mn
     for (int64_t g = begin; g < end; ++g)
       for (int64_t s = 0; s < supers; ++s) {
         uint8_t* dst = out_all + (g * supers + s) * super_bytes<Format>();
@@ -412,44 +415,27 @@ at::Tensor pack(const at::Tensor& blocks) {
               block[32 + n] = third[n][b];
               block[48 + n] = fourth[n][b];
             }
-            for (int h = 0; h < 2; ++h)
-              for (int n = 0; n < kGroup; ++n)
-                for (int e = 0; e < 4; ++e) {
-                  uint8_t low = 0;
-                  for (int r = 0; r < 4; ++r) low |= static_cast<uint8_t>((q[n][4 * (4 * h + r) + e] & 3) << (2 * r));
-                  block[64 + 64 * h + 4 * n + e] = low;
-                }
-            continue;
-          }
-          if constexpr (kThreeBit) {
-            for (int h = 0; h < 2; ++h)
-              for (int n = 0; n < kGroup; ++n)
-                for (int e = 0; e < 4; ++e) {
-                  uint8_t low = 0, third = 0;
-                  for (int r = 0; r < 4; ++r) low |= static_cast<uint8_t>((q[n][4 * (4 * h + r) + e] & 3) << (2 * r));
-                  block[32 + 64 * h + 4 * n + e] = low;
-                  for (int j = 0; j < 8; ++j) third |= static_cast<uint8_t>(((q[n][4 * j + e] >> 2) & 1) << j);
-                  block[32 + 128 + 4 * n + e] = third;
-                }
-            continue;
-          }
-          for (int c = 0; c < 4; ++c)
+            two_bit_chunks(block + 64, q, 0);
+          } else if constexpr (kThreeBit) {
+            two_bit_chunks(block + 32, q, 0);
+            // The third bit as q5_k's fifth (fifth_bits_byte reads bit 4: the codes shifted up by 2).
             for (int n = 0; n < kGroup; ++n)
               for (int e = 0; e < 4; ++e)
-                block[32 + 64 * c + 4 * n + e] =
-                    static_cast<uint8_t>((q[n][8 * c + e] & 0x0F) | ((q[n][8 * c + 4 + e] & 0x0F) << 4));
-          if constexpr (kFiveBit)
-            for (int n = 0; n < kGroup; ++n)
-              for (int e = 0; e < 4; ++e)
-                block[32 + 256 + 4 * n + e] = fifth_bits_byte(n, e, [&](int64_t row, int64_t k) { return q[row][k]; });
-          if constexpr (kSixBit)
-            for (int h = 0; h < 2; ++h)
+                block[32 + 128 + 4 * n + e] =
+                    fifth_bits_byte(n, e, [&](int64_t row, int64_t k) { return q[row][k] << 2; });
+          } else {
+            for (int c = 0; c < 4; ++c)
               for (int n = 0; n < kGroup; ++n)
-                for (int e = 0; e < 4; ++e) {
-                  uint8_t byte = 0;
-                  for (int r = 0; r < 4; ++r) byte |= static_cast<uint8_t>(((q[n][4 * (4 * h + r) + e] >> 4) & 3) << (2 * r));
-                  block[32 + 256 + 64 * h + 4 * n + e] = byte;
-                }
+                for (int e = 0; e < 4; ++e)
+                  block[32 + 64 * c + 4 * n + e] =
+                      static_cast<uint8_t>((q[n][8 * c + e] & 0x0F) | ((q[n][8 * c + 4 + e] & 0x0F) << 4));
+            if constexpr (kFiveBit)
+              for (int n = 0; n < kGroup; ++n)
+                for (int e = 0; e < 4; ++e)
+                  block[32 + 256 + 4 * n + e] =
+                      fifth_bits_byte(n, e, [&](int64_t row, int64_t k) { return q[row][k]; });
+            if constexpr (kSixBit) two_bit_chunks(block + 32 + 256, q, 4);
+          }
         }
       }
   });
