@@ -61,6 +61,7 @@ MODELS = [
     ("tiny_q4_k_m_gguf", OPTIONS),
     ("tiny_llama_dir", {**OPTIONS, "quantization": "fp16"}),  # every layer on fbgemm's float16 weights
     ("mixed_gguf", OPTIONS),  # block formats, segments, and a float16 layer (down in Q6_K rows of 64)
+    ("tiny_kquant_gguf", OPTIONS),  # layer 1: q2_k, q3_k and q5_k layers and segments
 ]
 
 
@@ -71,7 +72,7 @@ def test_program_gives_the_python_loops_bits(fixture: str, options: dict, reques
     model = str(getattr(model, "path", model))
     if fixture == "tiny_q4_k_m_gguf":  # its file holds no vocabulary: the directory beside it does
         options = {**options, "tokenizer": str(Path(model).parent)}
-    if fixture == "mixed_gguf":
+    if fixture in ("mixed_gguf", "tiny_kquant_gguf"):
         options = {**options, "tokenizer": str(request.getfixturevalue("tiny_kquant_dir"))}
     program, how, steps = run(model, monkeypatch, False, **options)
     eager, eager_how, eager_steps = run(model, monkeypatch, True, **options)
