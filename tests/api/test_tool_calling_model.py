@@ -24,9 +24,9 @@ import openai
 import pytest
 import torch
 import transformers
-from conftest import TINY_SIZES
 from server_process import Server, start_server
 from test_auto_tool_choice import streamed_calls
+from tiny_sizes import TINY_SIZES
 
 from lmserve.api.protocol import ChatCompletionRequest
 

@@ -3,6 +3,7 @@ real ZMQ sockets, bound as the front-end binds them."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,7 @@ class EngineSockets:
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture

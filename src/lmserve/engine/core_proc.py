@@ -9,11 +9,13 @@ block (no high-water mark on the output socket, so a parent that stopped reading
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import signal
 import sys
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -54,6 +56,7 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.parent_pid = os.getppid()
+        self.parent_gone = False
         self.running = True
         self.queued: dict[str, float] = {}  # received since the last message that reported them
         try:
@@ -103,6 +106,7 @@ class EngineCoreProc:
     def check_parent(self) -> None:
         if os.getppid() != self.parent_pid:
             logger.warning("parent process is gone; engine exiting")
+            self.parent_gone = True
             self.running = False
 
     def drain(self, block: bool) -> None:
@@ -160,6 +164,22 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     finally:
         if proc is not None:
             proc.close()
+            if proc.parent_gone:
+                remove_ipc_sockets(input_addr, output_addr)
+
+
+def remove_ipc_sockets(*addresses: str) -> None:
+    """The ipc sockets' files and their directory (made by the client in the API process, which removes them at its
+    shutdown): an API process killed outright never does, and the engine is then the last one that knows them."""
+    directories = set()
+    for address in addresses:
+        if address.startswith("ipc://"):
+            path = Path(address.removeprefix("ipc://"))
+            path.unlink(missing_ok=True)
+            directories.add(path.parent)
+    for directory in directories:
+        with contextlib.suppress(OSError):  # not empty: not only ours, so it stays
+            directory.rmdir()
 
 
 if __name__ == "__main__":  # started by engine/client.py: addresses, log level and name as arguments, config on stdin
