@@ -69,6 +69,14 @@ class Server:
                 return pid
         raise RuntimeError("engine process not found")
 
+    @property
+    def socket_directory(self) -> Path:
+        """Where the engine's ipc sockets are (and its temporary files): its command line names them (ipc://DIR/input)."""
+        arguments = Path(f"/proc/{self.engine_pid}/cmdline").read_bytes().decode().split("\0")
+        directory = Path(next(a for a in arguments if a.startswith("ipc://")).removeprefix("ipc://")).parent
+        assert directory.is_dir(), directory
+        return directory
+
     def log(self) -> str:
         return self.log_path.read_text()
 

@@ -72,15 +72,6 @@ def test_group_sigterm_stops_both_processes(tmp_path: Path, tiny_llama_dir: Path
         server.stop(signal.SIGKILL)
 
 
-def engine_socket_directory(engine_pid: int) -> Path:
-    """Where the engine's ipc sockets are: its command line names them (ipc://DIR/input)."""
-    arguments = Path(f"/proc/{engine_pid}/cmdline").read_bytes().decode().split("\0")
-    input_address = next(a for a in arguments if a.startswith("ipc://"))
-    directory = Path(input_address.removeprefix("ipc://")).parent
-    assert directory.is_dir(), directory
-    return directory
-
-
 def test_engine_exits_soon_after_the_api_process_is_killed_mid_step(tmp_path: Path, tiny_llama_dir: Path) -> None:
     """Eight requests of 8,000 tokens, one at a time: thousands of steps left when the parent dies. Before the fix
     the engine stepped on for nobody, until its unread outputs filled the socket and a send blocked forever. (With
@@ -89,7 +80,7 @@ def test_engine_exits_soon_after_the_api_process_is_killed_mid_step(tmp_path: Pa
     server = tiny_server(tmp_path, tiny_llama_dir, "--max-num-seqs", "1", "--max-model-len", "8192")
     try:
         engine_pid = server.engine_pid
-        socket_directory = engine_socket_directory(engine_pid)
+        socket_directory = server.socket_directory
         started = threading.Event()
         streams = [stream_in_background(server, {**LONG, "max_tokens": 8000}, started) for _ in range(8)]
         assert started.wait(30)

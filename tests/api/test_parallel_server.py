@@ -34,6 +34,9 @@ def test_tensor_parallel_server_serves_and_a_dead_rank_fails_it_cleanly(tmp_path
         engines = children(server.process.pid)
         ranks = rank_pids(server.process.pid)
         assert len(ranks) == 2, ranks
+        # The ranks' sockets are made among the engine's, which go with the server however the engine ends.
+        socket_directory = server.socket_directory
+        assert any(path.name.startswith("lmserve-ranks-") for path in socket_directory.iterdir())
         killed = time.monotonic()
         os.kill(ranks[1], signal.SIGKILL)
         assert wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=2).status_code == 503, timeout=10)
@@ -42,6 +45,7 @@ def test_tensor_parallel_server_serves_and_a_dead_rank_fails_it_cleanly(tmp_path
         # The engine says which rank went and how (not just any line naming a rank: start-up logs name them all).
         assert re.search(rf"rank \d \(pid {ranks[1]}\) exited with code -9", server.log()), server.log()[-3000:]
         assert wait_for(lambda: not any(alive(pid) for pid in ranks + engines), timeout=5), "a process outlived it"
+        assert not socket_directory.exists()
     finally:
         server.stop(signal.SIGKILL)
 

@@ -368,6 +368,7 @@ def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
         stream = client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2,", max_tokens=400,
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
+        socket_directory = srv.socket_directory
         os.kill(srv.engine_pid, signal.SIGKILL)
         with pytest.raises((openai.APIError, httpx.HTTPError)):
             for _ in stream:
@@ -376,5 +377,6 @@ def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
         new = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert new.status_code == 503
         assert srv.process.wait(20) != 0
+        assert not socket_directory.exists(), "the engine's sockets and temporary files outlived the server"
     finally:
         srv.stop(signal.SIGKILL)

@@ -35,11 +35,13 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_forked_ranks_die_with_an_engine_killed_outright(tiny_llama_dir: Path) -> None:
+def test_forked_ranks_die_with_an_engine_killed_outright(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """SIGKILL leaves the engine no chance to stop its ranks: the fork server sees the engine go (the ranks let go of
-    its "alive" pipe) and exits, and the kernel's parent-death signal takes the ranks."""
+    its "alive" pipe) and exits, and the kernel's parent-death signal takes the ranks. (The engine's temporary files,
+    which a server's client removes, go to tmp_path here.)"""
     engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(tiny_llama_dir)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env={**os.environ, "LMSERVE_LOG_LEVEL": "WARNING"})
+                              stderr=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "LMSERVE_LOG_LEVEL": "WARNING", "TMPDIR": str(tmp_path)})
     try:
         started = json.loads(engine.stdout.readline())
         ranks = started["ranks"]

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from lmserve.config import EngineConfig, ParallelConfig
 from lmserve.connection_watch import ConnectionWatch, heartbeats
+from lmserve.engine.core_proc import SOCKET_DIRECTORY_PREFIX
 from lmserve.engine.messages import EngineInput, EngineOutput, Shutdown
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO", name: str = "lmserve-engine",
                  remote_replica: int | None = None) -> None:
-        self._dir = tempfile.mkdtemp(prefix="lmserve-")
+        self._dir = tempfile.mkdtemp(prefix=SOCKET_DIRECTORY_PREFIX)
         if remote_replica is None:
             input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         else:

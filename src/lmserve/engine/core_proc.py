@@ -9,12 +9,13 @@ block (no high-water mark on the output socket, so a parent that stopped reading
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -41,6 +42,8 @@ from lmserve.process_exit import exit_closed
 
 logger = logging.getLogger(__name__)
 
+# EngineCoreClient's directory of an engine's ipc sockets (tempfile.mkdtemp's prefix).
+SOCKET_DIRECTORY_PREFIX = "lmserve-"
 # While idle, wake up this often to notice that the parent process is gone.
 PARENT_CHECK_MS = 1000
 
@@ -165,25 +168,35 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         if proc is not None:
             proc.close()
             if proc.parent_gone:
-                remove_ipc_sockets(input_addr, output_addr)
+                remove_socket_directory(socket_directory(input_addr))
 
 
-def remove_ipc_sockets(*addresses: str) -> None:
-    """The ipc sockets' files and their directory (made by the client in the API process, which removes them at its
-    shutdown): an API process killed outright never does, and the engine is then the last one that knows them."""
-    directories = set()
-    for address in addresses:
-        if address.startswith("ipc://"):
-            path = Path(address.removeprefix("ipc://"))
-            path.unlink(missing_ok=True)
-            directories.add(path.parent)
-    for directory in directories:
-        with contextlib.suppress(OSError):  # not empty: not only ours, so it stays
-            directory.rmdir()
+def socket_directory(input_addr: str) -> Path | None:
+    """The directory of the client's ipc sockets (EngineCoreClient makes one for each engine; None over TCP)."""
+    if not input_addr.startswith("ipc://"):
+        return None
+    directory = Path(input_addr.removeprefix("ipc://")).parent
+    return directory if directory.name.startswith(SOCKET_DIRECTORY_PREFIX) else None
+
+
+def keep_temporary_files_in(directory: Path | None) -> None:
+    """The engine's temporary files (its ranks' sockets, multiprocessing's fork server) go into its sockets' directory,
+    which the client removes at its shutdown whether this process stopped or was killed outright: made in /tmp, a
+    killed engine left them there."""
+    if directory is not None:
+        tempfile.tempdir = str(directory)
+
+
+def remove_socket_directory(directory: Path | None) -> None:
+    """The sockets' directory and what is in it: the client in the API process removes it at its shutdown, but an API
+    process killed outright never does, and the engine is then the last one that knows it."""
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":  # started by engine/client.py: addresses, log level and name as arguments, config on stdin
     _input_addr, _output_addr, _log_level = sys.argv[1:4]  # argv[4], the engine's name, is there for ps
+    keep_temporary_files_in(socket_directory(_input_addr))
     try:
         run_engine_core(pickle.load(sys.stdin.buffer), _input_addr, _output_addr, _log_level)
     except SystemExit as stopped:  # SIGTERM (0) closed everything too; a crash (1) leaves the slow, usual way
