@@ -34,14 +34,19 @@ class StoredBlocks:
 
     method: str
     data: torch.Tensor
+    # data is the loader's copy-on-write mapping of the file, which nothing writes to: this process's resident pages
+    # of it can be dropped and are read from the file again when used (BlockEmbedding.release_file_pages).
+    file_mapped: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.data.shape[0], self.data.shape[1] * block_width(self.method)
 
     def with_data(self, data: torch.Tensor) -> StoredBlocks:
-        """The same format over other rows or blocks of it (a shard, a permutation)."""
-        return StoredBlocks(self.method, data)
+        """The same format over other rows or blocks of it (a shard, a permutation). Still the file's mapping where
+        `data` is a view of this one's memory (a shard), not where it is a copy (a permutation)."""
+        same_memory = data.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr()
+        return StoredBlocks(self.method, data, self.file_mapped and same_memory)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights, [rows, in_features]: lmserve.models' reader's values (a stored type without a fast

@@ -213,13 +213,14 @@ def _gguf_weights(
         method = ggml_type_name(info.ggml_type).lower()
         as_blocks = method in blocks and len(info.shape) == 2
         array = read_gguf_blocks(path, info) if as_blocks else read_gguf_tensor(path, info)
+        file_mapped = as_blocks
         # A permutation of rows: the same for a file's blocks (each row's blocks move with it) as for floats.
         if permuted and ".self_attn.q_proj." in name:
-            array = _unpermute_rotary(array, config.num_attention_heads)
+            array, file_mapped = _unpermute_rotary(array, config.num_attention_heads), False
         elif permuted and ".self_attn.k_proj." in name:
-            array = _unpermute_rotary(array, config.num_key_value_heads)
+            array, file_mapped = _unpermute_rotary(array, config.num_key_value_heads), False
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-        yield name, StoredBlocks(method, tensor) if as_blocks else tensor
+        yield name, StoredBlocks(method, tensor, file_mapped) if as_blocks else tensor
 
 
 def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:

@@ -400,8 +400,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
         finish_block_linears(self)
-        if self.tie_word_embeddings and isinstance(self.embed_tokens, BlockEmbedding) and self.lm_head is not None:
-            self.embed_tokens.share_rows_of(self.lm_head)  # the tied blocks held once, where the layouts allow
+        tied_blocks = self.tie_word_embeddings and isinstance(self.embed_tokens, BlockEmbedding)
+        # The tied blocks held once where the layouts allow; elsewhere the table's pages that the output layer's
+        # packing read go back to the file.
+        if tied_blocks and self.lm_head is not None and not self.embed_tokens.share_rows_of(self.lm_head):
+            self.embed_tokens.release_file_pages()
 
     def checkpoint_part(self, hf_name: str, shape: tuple[int, ...]) -> TensorPart | None:
         """The rows or columns of a checkpoint tensor that this tensor rank keeps (None: all of it, or not split here),
