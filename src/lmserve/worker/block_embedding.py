@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -20,6 +22,8 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.quantization import BlockQuantizedLinear
 from lmserve.worker.stored_formats import STORED_BLOCK_BYTES, block_width
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -73,8 +77,9 @@ class BlockEmbedding(nn.Module):
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # the pages wholly inside the table only
         last = (start + self.blocks.numel()) // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first and _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
-                                            mmap.MADV_DONTNEED) != 0:
-            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of the embedding's file pages failed")
+                                            mmap.MADV_DONTNEED) != 0:  # memory, not results: the model runs on
+            logger.warning("the embedding's file pages stay resident: madvise failed (%s)",
+                           os.strerror(ctypes.get_errno()))
 
     def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
         """The checkpoint's rows for this rank (the loader's StoredBlocks of this type)."""
