@@ -35,7 +35,7 @@ def main() -> None:
             in_features, out_features = int(tensor.shape[0]), int(tensor.shape[1])
             blocks = torch.from_numpy(np.array(tensor.data).reshape(out_features, in_features // per_block,
                                                                      block_bytes))
-            packed = getattr(ops, f"{name}_int16_pack")(blocks.contiguous())
+            packed = getattr(ops, f"{name}_int16_pack")([blocks])
             layers[kind] = (name, tensor.name, packed, out_features, in_features)
     for name, tensor_name, packed, out_features, in_features in layers.values():
         op = getattr(ops, f"{name}_{os.environ.get('LMSERVE_ROWS_ACTIVATIONS', 'int16')}_linear")

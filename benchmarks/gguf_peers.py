@@ -11,7 +11,7 @@ to /health answering 200 ("ready"), read the resident memory of its processes th
 Prompts are the same token ids for both (the file's own tokenizer, seed 0). llama-server runs as the issue ran it:
 `-t 2` (this machine's cores), continuous batching, 8 slots of 1,024 positions, `--no-repack` unless LLAMA_REPACK=1. lmserve runs with its defaults and
 --max-model-len 4096 (plus --lmserve-args). Medians over rounds; the ratio is lmserve over llama.cpp.
---first-start: before each lmserve start, the file's converted tokenizer is removed from lmserve's cache, so that
+--ready-only: the start-up alone (ready and RSS), for A/B runs of loading. --first-start: before each lmserve start, the file's converted tokenizer is removed from lmserve's cache, so that
 every start is a first start of that file (the kernels stay built, as after any earlier run of lmserve).
 """
 
@@ -115,7 +115,8 @@ def forget_tokenizer(model: str) -> None:
         shutil.rmtree(entry)
 
 
-def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool = False) -> dict:
+def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool = False,
+             ready_only: bool = False) -> dict:
     if server.startswith("lmserve") and first_start:
         forget_tokenizer(model)
     port = free_port()
@@ -124,6 +125,8 @@ def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool
     try:
         ready = wait_ready(port, proc, started)
         result = {"ready_s": ready, "rss_mib": tree_rss_mib(proc.pid)}
+        if ready_only:
+            return result
         one = bench(model, port, WORKLOADS["one stream"])
         many = bench(model, port, WORKLOADS["8 concurrent"])
         result["tpot_ms"] = one["median_tpot_ms"]
@@ -150,14 +153,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--lmserve-args", default="")
     parser.add_argument("--first-start", action="store_true", help="convert the file's tokenizer on every start")
+    parser.add_argument("--ready-only", action="store_true", help="start, read ready and RSS, stop: no workloads")
     args = parser.parse_args()
     servers = args.servers.split(",")
     results: dict[str, list[dict]] = {s: [] for s in servers}
     for _ in range(args.rounds):
         for server in servers:
-            results[server].append(run_once(server, args.model, args.lmserve_args.split(), args.first_start))
+            results[server].append(run_once(server, args.model, args.lmserve_args.split(), args.first_start,
+                                            args.ready_only))
             print(server, json.dumps(results[server][-1]), flush=True)
-    keys = ("ready_s", "rss_mib", "rss_after_mib", "tpot_ms", "tok_s_8")
+    keys = ("ready_s", "rss_mib") if args.ready_only else ("ready_s", "rss_mib", "rss_after_mib", "tpot_ms", "tok_s_8")
     medians = {s: {k: statistics.median(r[k] for r in results[s]) for k in keys} for s in servers}
     print(f"\n{'':<14}" + "".join(f"{k:>15}" for k in keys))
     for server in servers:

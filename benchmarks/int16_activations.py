@@ -25,7 +25,7 @@ OUTPUT_LAYER = (49152, 576)
 
 def build(method: str, shape: tuple[int, int], gen: torch.Generator) -> dict[str, torch.Tensor]:
     blocks = quantize_blocks(method, torch.randn(*shape, generator=gen) * 0.05)
-    return {"float32": pack_blocks(method, blocks), "int16": getattr(cpu_kernels(), f"{method}_int16_pack")(blocks)}
+    return {"float32": pack_blocks(method, blocks), "int16": getattr(cpu_kernels(), f"{method}_int16_pack")([blocks])}
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ def main() -> None:
 def time_layer(ops, method: str, blocks: torch.Tensor, n: int, k: int, rows: int,
                repeats: int) -> tuple[dict[str, float], dict[str, float]]:
     """Median milliseconds and relative errors of the three paths on one layer."""
-    weight = getattr(ops, f"{method}_int16_pack")(blocks.contiguous())
+    weight = getattr(ops, f"{method}_int16_pack")([blocks])
     values = torch.empty(n, k)
     getattr(ops, f"{method}_int16_dequantize")(weight, values)
     copy = Float16WeightLinear(values, None)

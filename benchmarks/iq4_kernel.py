@@ -33,8 +33,8 @@ def main() -> None:
         scales = (rng.random((OUT_FEATURES, IN_FEATURES // 32, 1)) * 2e-3).astype(np.float16)
         indices = rng.integers(0, 256, (OUT_FEATURES, IN_FEATURES // 32, 16), dtype=np.uint8)
         blocks = np.concatenate([scales.view(np.uint8), indices], axis=-1)
-        weights["iq4_nl"].append(ops.iq4_nl_int16_pack(torch.from_numpy(blocks)))
-        weights["q8_0"].append(ops.q8_0_int16_pack(torch.from_numpy(convert_blocks("iq4_nl", blocks, "q8_0"))))
+        weights["iq4_nl"].append(ops.iq4_nl_int16_pack([torch.from_numpy(blocks)]))
+        weights["q8_0"].append(ops.q8_0_int16_pack([torch.from_numpy(convert_blocks("iq4_nl", blocks, "q8_0"))]))
     print(f"march {kernel_march()}, {torch.get_num_threads()} threads, {MATRICES} x {OUT_FEATURES} x {IN_FEATURES}")
     for rows in args.rows:
         x = torch.randn(rows, IN_FEATURES)

@@ -48,11 +48,11 @@ def main() -> None:
         held = {stored_type: 0, before: 0}
         for _ in range(MATRICES):
             blocks = random_blocks(stored_type, rng)
-            packed = getattr(ops, f"{stored_type}_int16_pack")(torch.from_numpy(blocks))
+            packed = getattr(ops, f"{stored_type}_int16_pack")([torch.from_numpy(blocks)])
             held[stored_type] += packed.numel()
             calls[stored_type].append((stored_type, packed))
             if before == "q6_k":
-                other = ops.q6_k_int16_pack(torch.from_numpy(convert_blocks("q3_k", blocks, "q6_k")))
+                other = ops.q6_k_int16_pack([torch.from_numpy(convert_blocks("q3_k", blocks, "q6_k"))])
                 held[before] += other.numel()
                 calls[before].append(("q6_k", other))
             else:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
-from lmserve.worker.block_packing import StoredBlocks, pack_q4_1, pack_q8_0
+from lmserve.worker.block_packing import StoredBlocks, pack_q4_1, pack_q8_0, quantize_blocks
 from lmserve.worker.kernel_choice import BLOCK_METHODS
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_builder import build_model
@@ -195,6 +195,29 @@ def test_a_pending_layer_refuses_rows_that_do_not_fit() -> None:
         layer.load_rows(0, torch.randn(16, 96))
     with pytest.raises(ValueError, match="multiple of 32; a layer has 40"):
         PendingBlockLinear("q8_0", 40, 16, bias=False)
+
+
+def test_a_pending_layer_refuses_to_finish_with_rows_missing_or_loaded_twice() -> None:
+    """A fused layer's parts must cover its rows once each: a gap would leave rows of whatever memory held."""
+    rows = quantize_blocks("q4_1", torch.randn(48, 64))
+    gap = PendingBlockLinear("q4_1", 64, 48, bias=False)
+    gap.load_rows(0, StoredBlocks("q4_1", rows[:16]))
+    gap.load_rows(32, StoredBlocks("q4_1", rows[32:]))
+    with pytest.raises(ValueError, match="rows 16.. .* never loaded"):
+        gap.finish()
+    short = PendingBlockLinear("q4_1", 64, 48, bias=False)
+    short.load_rows(0, StoredBlocks("q4_1", rows[:32]))
+    with pytest.raises(ValueError, match="rows 32.. .* never loaded"):
+        short.finish()
+    overlap = PendingBlockLinear("q4_1", 64, 48, bias=False)
+    overlap.load_rows(0, StoredBlocks("q4_1", rows[:32]))
+    overlap.load_rows(16, StoredBlocks("q4_1", rows[16:]))
+    with pytest.raises(ValueError, match="loaded twice"):
+        overlap.finish()
+    whole = PendingBlockLinear("q4_1", 64, 48, bias=False)
+    for start in (32, 0, 16):  # in any order
+        whole.load_rows(start, StoredBlocks("q4_1", rows[start : start + 16]))
+    assert torch.equal(whole.finish().blocks, Q4_1Linear(StoredBlocks("q4_1", rows), None).blocks)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_gguf", "tiny_llama_dir"])

@@ -138,7 +138,7 @@ def test_unpack_blocks_undoes_pack_blocks(rows: int) -> None:
 @needs_vnni
 def test_kernel_refuses_what_it_cannot_tile() -> None:
     ops = cpu_kernels()
-    packed = ops.q4_1_int16_pack(quantize_blocks("q4_1", torch.randn(32, 64)))
+    packed = ops.q4_1_int16_pack([quantize_blocks("q4_1", torch.randn(32, 64))])
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.q4_1_int16_linear(torch.zeros(1, 64), packed, 24, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):

@@ -22,6 +22,7 @@ from lmserve.worker.kquant_formats import (
 )
 from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
+from lmserve.worker.quantization import LAYER_TYPES, PendingBlockLinear
 from lmserve.worker.row_segments import RowSegmentsLinear
 from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
 
@@ -124,9 +125,33 @@ def test_a_non_finite_input_gives_nan_in_its_row_only(stored, method: str) -> No
 def test_the_kernels_packer_writes_the_numpy_packers_bytes(stored, method: str) -> None:
     blocks, _ = stored(method, 48, 1024, seed=21)
     ops = cpu_kernels()
-    assert torch.equal(getattr(ops, f"{method}_int16_pack")(torch.from_numpy(blocks)), pack_kquant(method, blocks))
+    assert torch.equal(getattr(ops, f"{method}_int16_pack")([torch.from_numpy(blocks)]), pack_kquant(method, blocks))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        getattr(ops, f"{method}_int16_pack")(torch.from_numpy(blocks[:24]))
+        getattr(ops, f"{method}_int16_pack")([torch.from_numpy(blocks[:24])])
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["q4_k", "q6_k", "q5_0"])
+def test_a_fused_layers_parts_pack_as_the_whole_layer(stored, tmp_path, method: str) -> None:
+    """A fused layer's q, k and v (or gate and up) go to the packer as the file's mapped parts, no copy of the whole
+    layer first: the packed bytes and the products are those of the layer given whole."""
+    if method == "q5_0":
+        from test_stored_formats import random_stored_blocks
+
+        blocks = random_stored_blocks("q5_0", 64, 16, seed=33)
+    else:
+        blocks, _ = stored(method, 64, 512, seed=33)
+    path = tmp_path / "layer.bin"
+    blocks.tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, mode="c", dtype=np.uint8, shape=blocks.shape))  # as the loader maps it
+    whole = LAYER_TYPES[method](StoredBlocks(method, torch.from_numpy(blocks)), None, activations="int16")
+    pending = PendingBlockLinear(method, 512, 64, bias=False, activations="int16")
+    for start, stop in ((48, 64), (0, 32), (32, 48)):  # in any order the file lists them
+        pending.load_rows(start, StoredBlocks(method, mapped[start:stop]))
+    layer = pending.finish()
+    assert torch.equal(layer.blocks, whole.blocks)
+    x = torch.randn(5, 512)
+    assert torch.equal(layer(x), whole(x))
 
 
 def test_packing_refuses_what_the_kernel_cannot_tile(stored) -> None:

@@ -58,6 +58,23 @@ class StoredBlocks:
         return torch.from_numpy(dequantize_gguf_blocks(method, data))
 
 
+@dataclass(frozen=True)
+class StoredRows:
+    """A layer's rows in one block format that arrive as several tensors, one after another (a fused layer's q, k and
+    v, or gate and up), each StoredBlocks.data-shaped and where the loader has it (the file's mapping): the int16
+    packers read them in place, with no copy of the whole layer first."""
+
+    method: str
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1] * block_width(self.method)
+
+    def joined(self) -> StoredBlocks:
+        return StoredBlocks(self.method, torch.cat(self.parts))
+
+
 def check_block_width(in_features: int) -> None:
     if in_features % BLOCK_SIZE:
         raise ValueError(
@@ -100,10 +117,12 @@ def quantize_blocks(method: str, weight: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown block format {method!r}")
 
 
-def as_blocks(method: str, weight: torch.Tensor | StoredBlocks) -> torch.Tensor:
+def as_blocks(method: str, weight: torch.Tensor | StoredBlocks | StoredRows) -> torch.Tensor:
     """`weight` as rows of `method`'s blocks: a file's blocks of that format as they are, or converted into it where
     that keeps every value (stored_formats: q5_0, q4_0 and iq4_nl into q8_0, q4_0 into q4_1) or only rounds the block
     scales (iq4_xs into q8_0); anything else rounded."""
+    if isinstance(weight, StoredRows):
+        weight = weight.joined()
     if isinstance(weight, StoredBlocks):
         if weight.method == method:
             return weight.data

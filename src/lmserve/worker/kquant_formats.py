@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.block_packing import StoredBlocks, StoredRows
 from lmserve.worker.kernel_choice import (
     INTEGER_ACTIVATIONS,
     BatchedPath,
@@ -177,7 +177,7 @@ class KQuantLinear(BlockQuantizedLinear):
     prompt rows and large batches take the same copies as the other block layers (BlockQuantizedLinear), built from
     these blocks."""
 
-    def __init__(self, weight: StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
+    def __init__(self, weight: StoredBlocks | StoredRows, bias: torch.Tensor | None, batched: BatchedPath | None = None,
                  activations: str = "int16") -> None:
         # A registered layer type knows its format (iq4_nl's takes IQ4_XS blocks too); KQuantLinear itself takes the
         # blocks' own.
@@ -185,18 +185,26 @@ class KQuantLinear(BlockQuantizedLinear):
         # Integer activations only: 16-bit ones unless int8 is asked for.
         super().__init__(weight, bias, batched, activations if activations in INTEGER_ACTIVATIONS else "int16")
 
-    def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
-        # Another stored type this format holds: iq4_xs as iq4_nl, q3_k as q6_k.
+    def _pack(self, weight: torch.Tensor | StoredBlocks | StoredRows) -> tuple[torch.Tensor, int, int]:
+        parts = ([StoredBlocks(weight.method, part) for part in weight.parts] if isinstance(weight, StoredRows)
+                 else [weight])
+        parts = [self._own_blocks(part) for part in parts]
+        rows, columns = sum(part.shape[0] for part in parts), parts[0].shape[1]
+        if rows % GROUP_ROWS:
+            raise ValueError(f"{self.method} layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
+        # The kernel's own packer (every thread, no temporaries, a fused layer's parts read where they lie);
+        # pack_kquant is its NumPy statement, tests hold them equal.
+        return getattr(cpu_kernels(), f"{self.method}_int16_pack")([part.data for part in parts]), rows, columns
+
+    def _own_blocks(self, weight: torch.Tensor | StoredBlocks) -> StoredBlocks:
+        """A file's blocks in this layer's format: its own, or another stored type this format holds (iq4_xs as
+        iq4_nl, q3_k as q6_k)."""
         if isinstance(weight, StoredBlocks) and self.method in HELD_INTO.get(weight.method, ()):
             weight = StoredBlocks(self.method, torch.from_numpy(convert_blocks(weight.method, weight.data.numpy(),
                                                                               self.method)))
         if not isinstance(weight, StoredBlocks) or weight.method != self.method:
             raise ValueError(f"a {self.method} layer takes a file's {self.method} blocks")
-        rows, columns = weight.shape
-        if rows % GROUP_ROWS:
-            raise ValueError(f"{self.method} layers need out_features that are a multiple of {GROUP_ROWS}, got {rows}")
-        # The kernel's own packer (every thread, no temporaries); pack_kquant is its NumPy statement, tests hold them equal.
-        return getattr(cpu_kernels(), f"{self.method}_int16_pack")(weight.data.contiguous()), rows, columns
+        return weight
 
     def use_integer_activations(self, activations: str = "int16") -> bool:
         self.activations = activations

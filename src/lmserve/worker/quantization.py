@@ -43,6 +43,7 @@ from lmserve.worker.block_packing import (
     BLOCK_BYTES,
     PANEL_ROWS,
     StoredBlocks,
+    StoredRows,
     as_blocks,
     pack_blocks,
     unpack_blocks,
@@ -71,7 +72,8 @@ class BlockQuantizedLinear(nn.Module):
     method: ClassVar[str]
 
     def __init__(
-        self, weight: torch.Tensor | StoredBlocks, bias: torch.Tensor | None, batched: BatchedPath | None = None,
+        self, weight: torch.Tensor | StoredBlocks | StoredRows, bias: torch.Tensor | None,
+        batched: BatchedPath | None = None,
         activations: str = "float32",
     ) -> None:
         """weight: float [out_features, in_features], rounded to the format; or a file's blocks (StoredBlocks), taken
@@ -93,12 +95,12 @@ class BlockQuantizedLinear(nn.Module):
         self.prompt_copy: nn.Module | None = None
         self.copy_lock = threading.Lock()  # one builder of this layer's copies at a time
 
-    def _pack(self, weight: torch.Tensor | StoredBlocks) -> tuple[torch.Tensor, int, int]:
+    def _pack(self, weight: torch.Tensor | StoredBlocks | StoredRows) -> tuple[torch.Tensor, int, int]:
         """The weights in the kernel's layout, out_features, in_features."""
         blocks = as_blocks(self.method, weight)
         rows, columns = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
         if self.activations in INTEGER_ACTIVATIONS and rows % 16 == 0:
-            return getattr(cpu_kernels(), f"{self.method}_int16_pack")(blocks.contiguous()), rows, columns
+            return getattr(cpu_kernels(), f"{self.method}_int16_pack")([blocks]), rows, columns
         self.activations = "float32"
         return pack_blocks(self.method, blocks), rows, columns
 
@@ -121,7 +123,7 @@ class BlockQuantizedLinear(nn.Module):
             if self.out_features % 16:
                 return False
             pack = getattr(cpu_kernels(), f"{self.method}_int16_pack")
-            self.blocks = pack(unpack_blocks(self.method, self.blocks, self.out_features))
+            self.blocks = pack([unpack_blocks(self.method, self.blocks, self.out_features)])
         self.activations = activations
         self._use_ops()
         return True
@@ -321,9 +323,10 @@ class PendingLayer(nn.Module):
 
 class PendingBlockLinear(PendingLayer):
     """A block layer whose weights are still being loaded: the checkpoint's rows arrive one tensor (or shard) at a time
-    into `staged`, rows of llama.cpp blocks; a file's blocks of the same format are copied as they are, anything else
-    is rounded to the format (as_blocks). finish() then packs them into the layer. Built on the meta device with the
-    rest of the model (worker/model_builder.py), it never holds the weights in float."""
+    as rows of llama.cpp blocks, a file's blocks of the same format kept where the loader has them (the file's mapping),
+    anything else rounded to the format (as_blocks). finish() then packs them into the layer, a fused layer's parts
+    (q, k, v; gate, up) together, with no copy of the whole layer first. Built on the meta device with the rest of the
+    model (worker/model_builder.py), it never holds the weights in float."""
 
     def __init__(self, method: str, in_features: int, out_features: int, bias: bool, activations: str = "float32"
                  ) -> None:
@@ -334,29 +337,35 @@ class PendingBlockLinear(PendingLayer):
             raise ValueError(f"{method} layers need in_features that are a multiple of {width}; a layer has "
                              f"{in_features}")
         self.method, self.in_features, self.out_features = method, in_features, out_features
-        staged = torch.empty(out_features, in_features // width, STORED_BLOCK_BYTES[method], dtype=torch.uint8)
-        self.register_buffer("staged", staged, persistent=False)
+        self.row_shape = (in_features // width, STORED_BLOCK_BYTES[method])  # a row's blocks and their bytes
+        self.parts: dict[int, torch.Tensor] = {}  # first row: those rows' blocks
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
         """Rows start, start + 1, ... of the weight (a fused layer's q, k and v arrive one after another)."""
         blocks = as_blocks(self.method, weight)
-        if blocks.shape[1:] != self.staged.shape[1:] or start + blocks.shape[0] > self.out_features:
+        if tuple(blocks.shape[1:]) != self.row_shape or start < 0 or start + blocks.shape[0] > self.out_features:
             raise ValueError(
                 f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
                 f"[{self.out_features}, {self.in_features}] layer"
             )
-        if start == 0 and blocks.shape == self.staged.shape:
-            # The whole layer at once (not a part of a fused one): the packer reads the blocks where the loader has
-            # them, the file's mapping. A copy into `staged` first cost a 1.5B model's start-up 0.6 s, most of it
-            # the page faults of memory written once and freed.
-            self.staged = blocks
-            return
-        self.staged.numpy()[start : start + blocks.shape[0]] = blocks.numpy()  # one thread (see pack_blocks)
+        self.parts[start] = blocks
 
     def finish(self) -> BlockQuantizedLinear:
-        return LAYER_TYPES[self.method](StoredBlocks(self.method, self.staged), self.bias,
-                                        activations=self.activations)
+        starts = sorted(self.parts)
+        covered = 0
+        for start in starts:
+            if start != covered:
+                raise ValueError(f"rows {min(start, covered)}.. of a [{self.out_features}, {self.in_features}] "
+                                 f"{self.method} layer were {'never loaded' if start > covered else 'loaded twice'}")
+            covered += self.parts[start].shape[0]
+        if covered != self.out_features:
+            raise ValueError(f"rows {covered}.. of a [{self.out_features}, {self.in_features}] {self.method} layer "
+                             f"were never loaded")
+        parts = [self.parts[start] for start in starts]
+        weight = StoredBlocks(self.method, parts[0]) if len(parts) == 1 else StoredRows(self.method, tuple(parts))
+        self.parts = {}
+        return LAYER_TYPES[self.method](weight, self.bias, activations=self.activations)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights, loading"

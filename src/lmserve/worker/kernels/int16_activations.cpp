@@ -275,15 +275,13 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
   return call.y.view(call.out_shape);
 }
 
-// llama.cpp's blocks, uint8 [N, K / 32, bytes], in the layout above: uint8 [N / 16, K / 32 * Format::kBytes].
+// llama.cpp's blocks, uint8 [N, K / 32, bytes] (in parts: BlockRows), in the layout above: uint8 [N / 16, K / 32 *
+// Format::kBytes].
 template <class Format>
-at::Tensor pack(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == Format::kSourceBytes,
-              Format::kName, " blocks must be uint8 [N, K / 32, ", Format::kSourceBytes, "]");
-  const int64_t N = blocks.size(0), num_blocks = blocks.size(1);
+at::Tensor pack(at::TensorList parts) {
+  const BlockRows rows(parts, Format::kSourceBytes, Format::kName);
+  const int64_t N = rows.size(), num_blocks = rows.blocks;
   TORCH_CHECK(N % kGroup == 0, "out_features must be a multiple of 16, got ", N);
-  const at::Tensor source = blocks.contiguous();
-  const uint8_t* src = source.data_ptr<uint8_t>();
   at::Tensor out = at::empty({N / kGroup, num_blocks * Format::kBytes}, at::kByte);
   uint8_t* dst_all = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / kGroup, 16, [&](int64_t begin, int64_t end) {
@@ -292,7 +290,7 @@ at::Tensor pack(const at::Tensor& blocks) {
       for (int64_t b = 0; b < num_blocks; ++b) {
         uint8_t* dst = dst_all + (g * num_blocks + b) * Format::kBytes;
         for (int64_t n = 0; n < kGroup; ++n) {
-          const uint8_t* source_block = src + ((g * kGroup + n) * num_blocks + b) * Format::kSourceBytes;
+          const uint8_t* source_block = rows.row[g * kGroup + n] + b * Format::kSourceBytes;
           for (int64_t field = 0; field < Format::kScaleBytes / 32; ++field)  // d, then (q4_1, q5_1) m
             std::memcpy(dst + 32 * field + 2 * n, source_block + 2 * field, 2);
           for (int k = 0; k < kBlock; ++k) codes[n][k] = static_cast<uint8_t>(Format::source_quant(source_block, k));
@@ -346,27 +344,27 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("int16_uses_vnni() -> bool", [] { return kAvx512; });
   m.def("q4_1_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("q4_1_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q4_1_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q4_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_1_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q8_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("q8_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q8_0_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q8_0_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q8_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q5_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("q5_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_0_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q5_0_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q5_1_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("q5_1_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_1_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q5_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_1_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("q4_0_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("q4_0_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q4_0_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q4_0_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_0_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
   m.def("iq4_nl_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
-  m.def("iq4_nl_int16_pack(Tensor blocks) -> Tensor");
+  m.def("iq4_nl_int16_pack(Tensor[] parts) -> Tensor");
   m.def("iq4_nl_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("iq4_nl_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }

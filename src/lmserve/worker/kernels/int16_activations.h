@@ -30,6 +30,30 @@ struct Activations {
   std::vector<int32_t> high_half, low_half;    // [M][2 blocks]: sums of x_hi and x_lo over each 16 inputs (q6_k)
 };
 
+// A layer's rows of llama.cpp blocks, given as parts that follow one another (a fused q/k/v's or gate/up's tensors),
+// each uint8 [rows, blocks, bytes] and read where it lies (the loader's mapping of the file): the packers take them
+// without a copy of the whole layer first.
+struct BlockRows {
+  std::vector<at::Tensor> parts;    // each contiguous
+  std::vector<const uint8_t*> row;  // row r's first block
+  int64_t blocks = 0;
+
+  BlockRows(at::TensorList given, int64_t bytes, const char* name) {
+    TORCH_CHECK(!given.empty(), name, " blocks: no rows given");
+    for (const at::Tensor& part : given) {
+      TORCH_CHECK(part.dim() == 3 && part.scalar_type() == at::kByte && part.size(2) == bytes &&
+                      part.size(1) == given[0].size(1),
+                  name, " blocks must be uint8 [N, K / block, ", bytes, "], every part as wide");
+      parts.push_back(part.contiguous());
+      const uint8_t* first = parts.back().data_ptr<uint8_t>();
+      const int64_t row_bytes = part.size(1) * bytes;
+      for (int64_t r = 0; r < part.size(0); ++r) row.push_back(first + r * row_bytes);
+    }
+    blocks = given[0].size(1);
+  }
+  int64_t size() const { return static_cast<int64_t>(row.size()); }
+};
+
 // One call of an int16 kernel's linear op: the input as contiguous [M, K] float32 rows, the bias (checked), the
 // output [M, N] and the shape it is returned in (the input's, last dimension N).
 struct LinearCall {

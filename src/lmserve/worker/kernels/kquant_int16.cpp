@@ -287,7 +287,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
   return call.y.view(call.out_shape);
 }
 
-// The file's blocks, uint8 [N, K / 256, bytes], in the layout at the top: uint8 [N / 16, K / 256 * super_bytes].
+// The file's blocks, uint8 [N, K / 256, bytes] (in parts: BlockRows), in the layout at the top: uint8 [N / 16, K / 256 *
+// super_bytes].
 // What worker/kquant_formats.py's NumPy packer does (tests hold them equal), on every thread and without a
 // temporary the size of the weights.
 struct SourceQ4_K {  // llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
@@ -379,7 +380,7 @@ inline void two_bit_chunks(uint8_t* out, const uint8_t* const q[kGroup], int shi
 }
 
 template <class Format>
-at::Tensor pack(const at::Tensor& blocks) {
+at::Tensor pack(at::TensorList parts) {
   constexpr bool kSixBit = std::is_same_v<Format, Q6_K>, kThreeBit = std::is_same_v<Format, Q3_K>;
   constexpr bool kTwoBit = std::is_same_v<Format, Q2_K>;
   constexpr bool kFiveBit = std::is_same_v<Format, Q5_K>;
@@ -388,12 +389,9 @@ at::Tensor pack(const at::Tensor& blocks) {
       std::conditional_t<kThreeBit, SourceQ3_K,
                          std::conditional_t<kTwoBit, SourceQ2_K,
                                             std::conditional_t<kFiveBit, SourceQ5_K, SourceQ4_K>>>>;
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == Source::kBytes,
-              Format::kName, " blocks must be uint8 [N, K / 256, ", Source::kBytes, "]");
-  const int64_t N = blocks.size(0), supers = blocks.size(1);
+  const BlockRows rows(parts, Source::kBytes, Format::kName);
+  const int64_t N = rows.size(), supers = rows.blocks;
   TORCH_CHECK(N % kGroup == 0, Format::kName, " layers need out_features that are a multiple of 16, got ", N);
-  const at::Tensor source = blocks.contiguous();
-  const uint8_t* src_all = source.data_ptr<uint8_t>();
   at::Tensor out = at::empty({N / kGroup, supers * super_bytes<Format>()}, at::kByte);
   uint8_t* out_all = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / kGroup, 4, [&](int64_t begin, int64_t end) {
@@ -404,7 +402,7 @@ at::Tensor pack(const at::Tensor& blocks) {
       for (int64_t s = 0; s < supers; ++s) {
         uint8_t* dst = out_all + (g * supers + s) * super_bytes<Format>();
         for (int n = 0; n < kGroup; ++n) {
-          const uint8_t* src = src_all + ((g * kGroup + n) * supers + s) * Source::kBytes;
+          const uint8_t* src = rows.row[g * kGroup + n] + s * Source::kBytes;
           if constexpr (kTwoBit) {
             std::memcpy(dst + 2 * n, src + 80, 2);
             std::memcpy(dst + 32 + 2 * n, src + 82, 2);
@@ -519,17 +517,17 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
-  m.def("q4_k_int16_pack(Tensor blocks) -> Tensor");
-  m.def("q6_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q4_k_int16_pack(Tensor[] parts) -> Tensor");
+  m.def("q6_k_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q5_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
-  m.def("q5_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q5_k_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q6_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
-  m.def("q3_k_int16_pack(Tensor blocks) -> Tensor");
-  m.def("q2_k_int16_pack(Tensor blocks) -> Tensor");
+  m.def("q3_k_int16_pack(Tensor[] parts) -> Tensor");
+  m.def("q2_k_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q2_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q2_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q2_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
