@@ -10,7 +10,7 @@ import torch
 
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.kernel_choice import int16_kernel_loads
+from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.kquant_formats import (
     KQuantLinear,
@@ -106,6 +106,29 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(stored, method: s
     for i in range(23):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
     assert torch.equal(layer(x[5:12]), together[5:12])
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["q4_k", "q6_k", "q5_0"])
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_a_prompts_rows_in_cache_sized_blocks_get_each_rows_own_bits(stored, method: str, activations: str) -> None:
+    """Wide layers take a prompt's rows a block at a time (int16_simd.h's for_each_tile: 4,096 inputs of 16-bit
+    activations make blocks of 30 rows); a row still gets the bits it gets alone, in the first block, the last, and
+    across the seam."""
+    if method == "q5_0":
+        from test_stored_formats import random_stored_blocks
+
+        blocks = random_stored_blocks("q5_0", 32, 128, seed=41)
+    else:
+        blocks, _ = stored(method, 32, 4096, seed=41)
+    # Every row on the block kernel (on the AVX2 kind a batch this large would take the float16 copy).
+    layer = LAYER_TYPES[method](StoredBlocks(method, torch.from_numpy(blocks)), None, batched_path("none"),
+                                activations=activations)
+    x = torch.randn(100, 4096, generator=torch.Generator().manual_seed(42))
+    together = layer(x)
+    for i in (0, 29, 30, 31, 63, 64, 65, 99):
+        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
+    assert torch.equal(layer(x[25:70]), together[25:70])
 
 
 @needs_kernel

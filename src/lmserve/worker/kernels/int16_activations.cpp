@@ -268,7 +268,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
   Activations a;
   split<false>(call.x.data_ptr<float>(), M, K, a);
   float* yp = call.y.data_ptr<float>();
-  for_each_tile<kLow ? kTileRows : kTileRows8>(M, N, blocks * Format::kBytes, weight.data_ptr<uint8_t>(),
+  for_each_tile<kLow ? kTileRows : kTileRows8>(M, N, blocks * Format::kBytes, K * (kLow ? 2 : 1),
+                                                weight.data_ptr<uint8_t>(),
                            [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
                              tile<Format, kLow>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
                            });

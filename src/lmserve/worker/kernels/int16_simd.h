@@ -244,14 +244,27 @@ inline void check_packed_weight(const at::Tensor& weight, const char* name, int6
               N, " x ", K);
 }
 
+// Activation bytes a block of rows may take while the groups pass over it: a share of a core's L2 (1-2 MiB on the
+// kinds this runs on), the weights' group and the output rows beside them.
+constexpr int64_t kRowBlockBytes = 256 * 1024;
+
 // Every group of 16 outputs against every row, `tile(rows, group, row, n0)` taking up to kTileRows rows at a time
-// from `row`: the groups spread over the threads, each row computed alone.
+// from `row`: the groups spread over the threads, each row computed alone. `row_bytes`: the activation bytes a row's
+// tile reads. Rows go in blocks that stay in the core's cache while the thread's groups pass over them: a prompt's
+// rows (2,048 of 1,536 inputs: 6 MB of 16-bit activations) outgrow it, and each group read them all again from
+// memory (at 2,048 rows, 0.7-0.8x the speed a row had at 256). The tiles are the same ones, so are the results.
 template <int kTileRows, class Tile>
-inline void for_each_tile(int64_t M, int64_t N, int64_t group_bytes, const uint8_t* weight, Tile tile) {
+inline void for_each_tile(int64_t M, int64_t N, int64_t group_bytes, int64_t row_bytes, const uint8_t* weight,
+                          Tile tile) {
+  const int64_t block_rows = std::max<int64_t>(1, kRowBlockBytes / std::max<int64_t>(1, row_bytes) / kTileRows) *
+                             kTileRows;
   at::parallel_for(0, N / kGroup, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t row = 0; row < M; row += kTileRows)
-        tile(static_cast<int>(std::min<int64_t>(kTileRows, M - row)), weight + g * group_bytes, row, g * kGroup);
+    for (int64_t first = 0; first < M; first += block_rows) {
+      const int64_t last = std::min(M, first + block_rows);
+      for (int64_t g = begin; g < end; ++g)
+        for (int64_t row = first; row < last; row += kTileRows)
+          tile(static_cast<int>(std::min<int64_t>(kTileRows, last - row)), weight + g * group_bytes, row, g * kGroup);
+    }
   });
 }
 #endif

@@ -280,7 +280,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
   split<true>(call.x.data_ptr<float>(), M, K, a);
   float* yp = call.y.data_ptr<float>();
   constexpr int kRows = kLow ? Format::kTileRows : Format::kTileRows8;
-  for_each_tile<kRows>(M, N, K / kSuper * super_bytes<Format>(), weight.data_ptr<uint8_t>(),
+  for_each_tile<kRows>(M, N, K / kSuper * super_bytes<Format>(), K * (kLow ? 2 : 1), weight.data_ptr<uint8_t>(),
                        [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
                          tile<Format, kLow>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
                                    });
