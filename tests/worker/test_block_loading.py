@@ -214,6 +214,8 @@ def test_a_pending_layer_refuses_to_finish_with_rows_missing_or_loaded_twice() -
     overlap.load_rows(16, StoredBlocks("q4_1", rows[16:]))
     with pytest.raises(ValueError, match="loaded twice"):
         overlap.finish()
+    with pytest.raises(ValueError, match="rows 0.. .* loaded twice"):
+        overlap.load_rows(0, StoredBlocks("q4_1", rows[:16]))
     whole = PendingBlockLinear("q4_1", 64, 48, bias=False)
     for start in (32, 0, 16):  # in any order
         whole.load_rows(start, StoredBlocks("q4_1", rows[start : start + 16]))

@@ -349,6 +349,9 @@ class PendingBlockLinear(PendingLayer):
                 f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
                 f"[{self.out_features}, {self.in_features}] layer"
             )
+        if start in self.parts:
+            raise ValueError(f"rows {start}.. of a [{self.out_features}, {self.in_features}] {self.method} layer were "
+                             f"loaded twice")
         self.parts[start] = blocks
 
     def finish(self) -> BlockQuantizedLinear:
