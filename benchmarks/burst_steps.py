@@ -4,7 +4,7 @@ Requests of random prompt tokens, EOS ignored, `--concurrency` at a time; equal 
 (8 prompts of 256 tokens in one step), as they do against a server. Prints the total, the steps that took more than
 twice the median (the prompts' steps) and the rest (decode steps of the running batch).
 
-    .venv/bin/python benchmarks/burst_steps.py MODEL.gguf [--requests 16] [--batched-weights prompt-int8]
+    .venv/bin/python benchmarks/burst_steps.py MODEL.gguf [--requests 16] [--batched-weights prompt-int8] [--block-activations int8]
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--batched-weights", default=None)
+    parser.add_argument("--block-activations", default=None)
     args = parser.parse_args()
     extra = {"batched_weights": args.batched_weights} if args.batched_weights else {}
+    if args.block_activations:
+        extra["block_activations"] = args.block_activations
     llm = LLM(args.model, max_num_seqs=args.concurrency, enable_prefix_caching=False, max_model_len=4096, **extra)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)

@@ -30,6 +30,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 # Those that normalize each head of q and k before RoPE (one RMSNorm weight of head_dim each, shared by the heads).
 QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text")
+# --block-activations auto (worker/kernel_choice.py): from this many decoder weights (q/k/v/o/gate/up/down, the whole
+# model) 8-bit activations. There a batch's integer products bound the step, and int16's two products a weight cost
+# 1.35x (Qwen2.5 0.5B) to 1.5x (1.5B shapes) of int8's time on an 8-concurrent burst (benchmarks/burst_steps.py),
+# while int8 moves a K-quant file's perplexity by less than llama.cpp's own 8-bit activations do (+0.06% against
+# +0.25% on Qwen2.5 0.5B Q4_K_M). Below it (the default model: 106 M, whose MLP outliers cost +1.9% under int8; Gemma
+# 3 270M: 100 M) int16 stays exact and cheap.
+INT8_ACTIVATIONS_FROM_WEIGHTS = 250_000_000
 
 
 def default_layer_types(model_type: str, num_layers: int, sliding_window: int | None = None) -> list[str]:
@@ -117,13 +124,15 @@ class ModelConfig:
         "none where the int16 block kernels run on AVX-512 VNNI (as fast as the copy there), else prompt-fp16",
         choices=("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none"))
     block_activations: str = setting(
-        "auto", "with q4_1/q8_0 blocks, how the block kernels take their activations: float32, or int16 (16-bit integers per "
+        "auto", "how the block kernels take their activations: float32 (q4_1/q8_0 blocks only), or int16 (16-bit integers per "
         "block of 32 inputs, exact integer products on AVX-512 VNNI or AVX2: faster decoding, next-token KL < 1e-5 "
         "from the float32 model; a row's result never depends on its batch); int8 (the same kernels with 8-bit "
         "activations per block of 32 for every token, as llama.cpp computes them: half the integer products, so extra "
         "rows of a batch or a speculative verify step cost about half; perplexity +0.06% on Qwen2.5 0.5B Q4_K_M, "
-        "+1.9% on the default model, whose activations carry outliers; int16: < 0.01%); auto: int16 where the "
-        "kernels build, else float32",
+        "+1.9% on the default model, whose activations carry outliers; int16: < 0.01%; a row's result still its "
+        f"own); auto, where the kernels build: int8 for models of {INT8_ACTIVATIONS_FROM_WEIGHTS / 1e6:.0f} M decoder weights and more (Qwen2.5 0.5B and "
+        "up: there a batch's integer products bound the step, 1.35-1.5x faster under 8 concurrent requests), int16 "
+        "below (the default model, Gemma 3 270M); float32 where they do not build",
         choices=("auto", "float32", "int16", "int8"))
     attention_backend: str = setting(
         "auto", "paged-cpu: decodes read the KV blocks in place (CPU, float32); auto: paged-cpu where it runs",

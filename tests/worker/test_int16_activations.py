@@ -164,7 +164,7 @@ def test_use_block_activations_moves_every_layer_it_can_tile() -> None:
     assert [m.activations for m in model] == ["int16", "int16", "float32"]
 
 
-def test_auto_picks_int16_only_where_the_kernel_runs(monkeypatch) -> None:
+def test_auto_picks_integer_activations_where_the_kernel_runs_and_int8_for_large_models(monkeypatch) -> None:
     assert block_activations("float32") == "float32"
     monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: False)
     assert block_activations("auto") == "float32"
@@ -174,9 +174,17 @@ def test_auto_picks_int16_only_where_the_kernel_runs(monkeypatch) -> None:
         block_activations("int4")
     monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: True)
     assert block_activations("int16") == "int16"
-    # auto: int16 wherever the kernels run, the AVX2 build too (its float32 kernel is faster for q4_1 and q8_0 above a
-    # few rows, but sums a row in an order set by its batch's size).
+    # auto: integer activations wherever the kernels run, the AVX2 build too (its float32 kernel is faster for q4_1
+    # and q8_0 above a few rows, but sums a row in an order set by its batch's size): exact int16 for small models,
+    # int8 from INT8_ACTIVATIONS_FROM_WEIGHTS decoder weights, where a batch's integer products bound the step.
     assert block_activations("auto") == "int16"
+    threshold = kernel_choice.INT8_ACTIVATIONS_FROM_WEIGHTS
+    assert block_activations("auto", threshold - 1) == "int16"
+    assert block_activations("auto", threshold) == "int8"
+    # What is asked for is kept whatever the size.
+    assert block_activations("int16", 10 * threshold) == "int16" and block_activations("int8", 0) == "int8"
+    monkeypatch.setattr(kernel_choice, "int16_kernel_loads", lambda: False)
+    assert block_activations("auto", threshold) == "float32"
 
 
 @needs_vnni
@@ -207,3 +215,18 @@ def test_the_runner_gives_the_block_layers_the_activations_asked_for(setting: st
     expected = block_activations(setting)
     assert runner.block_activations == expected
     assert {m.activations for m in layers} == {expected}
+
+
+@pytest.mark.skipif(not kernel_choice.int16_kernel_loads(), reason="needs the integer-activation kernels")
+def test_the_runner_takes_int8_activations_under_auto_for_a_model_past_the_line(monkeypatch) -> None:
+    from lmserve.config import CacheConfig, ModelConfig
+    from lmserve.worker.model_runner import ModelRunner
+
+    # The default model (106 M decoder weights) with the line moved below it: the runner passes the model's count.
+    monkeypatch.setattr(kernel_choice, "INT8_ACTIVATIONS_FROM_WEIGHTS", 100_000_000)
+    runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=16))
+    layers = [m for m in runner.model.modules() if isinstance(m, (Q4_1Linear, Q8_0Linear))]
+    assert runner.block_activations == "int8" and {m.activations for m in layers} == {"int8"}
+    monkeypatch.setattr(kernel_choice, "INT8_ACTIVATIONS_FROM_WEIGHTS", 110_000_000)
+    runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=16))
+    assert runner.block_activations == "int16"

@@ -141,3 +141,21 @@ def test_a_checkpoint_without_a_weight_is_refused(tiny_llama_dir: Path) -> None:
     weights = [(n, t) for n, t in load_weights(source, torch.float32) if "layers.1.mlp.down_proj" not in n]
     with pytest.raises(ValueError, match="missing weights"):
         model.load_weights(weights)
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("gemma3_text", {"head_dim": 48}),  # a head_dim that is not hidden / heads
+    ("phi3", {"pad_token_id": 0}),  # fused qkv_proj and gate_up_proj
+])
+def test_decoder_linear_weights_counts_what_transformers_builds(model_type: str, extra: dict) -> None:
+    from lmserve.worker.models.llama import decoder_linear_weights
+
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, **extra)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert decoder_linear_weights(config) == sum(m.weight.numel() for m in linears)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmserve.config import INT8_ACTIVATIONS_FROM_WEIGHTS
 from lmserve.worker.kernels import cpu_flags, cpu_kernels, cpu_kernels_load, disabled_features
 
 logger = logging.getLogger(__name__)
@@ -106,20 +107,20 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
     return BatchedPath(setting, BLOCK_KERNEL_MAX_ROWS)
 
 
-def block_activations(setting: str | None = "auto") -> str:
-    """How the q4_1 and q8_0 block kernels take their activations: float32 (kernels/quantized_linear.cpp) or int16,
-    16-bit integers per block of 32 inputs through exact integer dot products (kernels/int16_activations.cpp: with
-    AVX-512 VNNI 1.2-2.7x faster at 1-64 rows, next-token KL below 1e-5 from the float32 model). auto: int16 wherever
-    the int16 kernels run, the AVX2 build included: a row's result is then its own whatever its batch, where the float32
-    kernel sums a row in an order set by the batch's size (1-2, 3-8, 9+ rows; on the AVX2 build a seeded request drew
-    another token in a batch of 16 than alone). The price on AVX2 (benchmarks/int16_activations.py): 0.92x the float32
-    kernel's speed at 1 row, 0.65-0.8x at 16-64; `float32` stays there to be asked for.
-    int8 (asked for): the same kernels and layout with 8-bit activations per block of 32 for every row (the high
-    halves alone, as llama.cpp's q8 activations): half the integer products of int16, so each row a batch or a
-    speculative verify step adds costs about half as much (lookup on the AVX2 build: 2.1x plain decoding against
-    1.56x); its rounding moves perplexity by +0.06% (Qwen2.5 0.5B Q4_K_M) to +1.9% (the default model, whose
-    activations carry outliers), int16's by < 0.01%, so auto stays int16. A row's result is still its own whatever
-    its batch."""
+def block_activations(setting: str | None = "auto", decoder_weights: int = 0) -> str:
+    """How the block kernels take their activations: float32 (kernels/quantized_linear.cpp, q4_1 and q8_0 only),
+    int16 (16-bit integers per block of 32 inputs through exact integer dot products, kernels/int16_activations.cpp:
+    with AVX-512 VNNI 1.2-2.7x faster than float32 at 1-64 rows, next-token KL below 1e-5 from the float32 model) or
+    int8 (the same kernels and layout with 8-bit activations per block of 32, the high halves alone, as llama.cpp's q8
+    activations: half the integer products, so each row a batch, a prompt or a speculative verify step adds costs
+    about half; perplexity +0.06% on Qwen2.5 0.5B Q4_K_M, +1.9% on the default model, whose activations carry
+    outliers, int16's < 0.01%). A row's result is its own whatever its batch under both integer settings, where the
+    float32 kernel sums a row in an order set by the batch's size (on the AVX2 build a seeded request drew another
+    token in a batch of 16 than alone).
+    auto, wherever the integer kernels run (the AVX2 build included): int8 for a model of at least
+    INT8_ACTIVATIONS_FROM_WEIGHTS decoder weights (`decoder_weights`, models.llama.decoder_linear_weights), int16 below
+    it; float32 where they do not run. The price of int16 on AVX2 (benchmarks/int16_activations.py): 0.92x the float32
+    kernel's speed at 1 row, 0.65-0.8x at 16-64; `float32` stays there to be asked for."""
     setting = setting or "auto"
     if setting not in BLOCK_ACTIVATIONS:
         raise ValueError(f"unknown block activations {setting!r}: use one of {', '.join(BLOCK_ACTIVATIONS)}")
@@ -129,9 +130,11 @@ def block_activations(setting: str | None = "auto") -> str:
     if setting in INTEGER_ACTIVATIONS and not runs:
         raise ValueError(f"--block-activations {setting} needs a CPU with AVX2, FMA and F16C, or AVX-512 VNNI, where "
                          "the kernels build (LMSERVE_DISABLE_CPU_FEATURES=vnni turns the VNNI build's off)")
-    if setting == "int8":
+    if setting in INTEGER_ACTIVATIONS:
         return setting
-    return "int16" if runs else "float32"
+    if not runs:
+        return "float32"
+    return "int8" if decoder_weights >= INT8_ACTIVATIONS_FROM_WEIGHTS else "int16"
 
 
 def int16_kernel_loads() -> bool:

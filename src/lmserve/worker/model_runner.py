@@ -32,7 +32,7 @@ from lmserve.worker.layer_program import ProgramRefused
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.layers import NUMPY_BLAS
-from lmserve.worker.models.llama import LlamaForCausalLM
+from lmserve.worker.models.llama import LlamaForCausalLM, decoder_linear_weights
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.quantization import (
@@ -164,7 +164,8 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         # A block format's layers take the file's own blocks as they load; fp16 converts the loaded float weights.
         block_method = self.quantization if self.quantization in LAYER_METHODS else None
-        activations = block_activations(model_config.block_activations) if block_method else "float32"
+        decoder_weights = decoder_linear_weights(self.hf_config)
+        activations = block_activations(model_config.block_activations, decoder_weights) if block_method else "float32"
         # float16 weights (fp16, and under auto a GGUF's layers that no block format holds) load straight into
         # float16: no float32 copy of them is made; a 16-bit checkpoint's embedding keeps its own dtype.
         float16_layers = self.quantization == "fp16" or (block_method is not None and per_layer is not None)
@@ -178,7 +179,7 @@ class ModelRunner:
         self.prompt_copies = False
         self.block_activations = "float32"
         if self.quantization in LAYER_METHODS:
-            self.block_activations = block_activations(model_config.block_activations)
+            self.block_activations = block_activations(model_config.block_activations, decoder_weights)
             self.batched_path = batched_path(model_config.batched_weights, self.block_activations)
             use_batched_path(model, self.batched_path)
             if use_block_activations(model, self.block_activations) == 0:

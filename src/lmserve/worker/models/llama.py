@@ -484,3 +484,13 @@ def _num_rows(tensor: torch.Tensor | StoredBlocks) -> int:
 
 def _floats(tensor: torch.Tensor | StoredBlocks) -> torch.Tensor:
     return tensor.dequantize() if isinstance(tensor, StoredBlocks) else tensor
+
+
+def decoder_linear_weights(config: PretrainedConfig) -> int:
+    """The whole model's q, k, v, o, gate, up and down weights, from its config: the same answer on every rank and
+    stage (a choice made from it, as block_activations' auto, must not differ between the ranks of one model)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_size = config.num_attention_heads * head_dim
+    kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    attention = config.hidden_size * (2 * q_size + 2 * kv_size)
+    return config.num_hidden_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
