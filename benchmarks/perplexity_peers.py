@@ -30,6 +30,7 @@ SETTINGS = {
     "stored, no copies": {"batched_weights": "none"},  # every row on the block kernels
     "stored, 8-bit prompt rows": {"batched_weights": "prompt-int8"},  # llama.cpp's activations for prompt rows
     "stored, 8-bit activations": {"block_activations": "int8"},  # every row on 8-bit activations, as llama.cpp
+    "stored, 16-bit activations": {"block_activations": "int16"},  # auto's choice below 250 M decoder weights
     "float32": {"quantization": "none"},  # the file's values dequantized to float32: the reference
 }
 LLAMA_PERPLEXITY = Path.home() / ".cache/lmserve-peers/llama.cpp/bin/llama-perplexity"

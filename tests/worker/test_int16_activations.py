@@ -227,6 +227,12 @@ def test_the_runner_takes_int8_activations_under_auto_for_a_model_past_the_line(
     runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=16))
     layers = [m for m in runner.model.modules() if isinstance(m, (Q4_1Linear, Q8_0Linear))]
     assert runner.block_activations == "int8" and {m.activations for m in layers} == {"int8"}
+    # On the AVX2 kind too, and there without the float16 prompt copies int16 activations would take.
+    monkeypatch.setattr(kernel_choice, "int16_vnni_kernel_runs", lambda: False)
+    monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: False)
+    runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=16))
+    assert runner.block_activations == "int8" and runner.batched_path == kernel_choice.batched_path("none")
+    assert not runner.prompt_copies
     monkeypatch.setattr(kernel_choice, "INT8_ACTIVATIONS_FROM_WEIGHTS", 110_000_000)
     runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=16))
     assert runner.block_activations == "int16"
