@@ -54,3 +54,41 @@ def test_freed_heap_pages_leave_the_resident_set() -> None:
 
 def test_release_reports_whether_the_c_library_could() -> None:
     assert release_freed_heap() is _glibc()
+
+
+REUSE_CHILD = r"""
+import ctypes, ctypes.util, resource, sys
+from lmserve.heap import reuse_large_blocks
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+SIZE = 96 << 20  # above glibc's largest mmap threshold (32 MiB): a fresh mapping each time by default
+
+def faults_of_a_written_block():
+    block = libc.malloc(SIZE)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    ctypes.memset(block, 1, SIZE)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    libc.free(block)
+    return faults
+
+if sys.argv[1] == "reuse":
+    assert reuse_large_blocks()
+faults_of_a_written_block()
+print(faults_of_a_written_block())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc(), reason="mallopt's parameters are glibc's")
+def test_large_blocks_are_reused_instead_of_faulted_in_afresh() -> None:
+    pages = (96 << 20) // 4096
+    faults = {}
+    for mode in ("default", "reuse"):
+        result = subprocess.run([sys.executable, "-c", REUSE_CHILD, mode], capture_output=True, text=True, timeout=60,
+                                check=True)
+        faults[mode] = int(result.stdout)
+    # Without it the second block's pages fault in again (fewer where the kernel hands out huge pages); with it
+    # the first block's pages are written again in place.
+    assert faults["default"] > pages // 600, faults
+    assert faults["reuse"] < 50, faults

@@ -13,7 +13,7 @@ import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
-from lmserve.heap import release_freed_heap
+from lmserve.heap import release_freed_heap, reuse_large_blocks
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
 from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -135,6 +135,8 @@ class ModelRunner:
             draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
             draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
             self.drafter = DraftModel(spec.model, draft_runner, placement, self)
+        if self.device.type == "cpu":
+            reuse_large_blocks()  # steps' activations from reused heap memory, not fresh pages
 
     def _choose_quantization(self, model_config: ModelConfig,
                              source: ModelSource) -> tuple[dict[str, str] | None, tuple[str, ...]]:
