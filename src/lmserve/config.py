@@ -120,9 +120,10 @@ class ModelConfig:
         "them: a prefill 1.4x faster than none on AVX-512 VNNI; generated tokens keep 16-bit ones); fp16 (fbgemm above "
         "64 rows for every token: a token's result moves with its batch's size by the float16 rounding of the weights); bf16 (oneDNN, activations "
         "rounded to bfloat16 above a few rows: tokens may depend on the batch); none (every token through the block "
-        "kernels: no copy, the weights take the file's size in memory); auto: prompt-bf16 where the CPU has AMX, "
-        "none where the int16 block kernels run on AVX-512 VNNI (as fast as the copy there) or the activations are int8 "
-        "(as fast on AVX2, and no copy of 2 bytes a weight), else prompt-fp16",
+        "kernels: no copy, the weights take the file's size in memory); auto: none where the activations are int8 "
+        "(a model of 250 M decoder weights or more: no copy of 2 bytes a weight on any kind), else prompt-bf16 where "
+        "the CPU has AMX, none where the int16 block kernels run on AVX-512 VNNI (as fast as the copy there), else "
+        "prompt-fp16",
         choices=("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none"))
     block_activations: str = setting(
         "auto", "how the block kernels take their activations: float32 (q4_1/q8_0 blocks only), or int16 (16-bit integers per "

@@ -54,10 +54,11 @@ def release_freed_heap() -> bool:
 def reuse_large_blocks() -> bool:
     """From now on, large blocks that are freed stay in the heap for the next allocation: False where the C library
     cannot. glibc maps every block above 32 MiB afresh and unmaps it at free, so each prompt step's activations (a
-    1.5B model's gate/up output for 2,048 tokens is 147 MB) came from new pages: 2.1 M page faults and zeroed pages a
-    step, 13.7-14.7 against 11.3-11.6 s once reused (docs/benchmarks.md, "Large blocks reused"). The price: the heap
-    keeps the largest step's activations resident after it (~300 MiB for that 1.5B step). Called once the weights
-    and the KV cache are in place, so neither is affected (the KV pool maps its own pages: worker/lazy_zeros.py)."""
+    1.5B model's gate/up output for 2,048 tokens is 147 MB) came from new pages: 2.1 M page faults and zeroed pages
+    a step, 13.7-14.7 against 11.3-11.6 s once reused (docs/benchmarks.md, "8-bit activations by default from 250 M
+    decoder weights; large blocks reused"). The price: the heap keeps the largest step's activations resident after
+    it (~300 MiB for that 1.5B step). Called once the weights and the KV cache are in place, so neither is affected
+    (the KV pool maps its own pages: worker/lazy_zeros.py)."""
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None or not hasattr(libc, "malloc_trim"):  # glibc's parameters only

@@ -337,16 +337,18 @@ def test_auto_keeps_every_row_on_the_blocks_where_the_vnni_int16_kernels_run(mon
     assert batched_path("auto") == batched_path("prompt-bf16")
 
 
-def test_auto_keeps_every_row_on_the_blocks_under_8_bit_activations_on_every_kind_but_amx(monkeypatch) -> None:
+def test_auto_keeps_every_row_on_the_blocks_under_8_bit_activations_on_every_kind(monkeypatch) -> None:
     """int8 activations (auto for large models) prefill on the AVX2 build about as fast as fbgemm's copy, which would
-    more than double the weights' memory: no copy there either."""
+    more than double the weights' memory: no copy there, nor on AMX (its bfloat16 copy is as large)."""
     monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: False)
     monkeypatch.setattr(kernel_choice, "int16_vnni_kernel_runs", lambda: False)  # the AVX2 build
     assert batched_path("auto", "int8") == batched_path("none")
     assert batched_path("auto", "int16").prompt_weights == "fp16"
     assert batched_path("prompt-fp16", "int8").prompt_weights == "fp16"  # still there when asked for
     monkeypatch.setattr(kernel_choice, "amx_kernel_loads", lambda: True)
-    assert batched_path("auto", "int8") == batched_path("prompt-bf16")
+    assert batched_path("auto", "int8") == batched_path("none")
+    assert batched_path("auto", "int16") == batched_path("prompt-bf16")  # smaller models keep AMX's prompt kernel
+    assert batched_path("prompt-bf16", "int8") == batched_path("prompt-bf16")  # asked for
 
 
 def test_auto_sends_prompt_rows_to_the_amx_kernel_where_it_runs(monkeypatch) -> None:

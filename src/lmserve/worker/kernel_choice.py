@@ -59,20 +59,22 @@ class BatchedPath:
 
 
 def batched_path(setting: str | None = "auto", activations: str = "int16") -> BatchedPath:
-    """Each row's path fixed by what the row is, never by the batch: prompt-bf16 (auto where the CPU has AMX): prompt
-    rows through the AMX kernel on a bfloat16 copy, 2-10x faster prefill; none (auto where the block kernels take
-    int16 activations on AVX-512 VNNI, or int8 ones on any kind: `activations`, the layers' resolved
-    --block-activations): every row on the block kernels, no copy, the file's size in memory; prompt-fp16 (auto
-    elsewhere): prompt rows through fbgemm on a
-    float16 copy, float32 activations. Generated rows go through the block kernel in all three, at any batch size. A
-    row's result then depends only on the row (fbgemm's, like the AMX kernel's, does not depend on the other rows of
-    its call). On VNNI the int16 kernels multiply a 512-row prompt 1.2-1.4x faster than fbgemm's float16 GEMM (q4_1,
-    q8_0, q5_0, q4_k; q6_k 0.75x), so the copy (2 bytes a weight beside the file's ~0.6) bought no speed there
-    (docs/benchmarks.md, "Prompt rows on the stored blocks"); the AVX2 build's kernels are ~2x slower than fbgemm
-    at prompt sizes with int16 activations and keep it for them. With int8 ones (auto from
-    INT8_ACTIVATIONS_FROM_WEIGHTS) they prefill Qwen2.5 0.5B about as fast as fbgemm's AVX-512 code does from the
-    copy, on an AVX-512 CPU made to run the AVX2 build, and the copy, built after start-up, had more than doubled the
-    engine's memory (687 against 1,569 MiB).
+    """Each row's path fixed by what the row is, never by the batch: prompt-bf16 (auto where the CPU has AMX and the
+    layers take int16 activations): prompt rows through the AMX kernel on a bfloat16 copy, 2-10x faster prefill; none
+    (auto where the block kernels take int16 activations on AVX-512 VNNI, or int8 ones on any kind, AMX included:
+    `activations`, the layers' resolved --block-activations): every row on the block kernels, no copy, the file's size in memory; prompt-fp16 (auto
+    elsewhere): prompt rows through fbgemm on a float16 copy, float32 activations. Generated rows go through the
+    block kernel in all three, at any batch size. A row's result then depends only on the row (fbgemm's, like the
+    AMX kernel's, does not depend on the other rows of its call). On VNNI the int16 kernels multiply a 512-row
+    prompt 1.2-1.4x faster than fbgemm's float16 GEMM (q4_1, q8_0, q5_0, q4_k; q6_k 0.75x), so the copy (2 bytes a
+    weight beside the file's ~0.6) bought no speed there (docs/benchmarks.md, "Prompt rows on the stored blocks");
+    the AVX2 build's kernels are ~2x slower than fbgemm at prompt sizes with int16 activations and keep it for them.
+    With int8 ones (auto from INT8_ACTIVATIONS_FROM_WEIGHTS) they prefill Qwen2.5 0.5B about as fast as fbgemm's
+    AVX-512 code does from the copy, on an AVX-512 CPU made to run the AVX2 build, and the copy, built after
+    start-up, had more than doubled the engine's memory (687 against 1,569 MiB). On AMX the bfloat16 copy costs
+    as much memory (RSS at ready 1.66x llama.cpp's on Qwen2.5 0.5B, before the copies were done), while int8
+    activations on the blocks already serve 8 concurrent streams at 1.9-2.7x llama.cpp's rate on VNNI (not
+    measured on an AMX machine): for the models that take int8 the copy is asked for, not chosen.
     prompt-int8 (asked for): prompt rows through the same int16-layout blocks with 8-bit activations per block of 32
     (x_hi alone: llama.cpp's q8 activations, half the integer products: 1.5-2.1x the int16 kernels' prompt speed on
     VNNI), generated rows with 16-bit ones; no copy. Layers in the float32 kernels' layout run every row there.
@@ -85,9 +87,11 @@ def batched_path(setting: str | None = "auto", activations: str = "int16") -> Ba
     if setting not in BATCHED_WEIGHTS:
         raise ValueError(f"unknown batched weights {setting!r}: use one of {', '.join(BATCHED_WEIGHTS)}")
     if setting == "auto":
-        if amx_kernel_loads():
+        if activations == "int8":  # a large model: a copy would take 2 bytes a weight beside the file's ~0.6
+            setting = "none"
+        elif amx_kernel_loads():
             setting = "prompt-bf16"
-        elif activations == "int8" or (activations == "int16" and int16_vnni_kernel_runs()):
+        elif activations == "int16" and int16_vnni_kernel_runs():
             setting = "none"
         else:
             setting = "prompt-fp16"
