@@ -229,3 +229,31 @@ def test_sliding_window_layers_are_planned_at_their_window(tiny_gemma3_dir):
     assert full.max_concurrency == full.devices[0].kv_blocks // 32
     assert windowed.max_concurrency > 2 * full.max_concurrency
     assert any("sliding-window layers" in note for note in windowed.notes)
+
+
+def test_serves_check_counts_no_prompt_copy_where_the_model_takes_8_bit_activations():
+    """A Q4_K_M file of an 8B model takes 8-bit activations under auto and no prompt copy on any CPU kind; serve's
+    memory check counted a 2-byte copy of its 7 B decoder weights anyway, and refused it on a 16 GiB machine (with
+    the default 2 GiB of KV cache)."""
+    from dataclasses import replace
+
+    from lmserve.config import INT8_ACTIVATIONS_FROM_WEIGHTS, EngineConfig, ModelConfig
+    from lmserve.plan.fit import check_fits, layout_memory
+
+    spec = replace(load_spec("llama-3-8b"), stored_bits=4.89)  # as a Q4_K_M file of it holds its weights
+    # 32 layers x (4096 x (2 x 4096 + 2 x 1024) + 3 x 4096 x 14336), as the worker counts from the same config.
+    assert spec.decoder_linear_weights == 6_979_321_856 >= INT8_ACTIVATIONS_FROM_WEIGHTS
+
+    def config(**settings) -> EngineConfig:
+        return EngineConfig(model=ModelConfig(model="llama-3-8b", **settings))
+
+    def weights(**settings) -> int:
+        return layout_memory(spec, config(**settings)).ranks[0].weights
+
+    stored = weights(batched_weights="none")
+    assert weights() == weights(block_activations="int8") == weights(batched_weights="prompt-int8") == stored
+    copy = 2 * stage_params(spec, Layout(), 0)["layers"]
+    assert weights(block_activations="int16") == weights(batched_weights="prompt-fp16") == stored + copy
+    assert check_fits(spec, config(), available=16 * GiB) is not None
+    with pytest.raises(ValueError, match="needs"):
+        check_fits(spec, config(block_activations="int16"), available=16 * GiB)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmserve.config import EngineConfig
+from lmserve.config import INT8_ACTIVATIONS_FROM_WEIGHTS, EngineConfig
 from lmserve.config_values import MiB, parse_memory
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.plan.memory import GiB, PlanSettings, activation_bytes, gib, logits_bytes, machine_memory
@@ -101,7 +101,8 @@ def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
         last = stage == layout.pp - 1
         ranks.append(RankMemory(
             stage=stage,
-            weights=stage_weight_bytes(spec, layout, stage, nbytes, config.model.batched_weights),
+            weights=stage_weight_bytes(spec, layout, stage, nbytes, config.model.batched_weights,
+                                       config.model.block_activations),
             kv_cache=kv,
             activations=activation_bytes(spec, layout.tp, scheduler.max_num_batched_tokens, nbytes)
             + (logits_bytes(spec, settings) if last else 0),
@@ -110,17 +111,33 @@ def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
     return LayoutMemory(layout, dtype, ranks)
 
 
-# The copy of the decoder layers' weights that prompt rows run on (worker/quantization.py: bfloat16 for the AMX
-# kernel, float16 for fbgemm), built beside a GGUF's stored blocks unless --batched-weights none.
+# The copy of the decoder layers' weights that prompt rows may run on (worker/quantization.py: bfloat16 for the AMX
+# kernel, float16 for fbgemm), built beside a GGUF's stored blocks.
 PROMPT_COPY_BYTES = 2
 
 
-def stage_weight_bytes(spec: ModelSpec, layout: Layout, stage: int, nbytes: int, batched_weights: str | None) -> int:
-    """One rank's weights: a GGUF's at their stored size plus the prompt copy of its layers (unless `none`), a float
-    checkpoint's in the compute dtype."""
+def takes_prompt_copy(spec: ModelSpec, batched_weights: str | None, block_activations: str | None) -> bool:
+    """Whether the engine may build that copy (worker/kernel_choice.batched_path): never with `none` or
+    `prompt-int8`, nor under auto with 8-bit activations (asked for, or auto's choice from
+    INT8_ACTIVATIONS_FROM_WEIGHTS decoder weights). Otherwise counted, whether or not this CPU's auto takes it (the
+    AVX-512 VNNI kind does not): the planner reads no CPU flags, and those models are small."""
+    batched_weights, block_activations = batched_weights or "auto", block_activations or "auto"
+    if batched_weights in ("none", "prompt-int8"):
+        return False
+    if batched_weights != "auto":
+        return True
+    if block_activations == "auto":
+        return spec.decoder_linear_weights < INT8_ACTIVATIONS_FROM_WEIGHTS
+    return block_activations != "int8"
+
+
+def stage_weight_bytes(spec: ModelSpec, layout: Layout, stage: int, nbytes: int, batched_weights: str | None,
+                       block_activations: str | None = "auto") -> int:
+    """One rank's weights: a GGUF's at their stored size plus the prompt copy of its layers where the engine may
+    build one (takes_prompt_copy), a float checkpoint's in the compute dtype."""
     parts = stage_params(spec, layout, stage)
     weights = spec.weight_bytes(sum(parts.values()), nbytes)
-    if spec.stored_bits and (batched_weights or "auto") != "none":
+    if spec.stored_bits and takes_prompt_copy(spec, batched_weights, block_activations):
         weights += parts["layers"] * PROMPT_COPY_BYTES
     return weights
 

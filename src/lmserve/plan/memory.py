@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from lmserve.config import KV_BLOCK_SIZE, SchedulerConfig
+from lmserve.config import INT8_ACTIVATIONS_FROM_WEIGHTS, KV_BLOCK_SIZE, SchedulerConfig
 from lmserve.config_values import GiB
 from lmserve.kv_groups import kv_capacity_tokens
 from lmserve.kv_sizing import blocks_needed, kv_bytes_per_block, kv_bytes_per_token
@@ -159,9 +159,9 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         notes.append(f"max_model_len {max_model_len} exceeds the model's {spec.max_position_embeddings} positions")
     if spec.stored_bits:
         notes.append(f"weights as the engine holds the file's blocks ({spec.stored_bits:.2f} bits a parameter: their "
-                     "stored size, or the kernel format they convert into); on CPU the "
-                     "engine also keeps a 2-byte copy of the decoder layers for prompt rows unless "
-                     "--batched-weights none")
+                     "stored size, or the kernel format they convert into); on CPU a model below "
+                     f"{INT8_ACTIVATIONS_FROM_WEIGHTS / 1e6:.0f} M decoder weights may also keep a 2-byte copy of "
+                     "its decoder layers for prompt rows (AVX2, AMX) unless --batched-weights none")
 
     groups = spec.kv_groups()
     if groups.is_hybrid or groups.windows[0]:

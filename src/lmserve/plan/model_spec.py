@@ -120,6 +120,14 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(stage_params(self, Layout(), 0).values())
 
+    @property
+    def decoder_linear_weights(self) -> int:
+        """The whole model's q, k, v, o, gate, up and down weights: what --block-activations auto decides by
+        (worker/models/llama.decoder_linear_weights, from the same config)."""
+        kv_size = self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (2 * self.q_size + 2 * kv_size)
+        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+
 
 def load_spec(model: str | None = None, config_file: str | None = None) -> ModelSpec:
     """A shipped config by name, an HF directory or config.json, or a GGUF file / registered name (metadata only)."""
