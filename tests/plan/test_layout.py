@@ -11,7 +11,7 @@ from lmserve.models import DEFAULT_MODEL, load_hf_config, read_config_dict, reso
 from lmserve.plan import fit
 from lmserve.plan.layout import check_layout, engine_model_spec
 from lmserve.plan.memory import GiB
-from lmserve.plan.model_spec import ModelSpec
+from lmserve.plan.model_spec import Layout, ModelSpec, stage_params
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -86,13 +86,17 @@ def test_an_absurd_kv_cache_is_refused_with_the_planners_numbers():
     need = fit.layout_memory(spec, config)
     rank = need.ranks[0]
     assert rank.kv_cache == 100000 * GiB
-    # The planner's parameter count of the default model, in float32 as the weights load.
-    assert rank.weights == spec.num_params * 4
+    # The default model's Q4_1 file at its stored size (4.5 bits a weight in the matrices), not float32, and the
+    # 2-byte prompt copy of its layers that the AVX2 and AMX kinds build for a model this small.
+    assert spec.stored_bits is not None and 4.5 < spec.stored_bits < 6
+    copy = 2 * stage_params(spec, Layout(), 0)["layers"]
+    assert rank.weights == int(spec.num_params * spec.stored_bits / 8) + copy < spec.num_params * 4
     with pytest.raises(ValueError) as caught:
         fit.check_fits(spec, config, available=20 * GiB)
     message = str(caught.value)
     assert f"needs {need.total / GiB:.2f} GiB of memory, this machine has 20.00 GiB available" in message
-    assert f"{rank.weights / GiB:.2f} GiB weights (float32" in message and "100000.00 GiB KV cache" in message
+    assert f"{rank.weights / GiB:.2f} GiB weights (as the file stores them)" in message
+    assert "100000.00 GiB KV cache" in message
     kv_that_fits = (20 * GiB - (need.total - rank.kv_cache)) // (1 << 20)
     assert f"lower --kv-cache-memory to at most {kv_that_fits}MiB per rank" in message
     assert "fewer ranks" not in message  # one rank: there are no fewer
@@ -122,8 +126,11 @@ def test_small_layouts_of_the_default_model_fit_a_24_gib_machine(kwargs):
     # Weights split tp × pp ways: the ranks of one replica hold the whole model once, plus replicated norms and,
     # under PP, the last stage's copy of the tied embedding as its output layer.
     replica_weights = sum(r.weights for r in need.ranks) * config.parallel.tensor_parallel_size
-    head_copy = spec.vocab_size * spec.hidden_size * 4 if config.parallel.pipeline_parallel_size > 1 else 0
-    assert spec.num_params * 4 <= replica_weights - head_copy < spec.num_params * 4 * 1.01
+    head_copy = spec.weight_bytes(spec.vocab_size * spec.hidden_size, 4) if config.parallel.pipeline_parallel_size > 1 \
+        else 0
+    # At the file's stored size, with the layers' 2-byte prompt copy (bytes rounded down once per rank).
+    whole = spec.weight_bytes(spec.num_params, 4) + 2 * stage_params(spec, Layout(), 0)["layers"]
+    assert whole - need.num_ranks <= replica_weights - head_copy < whole * 1.01
 
 
 def test_cuda_and_ray_are_not_checked_against_this_machines_memory():
@@ -157,3 +164,19 @@ def _env() -> dict[str, str]:
     import lmserve
 
     return {**os.environ, "PYTHONPATH": str(Path(lmserve.__file__).parents[1])}
+
+
+def test_a_gguf_is_checked_at_its_stored_size_unless_asked_to_dequantize(tiny_kquant_gguf):
+    """Serve's check counted a GGUF's weights as float32 (an 8B Q4_K_M file as 32 GB): under auto the engine holds
+    the file's blocks, as `lmserve plan` counts them; --quantization none dequantizes them to float32."""
+    config = make_engine_config(model=str(tiny_kquant_gguf), device="cpu")
+    spec = engine_model_spec(config.model)
+    assert spec.stored_bits is not None and spec.stored_bits < 9
+    from lmserve.plan.model_spec import load_spec
+
+    assert spec.stored_bits == load_spec(str(tiny_kquant_gguf)).stored_bits
+    assert fit.layout_memory(spec, config).ranks[0].weights < spec.num_params * 4 / 2
+    dequantized = make_engine_config(model=str(tiny_kquant_gguf), device="cpu", quantization="none")
+    assert engine_model_spec(dequantized.model).stored_bits is None
+    assert fit.layout_memory(engine_model_spec(dequantized.model), dequantized).ranks[0].weights == \
+        spec.num_params * 4

@@ -191,9 +191,10 @@ def check_fits(spec: ModelSpec, config: EngineConfig, available: int | None = No
     else:
         remedy = "use a smaller model: even without KV cache it does not fit"
     where = f" (stage {rank.stage}, the largest)" if layout.pp > 1 else ""
+    held = "as the file stores them" if spec.stored_bits else f"{need.dtype}, as they load"
     raise ValueError(
         f"-tp {layout.tp} -pp {layout.pp} -dp {layout.replicas} needs {gib(need.total)} of memory, this machine has "
-        f"{gib(available)} available: per rank{where} {gib(rank.weights)} weights ({need.dtype}, as they load) + "
+        f"{gib(available)} available: per rank{where} {gib(rank.weights)} weights ({held}) + "
         f"{gib(rank.kv_cache)} KV cache + {gib(rank.activations)} activations + {gib(rank.overhead)} runtime = "
         f"{gib(rank.total)}, × {need.num_ranks} rank(s); {remedy}"
     )

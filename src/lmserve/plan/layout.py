@@ -9,8 +9,10 @@ recommends what `lmserve serve` refuses.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from lmserve.config import EngineConfig, ModelConfig
+from lmserve.gguf_file import gguf_held_bits
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.plan import model_spec
 from lmserve.plan.fit import check_fits, engine_layout
@@ -21,9 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 def engine_model_spec(model_config: ModelConfig) -> ModelSpec:
-    """The sizes of the model the engine will load (the same file, not a shipped look-alike)."""
+    """The sizes of the model the engine will load (the same file, not a shipped look-alike). Under --quantization
+    auto a GGUF's matrices are held at their stored size (or the kernel format they convert into), as `lmserve plan`
+    counts them: an 8B Q4_K_M file takes ~5 GB, not the 32 GB of float32 weights it was checked as."""
     source = resolve_model(model_config.model)
-    return ModelSpec.from_hf_dict(source.name, read_config_dict(source))
+    spec = ModelSpec.from_hf_dict(source.name, read_config_dict(source))
+    if source.kind == "gguf" and (model_config.quantization or "auto") == "auto":
+        spec = replace(spec, stored_bits=gguf_held_bits(source.path))
+    return spec
 
 
 def check_layout(config: EngineConfig) -> None:
