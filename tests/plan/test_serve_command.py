@@ -38,7 +38,10 @@ def test_the_serve_command_parses_into_the_planned_layout(capsys, args):
     assert (config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
             config.parallel.data_parallel_size) == (layout["tp"], layout["pp"], layout["replicas"])
     assert out["serve_layout"] == {k: layout[k] for k in ("tp", "pp", "replicas")}
-    assert config.model.max_model_len == out["max_model_len"] and config.model.dtype == out["dtype"]
+    # A GGUF keeps the engine's auto dtype unless float32 was planned: --dtype bfloat16 would dequantize its blocks
+    # on CPU (the default model is planned from its shipped config, as a float model).
+    expected_dtype = "auto" if out["stored_bits"] and out["dtype"] != "float32" else out["dtype"]
+    assert config.model.max_model_len == out["max_model_len"] and config.model.dtype == expected_dtype
     assert config.scheduler.max_num_seqs == out["max_num_seqs"]
     # The KV budget per rank holds the plan's target on every stage.
     blocks = out["concurrency"] * -(-out["context"] // 16)
@@ -75,3 +78,21 @@ def test_a_layout_that_does_not_fit_is_replaced_by_one_that_does(capsys):
 def test_a_split_the_engine_refuses_is_refused_by_the_planner_too(capsys):
     assert main(["plan", "-tp", "2"]) == 2
     assert "-tp 2 does not divide the 9 attention heads / 3 KV heads" in capsys.readouterr().err
+
+
+def test_a_gguf_plans_a_serve_command_that_keeps_its_blocks(capsys, tiny_kquant_gguf):
+    """`lmserve plan FILE.gguf` planned bfloat16 and printed `--dtype bfloat16`, with which the engine on CPU
+    dequantizes every matrix instead of running the file's blocks (check_quantization: float32 only)."""
+    from lmserve.worker.kernel_choice import check_quantization
+
+    _, out = plan_json(capsys, str(tiny_kquant_gguf))  # the plan's dtype is bfloat16 by default
+    assert out["stored_bits"] is not None and out["dtype"] == "bfloat16"
+    assert "--dtype" not in out["serve_command"]
+    config = parsed_serve_command(out["serve_command"])
+    import torch
+
+    from lmserve.worker.model_runner import resolve_dtype
+
+    dtype = resolve_dtype(config.model.dtype, torch.device("cpu"))
+    assert check_quantization(config.model.quantization, torch.device("cpu"), dtype, "q4_k") == "q4_k"
+    assert check_quantization(None, torch.device("cpu"), torch.bfloat16, "q4_k") == "none"  # what bfloat16 did

@@ -96,6 +96,7 @@ class Plan:
     max_context: int  # per request, with `concurrency` requests per replica
     shortage: Shortage | None
     notes: list[str]
+    stored_bits: float | None = None  # a GGUF's weights as the engine holds them (ModelSpec.stored_bits)
 
     @property
     def fits(self) -> bool:
@@ -215,6 +216,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         max_context=max_context,
         shortage=_shortage(devices, settings.concurrency * request_blocks(context), context, settings),
         notes=notes,
+        stored_bits=spec.stored_bits,
     )
 
 

@@ -45,7 +45,10 @@ def serve_command(model: str, plan: Plan, devices_per_node: int | None = None) -
             args += [flag, str(size)]
     if devices_per_node is not None and layout.gpus > devices_per_node:
         args += ["--distributed-executor-backend", "ray"]
-    args += ["--dtype", plan.dtype]
+    # A GGUF's blocks run on CPU only with float32 compute, the engine's auto there (bfloat16 on CUDA): a planned
+    # bfloat16 or float16 would dequantize every matrix.
+    if plan.stored_bits is None or plan.dtype == "float32":
+        args += ["--dtype", plan.dtype]
     if plan.kv_dtype != plan.dtype and plan.kv_dtype in ENGINE_KV_DTYPES:
         args += ["--kv-cache-dtype", plan.kv_dtype]
     args += ["--max-model-len", str(plan.max_model_len)]
