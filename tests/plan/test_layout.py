@@ -178,5 +178,7 @@ def test_a_gguf_is_checked_at_its_stored_size_unless_asked_to_dequantize(tiny_kq
     assert fit.layout_memory(spec, config).ranks[0].weights < spec.num_params * 4 / 2
     dequantized = make_engine_config(model=str(tiny_kquant_gguf), device="cpu", quantization="none")
     assert engine_model_spec(dequantized.model).stored_bits is None
+    in_bfloat16 = make_engine_config(model=str(tiny_kquant_gguf), device="cpu", dtype="bfloat16")  # dequantized too
+    assert engine_model_spec(in_bfloat16.model).stored_bits is None
     assert fit.layout_memory(engine_model_spec(dequantized.model), dequantized).ranks[0].weights == \
         spec.num_params * 4
