@@ -182,3 +182,15 @@ def test_a_gguf_is_checked_at_its_stored_size_unless_asked_to_dequantize(tiny_kq
     assert engine_model_spec(in_bfloat16.model).stored_bits is None
     assert fit.layout_memory(engine_model_spec(dequantized.model), dequantized).ranks[0].weights == \
         spec.num_params * 4
+
+
+@pytest.mark.parametrize("fixture", ["tiny_kquant_gguf", "tiny_gemma3_dir", "tiny_phi3_q8_gguf"])
+def test_the_planner_and_the_engine_count_the_same_decoder_weights(request, fixture):
+    """Serve's check counts a prompt copy only below the line where the engine takes 8-bit activations: both must
+    count a model's decoder weights alike (plan.ModelSpec and worker.models.llama, each from its own config reader)."""
+    from lmserve.worker.models.llama import decoder_linear_weights
+
+    model = str(request.getfixturevalue(fixture))
+    config = make_engine_config(model=model, device="cpu")
+    assert engine_model_spec(config.model).decoder_linear_weights == decoder_linear_weights(load_hf_config(
+        resolve_model(model)))
