@@ -61,12 +61,6 @@ struct Q4_1 {
   static inline int source_quant(const uint8_t* block, int k) {
     return k < 16 ? block[4 + k] & 0x0F : block[4 + k - 16] >> 4;
   }
-  // The packed byte at offset i of a group's quants, from q(n, k) in 0..15 (unsigned).
-  template <class Q>
-  static inline uint8_t packed_byte(int64_t i, Q q) {
-    const int64_t c = i / 64, n = i % 64 / 4, e = i % 4;
-    return static_cast<uint8_t>(q(n, 8 * c + e) | (q(n, 8 * c + 4 + e) << 4));
-  }
 };
 
 struct Q8_0 {
@@ -80,11 +74,6 @@ struct Q8_0 {
     for (int j = 0; j < 8; ++j) rows[j] = load64(block + kScaleBytes + 64 * j);
   }
   static inline int source_quant(const uint8_t* block, int k) { return static_cast<int8_t>(block[2 + k]) + 128; }
-  template <class Q>
-  static inline uint8_t packed_byte(int64_t i, Q q) {
-    const int64_t j = i / 64, n = i % 64 / 4, e = i % 4;
-    return static_cast<uint8_t>(q(n, 4 * j + e));
-  }
 };
 
 // q5_0: w = d (q - 16) with q in 0..31 (5 bits). The low 4 bits as q4_1's nibble chunks, the fifth bits as one more
@@ -110,14 +99,6 @@ struct Five {
     const int low = k < 16 ? at[4 + k] & 0x0F : at[4 + k - 16] >> 4;
     return low | (((high >> k) & 1) << 4);
   }
-  template <class Q>
-  static inline uint8_t packed_byte(int64_t i, Q q) {
-    if (i < 256) {
-      const int64_t c = i / 64, n = i % 64 / 4, e = i % 4;
-      return static_cast<uint8_t>((q(n, 8 * c + e) & 0x0F) | ((q(n, 8 * c + 4 + e) & 0x0F) << 4));
-    }
-    return fifth_bits_byte((i - 256) / 4, (i - 256) % 4, q);
-  }
 };
 using Q5_0 = Five<false>;
 using Q5_1 = Five<true>;
@@ -135,8 +116,6 @@ struct Q4_0 {
   static inline int source_quant(const uint8_t* block, int k) {
     return k < 16 ? block[2 + k] & 0x0F : block[2 + k - 16] >> 4;
   }
-  template <class Q>
-  static inline uint8_t packed_byte(int64_t i, Q q) { return Q4_1::packed_byte(i, q); }
 };
 
 // iq4_nl: w = d v[q], with q in 0..15 an index into llama.cpp's table kvalues_iq4nl of 16 int8 values (-127..113).
@@ -155,8 +134,6 @@ struct IQ4_NL {
     for (int j = 0; j < 8; ++j) rows[j] = lookup16(rows[j], kValues);
   }
   static inline int source_quant(const uint8_t* block, int k) { return Q4_0::source_quant(block, k); }  // q
-  template <class Q>
-  static inline uint8_t packed_byte(int64_t i, Q q) { return Q4_1::packed_byte(i, q); }
 };
 
 // Input rows that share one decoding of the weights: 6 on AVX-512 (1.03-1.12x over 4); AVX2 has half the registers,
@@ -286,7 +263,7 @@ at::Tensor pack(at::TensorList parts) {
   at::Tensor out = at::empty({N / kGroup, num_blocks * Format::kBytes}, at::kByte);
   uint8_t* dst_all = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / kGroup, 16, [&](int64_t begin, int64_t end) {
-    uint8_t codes[kGroup][kBlock];  // the 16 rows' codes of one block, read once (packed_byte reads each 1-8 times)
+    uint8_t codes[kGroup][kBlock];  // the 16 rows' codes of one block
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < num_blocks; ++b) {
         uint8_t* dst = dst_all + (g * num_blocks + b) * Format::kBytes;
@@ -299,10 +276,11 @@ at::Tensor pack(at::TensorList parts) {
         if constexpr (std::is_same_v<Format, Q8_0>) {  // row j's lane n: the codes 4j..4j+3 of output n, as they lie
           for (int j = 0; j < 8; ++j)
             for (int n = 0; n < kGroup; ++n) std::memcpy(dst + Format::kScaleBytes + 64 * j + 4 * n, &codes[n][4 * j], 4);
-        } else {
-          auto q = [&](int64_t n, int64_t k) { return static_cast<int>(codes[n][k]); };
-          for (int64_t i = 0; i < Format::kBytes - Format::kScaleBytes; ++i)
-            dst[Format::kScaleBytes + i] = Format::packed_byte(i, q);
+        } else {  // q4_1's nibble chunks, then (q5_0, q5_1) the fifth bits' chunk
+          const uint8_t* q[kGroup];
+          for (int n = 0; n < kGroup; ++n) q[n] = codes[n];
+          nibble_chunks(dst + Format::kScaleBytes, q);
+          if constexpr (Format::kBytes - Format::kScaleBytes > 256) bit_plane_chunk(dst + Format::kScaleBytes + 256, q, 4);
         }
       }
   });

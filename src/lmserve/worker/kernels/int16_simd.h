@@ -224,12 +224,64 @@ inline void bit_plane(const uint8_t* packed, U8 rows[8]) {
 // The fifth bit of q5_0, q5_1 and q5_k codes.
 inline void fifth_bits(const uint8_t* packed, U8 rows[8]) { bit_plane<4>(packed, rows); }
 
-// The packed byte e of lane n of the fifth-bit chunk, from q(n, k) in 0..31 over the block's 32 inputs.
-template <class Q>
-inline uint8_t fifth_bits_byte(int64_t n, int64_t e, Q q) {
-  uint8_t byte = 0;
-  for (int j = 0; j < 8; ++j) byte |= static_cast<uint8_t>(((q(n, 4 * j + e) >> 4) & 1) << j);
-  return byte;
+// The packers' chunks from a block's codes (q[n]: output row n's 32 codes), each row's bytes built in one SSE register:
+// byte by byte, these loops were most of a 3B model's packing (docs/benchmarks.md, "Packing with byte shuffles").
+
+// Two chunks of 64 bytes from bits `shift`, `shift` + 1 of the block's codes: chunk h holds row 4h + r's at bits 2r
+// (q6_k's top bits; q3_k's and q2_k's low ones).
+inline void two_bit_chunks(uint8_t* out, const uint8_t* const q[kGroup], int shift) {
+  const __m128i three = _mm_set1_epi8(3), count = _mm_cvtsi32_si128(shift);
+  for (int n = 0; n < kGroup; ++n)
+    for (int h = 0; h < 2; ++h) {
+      // Codes 16h .. 16h + 15 as four dwords D_r (codes 16h + 4r + e, e = 0..3); byte e of the result is
+      // D_0[e] | D_1[e] << 2 | D_2[e] << 4 | D_3[e] << 6 (each at most 3: no bit crosses a byte).
+      const __m128i x =
+          _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + 16 * h)), count), three);
+      const __m128i packed = _mm_or_si128(
+          _mm_or_si128(x, _mm_slli_epi32(_mm_srli_si128(x, 4), 2)),
+          _mm_or_si128(_mm_slli_epi32(_mm_srli_si128(x, 8), 4), _mm_slli_epi32(_mm_srli_si128(x, 12), 6)));
+      const int32_t bytes = _mm_cvtsi128_si32(packed);
+      std::memcpy(out + 64 * h + 4 * n, &bytes, 4);
+    }
+}
+
+// Four chunks of 64 bytes from the low 4 bits of the block's codes: chunk c holds row 2c's in the low nibbles and row
+// 2c + 1's in the high ones, row j of lane n being codes 4j .. 4j + 3 of output n (so byte 4n + e of chunk c is
+// code 8c + e | code 8c + 4 + e << 4).
+inline void nibble_chunks(uint8_t* out, const uint8_t* const q[kGroup]) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  // Within each 16 codes: 0-3 and 8-11 (the low nibbles' codes of chunks 2p and 2p + 1), then 4-7 and 12-15.
+  const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int n = 0; n < kGroup; ++n) {
+    const __m128i first = _mm_shuffle_epi8(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n])), low), order);
+    const __m128i second =
+        _mm_shuffle_epi8(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + 16)), low), order);
+    // Low nibbles of chunks 0-3 (8 bytes of each half), then the high nibbles' codes: at most 15, so the 16-bit
+    // shift moves no bit into the next byte.
+    const __m128i packed = _mm_or_si128(_mm_unpacklo_epi64(first, second),
+                                        _mm_slli_epi16(_mm_unpackhi_epi64(first, second), 4));
+    alignas(16) int32_t chunk[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(chunk), packed);
+    for (int c = 0; c < 4; ++c) std::memcpy(out + 64 * c + 4 * n, &chunk[c], 4);
+  }
+}
+
+// The chunk of 64 bytes bit_plane reads: byte 4n + e holds in bit j bit `bit` of code 4j + e of output n (q5's fifth
+// bit, q3_k's third).
+inline void bit_plane_chunk(uint8_t* out, const uint8_t* const q[kGroup], int bit) {
+  // Codes e-major within each 16 (4j + e -> 4e + j): then the halves' dwords interleaved, so that bytes 8e .. 8e + 7
+  // of the pair hold code 4j + e for j = 0..7, and the byte sign bits (the bit shifted to the top) are byte e.
+  const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m128i top = _mm_set1_epi8(static_cast<char>(0x80)), count = _mm_cvtsi32_si128(7 - bit);
+  for (int n = 0; n < kGroup; ++n) {
+    const __m128i first = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n])), order);
+    const __m128i second = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[n] + 16)), order);
+    // The 16-bit shift carries other bits into the next byte, but only the top bit of each byte is kept.
+    const int low = _mm_movemask_epi8(_mm_and_si128(_mm_sll_epi16(_mm_unpacklo_epi32(first, second), count), top));
+    const int high = _mm_movemask_epi8(_mm_and_si128(_mm_sll_epi16(_mm_unpackhi_epi32(first, second), count), top));
+    const uint32_t bytes = static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16);
+    std::memcpy(out + 4 * n, &bytes, 4);
+  }
 }
 
 // A packed weight checked against its shape: `group_bytes` bytes per 16 output rows.

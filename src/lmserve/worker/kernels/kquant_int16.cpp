@@ -302,9 +302,8 @@ struct SourceQ4_K {  // llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scale
       mn[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
     }
   }
-  static int code(const uint8_t* src, int w) { return (src[16 + 32 * (w / 64) + w % 32] >> (4 * (w / 32 % 2))) & 0x0F; }
-  // All 256 codes: code(w) for each w, in loops over 32 bytes that the compiler vectorizes (a per-weight code() was
-  // most of a 1.5B model's start-up).
+  // All 256 codes, in loops over 32 bytes that the compiler vectorizes (each source's codes() does: a per-weight
+  // function was most of a 1.5B model's start-up). Weight 64 c + 32 h + p: nibble h of byte 16 + 32 c + p.
   static void codes(const uint8_t* src, uint8_t out[kSuper]) {
     for (int c = 0; c < 4; ++c)
       for (int p = 0; p < 32; ++p) {
@@ -317,10 +316,6 @@ struct SourceQ4_K {  // llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scale
 struct SourceQ5_K {  // block_q5_K: d, dmin, 12 bytes of scales and minimums, 32 of fifth bits, 128 of nibbles
   static constexpr int64_t kBytes = 176;
   static void scales(const uint8_t* src, uint8_t sc[8], uint8_t mn[8]) { SourceQ4_K::scales(src, sc, mn); }
-  static int code(const uint8_t* src, int w) {
-    const int low = (src[48 + 32 * (w / 64) + w % 32] >> (4 * (w / 32 % 2))) & 0x0F;
-    return low | (((src[16 + w % 32] >> (w / 32)) & 1) << 4);
-  }
   static void codes(const uint8_t* src, uint8_t out[kSuper]) {
     for (int c = 0; c < 4; ++c)
       for (int p = 0; p < 32; ++p) {
@@ -332,11 +327,6 @@ struct SourceQ5_K {  // block_q5_K: d, dmin, 12 bytes of scales and minimums, 32
 };
 struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16 int8 scales, d
   static constexpr int64_t kBytes = 210, kScaleAt = 208;
-  static int code(const uint8_t* src, int w) {
-    const int h = w / 128, low = (src[64 * h + w % 64] >> (4 * (w % 128 / 64))) & 0x0F;
-    const int top = (src[128 + 32 * h + w % 32] >> (2 * (w % 128 / 32))) & 3;
-    return low | (top << 4);
-  }
   static void codes(const uint8_t* src, uint8_t out[kSuper]) {  // w = 128 h + 32 j + p
     for (int h = 0; h < 2; ++h)
       for (int j = 0; j < 4; ++j)
@@ -349,14 +339,21 @@ struct SourceQ6_K {  // block_q6_K: 128 bytes of low nibbles, 64 of top bits, 16
 struct SourceQ2_K {  // block_q2_K: 16 bytes of 4-bit scales (low) and minimums (high), 64 of 2-bit codes, d, dmin
   static constexpr int64_t kBytes = 84;
   // Weight 128 h + 32 j + p: bits 2j of byte 16 + 32 h + p.
-  static int code(const uint8_t* src, int w) { return (src[16 + 32 * (w / 128) + w % 32] >> (2 * (w % 128 / 32))) & 3; }
+  static void codes(const uint8_t* src, uint8_t out[kSuper]) {
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int p = 0; p < 32; ++p) out[128 * h + 32 * j + p] = static_cast<uint8_t>((src[16 + 32 * h + p] >> (2 * j)) & 3);
+  }
 };
 struct SourceQ3_K {  // block_q3_K: 32 bytes of third bits (hmask), 64 of 2-bit codes, 12 of 6-bit scales, d
   static constexpr int64_t kBytes = 110, kScaleAt = 108;
   // Weight 128 h + 32 j + p: bits 2j of byte 32 h + p, its third bit at bit 4 h + j of hmask byte p; q = that + 4.
-  static int code(const uint8_t* src, int w) {
-    const int h = w / 128, j = w % 128 / 32, p = w % 32;
-    return ((src[32 + 32 * h + p] >> (2 * j)) & 3) | (((src[p] >> (4 * h + j)) & 1) << 2);
+  static void codes(const uint8_t* src, uint8_t out[kSuper]) {
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j)
+        for (int p = 0; p < 32; ++p)
+          out[128 * h + 32 * j + p] = static_cast<uint8_t>(((src[32 + 32 * h + p] >> (2 * j)) & 3) |
+                                                           (((src[p] >> (4 * h + j)) & 1) << 2));
   }
   // Sub-block j's ls - 32 as an int8 byte: its low 4 bits in byte j % 8 (the high nibble from j = 8), the top 2 in
   // byte 8 + j % 4 at bit 2 (j / 4).
@@ -366,18 +363,6 @@ struct SourceQ3_K {  // block_q3_K: 32 bytes of third bits (hmask), 64 of 2-bit 
     return static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
   }
 };
-
-// Two chunks of 64 bytes from bits `shift`, `shift` + 1 of the block's codes: chunk h holds row 4h + r's at bits 2r
-// (q6_k's top bits; q3_k's and q2_k's low ones).
-inline void two_bit_chunks(uint8_t* out, const uint8_t* const q[kGroup], int shift) {
-  for (int h = 0; h < 2; ++h)
-    for (int n = 0; n < kGroup; ++n)
-      for (int e = 0; e < 4; ++e) {
-        uint8_t byte = 0;
-        for (int r = 0; r < 4; ++r) byte |= static_cast<uint8_t>(((q[n][4 * (4 * h + r) + e] >> shift) & 3) << (2 * r));
-        out[64 * h + 4 * n + e] = byte;
-      }
-}
 
 template <class Format>
 at::Tensor pack(at::TensorList parts) {
@@ -423,11 +408,7 @@ at::Tensor pack(at::TensorList parts) {
             std::memcpy(dst + 32 + 2 * n, src + 2, 2);
             Source::scales(src, first[n], second[n]);
           }
-          if constexpr (kTwoBit || kThreeBit) {
-            for (int w = 0; w < kSuper; ++w) codes[n][w] = static_cast<uint8_t>(Source::code(src, w));
-          } else {
-            Source::codes(src, codes[n]);
-          }
+          Source::codes(src, codes[n]);
         }
         for (int b = 0; b < kBlocksPerSuper; ++b) {
           uint8_t* block = dst + Format::kHeader + b * Format::kBlockBytes;
@@ -445,22 +426,10 @@ at::Tensor pack(at::TensorList parts) {
             two_bit_chunks(block + 64, q, 0);
           } else if constexpr (kThreeBit) {
             two_bit_chunks(block + 32, q, 0);
-            // The third bit as q5_k's fifth (fifth_bits_byte reads bit 4: the codes shifted up by 2).
-            for (int n = 0; n < kGroup; ++n)
-              for (int e = 0; e < 4; ++e)
-                block[32 + 128 + 4 * n + e] =
-                    fifth_bits_byte(n, e, [&](int64_t row, int64_t k) { return q[row][k] << 2; });
+            bit_plane_chunk(block + 32 + 128, q, 2);  // the third bit, read as q5_k's fifth
           } else {
-            for (int c = 0; c < 4; ++c)
-              for (int n = 0; n < kGroup; ++n)
-                for (int e = 0; e < 4; ++e)
-                  block[32 + 64 * c + 4 * n + e] =
-                      static_cast<uint8_t>((q[n][8 * c + e] & 0x0F) | ((q[n][8 * c + 4 + e] & 0x0F) << 4));
-            if constexpr (kFiveBit)
-              for (int n = 0; n < kGroup; ++n)
-                for (int e = 0; e < 4; ++e)
-                  block[32 + 256 + 4 * n + e] =
-                      fifth_bits_byte(n, e, [&](int64_t row, int64_t k) { return q[row][k]; });
+            nibble_chunks(block + 32, q);
+            if constexpr (kFiveBit) bit_plane_chunk(block + 32 + 256, q, 4);
             if constexpr (kSixBit) two_bit_chunks(block + 32 + 256, q, 4);
           }
         }
