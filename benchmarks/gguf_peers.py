@@ -13,6 +13,7 @@ Prompts are the same token ids for both (the file's own tokenizer, seed 0). llam
 --max-model-len 4096 (plus --lmserve-args). Medians over rounds; the ratio is lmserve over llama.cpp.
 --ready-only: the start-up alone (ready and RSS), for A/B runs of loading. --first-start: before each lmserve start, the file's converted tokenizer is removed from lmserve's cache, so that
 every start is a first start of that file (the kernels stay built, as after any earlier run of lmserve).
+--one-stream-only: ready, RSS and the one-stream workload, not the 8-concurrent one.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def forget_tokenizer(model: str) -> None:
 
 
 def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool = False,
-             ready_only: bool = False) -> dict:
+             ready_only: bool = False, one_stream_only: bool = False) -> dict:
     if server.startswith("lmserve") and first_start:
         forget_tokenizer(model)
     port = free_port()
@@ -127,10 +128,9 @@ def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool
         result = {"ready_s": ready, "rss_mib": tree_rss_mib(proc.pid)}
         if ready_only:
             return result
-        one = bench(model, port, WORKLOADS["one stream"])
-        many = bench(model, port, WORKLOADS["8 concurrent"])
-        result["tpot_ms"] = one["median_tpot_ms"]
-        result["tok_s_8"] = many["output_throughput"]
+        result["tpot_ms"] = bench(model, port, WORKLOADS["one stream"])["median_tpot_ms"]
+        if not one_stream_only:
+            result["tok_s_8"] = bench(model, port, WORKLOADS["8 concurrent"])["output_throughput"]
         result["rss_after_mib"] = tree_rss_mib(proc.pid)
         return result
     finally:
@@ -154,15 +154,19 @@ def main() -> None:
     parser.add_argument("--lmserve-args", default="")
     parser.add_argument("--first-start", action="store_true", help="convert the file's tokenizer on every start")
     parser.add_argument("--ready-only", action="store_true", help="start, read ready and RSS, stop: no workloads")
+    parser.add_argument("--one-stream-only", action="store_true",
+                        help="no 8-concurrent workload (a 7B model's takes minutes a server on 2 cores)")
     args = parser.parse_args()
     servers = args.servers.split(",")
     results: dict[str, list[dict]] = {s: [] for s in servers}
     for _ in range(args.rounds):
         for server in servers:
             results[server].append(run_once(server, args.model, args.lmserve_args.split(), args.first_start,
-                                            args.ready_only))
+                                            args.ready_only, args.one_stream_only))
             print(server, json.dumps(results[server][-1]), flush=True)
     keys = ("ready_s", "rss_mib") if args.ready_only else ("ready_s", "rss_mib", "rss_after_mib", "tpot_ms", "tok_s_8")
+    if args.one_stream_only and not args.ready_only:
+        keys = keys[:-1]
     medians = {s: {k: statistics.median(r[k] for r in results[s]) for k in keys} for s in servers}
     print(f"\n{'':<14}" + "".join(f"{k:>15}" for k in keys))
     for server in servers:

@@ -15,15 +15,17 @@ and only timings and memory are worth taking from it (`benchmarks/gguf_peers.py`
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-# Hugging Face configs of the models whose shapes can be made (Qwen/Qwen2.5-1.5B-Instruct, Qwen/Qwen2.5-3B-Instruct).
+# Hugging Face configs of the models whose shapes can be made (Qwen/Qwen2.5-1.5B-Instruct, -3B-Instruct, -7B-Instruct).
 SHAPES = {
     "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "ffn": 8960, "heads": 12, "kv_heads": 2, "tied": True},
     "qwen2.5-3b": {"hidden": 2048, "layers": 36, "ffn": 11008, "heads": 16, "kv_heads": 2, "tied": True},
+    "qwen2.5-7b": {"hidden": 3584, "layers": 28, "ffn": 18944, "heads": 28, "kv_heads": 4, "tied": False},
 }
 SIZE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
              "attention.head_count_kv")
@@ -72,27 +74,36 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     kv_dim = hidden // heads * kv_heads
 
-    def matrix(rows: int, columns: int) -> np.ndarray:
-        return (rng.standard_normal((rows, columns), dtype=np.float32) * 0.02).astype(np.float16)
+    def matrix(rows: int, columns: int) -> Callable[[], np.ndarray]:
+        return lambda: (rng.standard_normal((rows, columns), dtype=np.float32) * 0.02).astype(np.float16)
 
-    writer.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    def vector(rows: int, value: float) -> Callable[[], np.ndarray]:
+        return lambda: np.full(rows, value, dtype=np.float32)
+
+    tensors = [("token_embd.weight", (vocab, hidden), matrix(vocab, hidden))]
     if not shape["tied"]:
-        writer.add_tensor("output.weight", matrix(vocab, hidden))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+        tensors.append(("output.weight", (vocab, hidden), matrix(vocab, hidden)))
+    tensors.append(("output_norm.weight", (hidden,), vector(hidden, 1.0)))
     for layer in range(shape["layers"]):
         prefix = f"blk.{layer}."
         for name, rows, columns in (("attn_q", hidden, hidden), ("attn_k", kv_dim, hidden), ("attn_v", kv_dim, hidden)):
-            writer.add_tensor(prefix + name + ".weight", matrix(rows, columns))
-            writer.add_tensor(prefix + name + ".bias", np.zeros(rows, dtype=np.float32))
-        writer.add_tensor(prefix + "attn_output.weight", matrix(hidden, hidden))
-        writer.add_tensor(prefix + "ffn_gate.weight", matrix(ffn, hidden))
-        writer.add_tensor(prefix + "ffn_up.weight", matrix(ffn, hidden))
-        writer.add_tensor(prefix + "ffn_down.weight", matrix(hidden, ffn))
-        writer.add_tensor(prefix + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+            tensors.append((prefix + name + ".weight", (rows, columns), matrix(rows, columns)))
+            tensors.append((prefix + name + ".bias", (rows,), vector(rows, 0.0)))
+        tensors.append((prefix + "attn_output.weight", (hidden, hidden), matrix(hidden, hidden)))
+        tensors.append((prefix + "ffn_gate.weight", (ffn, hidden), matrix(ffn, hidden)))
+        tensors.append((prefix + "ffn_up.weight", (ffn, hidden), matrix(ffn, hidden)))
+        tensors.append((prefix + "ffn_down.weight", (hidden, ffn), matrix(hidden, ffn)))
+        tensors.append((prefix + "attn_norm.weight", (hidden,), vector(hidden, 1.0)))
+        tensors.append((prefix + "ffn_norm.weight", (hidden,), vector(hidden, 1.0)))
+    # Declared first and written one at a time: a 7B model's float16 weights (15 GB) are never in memory at once.
+    for name, dims, _ in tensors:
+        dtype = np.float16 if len(dims) == 2 else np.float32
+        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, _, make in tensors:
+        writer.write_tensor_data(make())
     writer.close()
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")
 
