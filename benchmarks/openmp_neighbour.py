@@ -18,12 +18,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import openai
+from timing import start_lmserve
 
-VENV_BIN = Path(sys.executable).parent
 NEIGHBOUR = """
 import torch
 a = torch.randn(256, 256)
@@ -34,20 +32,11 @@ while True:
 SETTINGS = {"GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"}, "libgomp's default": {}}
 
 
-def answer_times(server_env: dict[str, str], port: int) -> tuple[float, float]:
-    server = subprocess.Popen([str(VENV_BIN / "lmserve"), "serve", "--port", str(port), "--kv-cache-memory", "64MiB",
-                               "--max-model-len", "1024"], env={**os.environ, **server_env},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def answer_times(server_env: dict[str, str]) -> tuple[float, float]:
+    server, url = start_lmserve("--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+                                env={**os.environ, **server_env}, poll_s=0.2)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
         def ask() -> float:
             start = time.perf_counter()
@@ -74,12 +63,11 @@ def answer_times(server_env: dict[str, str], port: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8394)
     args = parser.parse_args()
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
     for _ in range(args.rounds):
         for name, env in SETTINGS.items():
-            results[name].append(answer_times(env, args.port))
+            results[name].append(answer_times(env))
             alone, beside = results[name][-1]
             print(f"{name}: alone {alone:.3f} s, beside the neighbour {beside:.3f} s", flush=True)
     for name, runs in results.items():
