@@ -30,15 +30,26 @@ browser:
 		echo "installing Debian's chromium for the browser tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# pytest-xdist workers: one per CPU up to 4, each on its own share of the CPUs (tests/conftest.py); 0 on one CPU.
+TEST_WORKERS = $$($(VENV)/bin/python -c 'import os; n = min(4, len(os.sched_getaffinity(0))); print(n if n > 1 else 0)')
+
+# Bytecode for the suite's interpreters (its servers', engines' and ranks' too), kept in .venv, not beside the sources,
+# even where PYTHONDONTWRITEBYTECODE is set: compiling lmserve again costs each process ~0.35 s, and rewriting the
+# tests' asserts ~7 s a collection.
+TEST_ENV = env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache
+
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q -ra --durations=25
+	# Kernels changed since the last build compile here, on every CPU, not inside a worker that has one.
+	$(VENV)/bin/python -m lmserve.worker.kernels >/dev/null || echo "warning: the CPU kernels did not build"
+	$(TEST_ENV) $(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The inner loop before a commit: everything but the tests marked slow (make test runs them all).
 test-fast: $(STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/python -m pytest -q -m "not slow" -x
+	$(VENV)/bin/python -m lmserve.worker.kernels >/dev/null || echo "warning: the CPU kernels did not build"
+	$(TEST_ENV) $(VENV)/bin/python -m pytest -q -m "not slow" -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/offline_throughput.py

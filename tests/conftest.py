@@ -7,6 +7,7 @@ their weights are random, so any test can compare lmserve against transformers o
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from cpu_shares import remember_machine_cpus
 from tiny_sizes import TINY_SIZES
 
 from lmserve.model_tokenizer import load_tokenizer
@@ -30,6 +32,41 @@ LLAMA3_ROPE_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`pytest -n N`), each worker takes its own share of this machine's CPUs, and so do the
+    servers and engines it starts (they size their threads from their affinity): N workers of two OpenMP threads
+    each on two cores wait at each other's barriers (docs/benchmarks.md, "pytest-xdist")."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count:
+        return
+    cpus = remember_machine_cpus()
+    if int(count) <= len(cpus):
+        mine = cpus[int(worker.removeprefix("gw")) :: int(count)]
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+
+
+# The files that take longest (`--durations=0`, 2026-12-06), handed to pytest-xdist's workers first (with
+# --no-loadscope-reorder, which the Makefile passes), so that the run does not end on one of them alone.
+LONGEST_FILES = (
+    "engine/test_forced_kernel_paths.py", "executor/test_parallel_parity.py", "api/test_data_parallel_e2e.py",
+    "api/test_failure_paths.py", "api/test_server_e2e.py", "worker/test_model_parity.py",
+    "worker/test_layer_program.py", "api/test_parallel_server.py", "engine/test_speculative_e2e.py",
+    "api/test_disaggregation_e2e.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,13 @@ with the reason.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_shares import machine_cpus
 
 from lmserve.worker import kernels
 
@@ -30,8 +32,17 @@ def _needs(*flags: str) -> str | None:
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
+# Under pytest-xdist each worker runs on a share of the CPUs (tests/conftest.py), and so do the engines it builds: one
+# thread each on 2 cores. These suites run on all of the machine's CPUs, so that every path's work is split between
+# threads as a user's engine splits it; waiting passively at OpenMP barriers, so as not to take the neighbouring
+# worker's core while they wait (docs/benchmarks.md, "pytest-xdist").
+MACHINE_CPUS = machine_cpus()
+FEWER_CPUS_THAN_THE_MACHINE = len(os.sched_getaffinity(0)) < len(MACHINE_CPUS)
+
 # (id, environment, reason it cannot run here or None)
 FORCED_PATHS = [
+    ("native-all-cpus", {},
+     None if FEWER_CPUS_THAN_THE_MACHINE else "the suite's own engines already take every CPU here"),
     ("no-amx", {kernels.DISABLED_FEATURES_VARIABLE: "amx"},
      _needs("amx_tile") and "no AMX here: the native run already takes the path of a CPU without it"),
     ("no-amx-no-vnni", {kernels.DISABLED_FEATURES_VARIABLE: "amx,vnni"},
@@ -48,17 +59,25 @@ def test_engine_invariance_under_forced_kernel_path(env: dict[str, str], unavail
         pytest.skip(unavailable)
     # The stored formats' tests too: which format a layer takes depends on what runs (no q5_0 kernel without VNNI),
     # and the K-quant kernel's AVX2 build is another source path (kernels/kquant_int16.cpp).
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-o", "log_cli=true",
+               "--log-cli-level=INFO",
                str(ROOT / "tests/engine/test_engine_e2e.py"), str(ROOT / "tests/worker/test_kquant_formats.py"),
                str(ROOT / "tests/worker/test_stored_formats.py"), str(ROOT / "tests/engine/test_speculative_e2e.py"),
                str(ROOT / "tests/worker/test_layer_program.py"),
                "-k", (f"{INVARIANCE_TESTS} or kquant or stored_formats or greedy_tokens_equal_plain"
                       " or (python_loops_bits and (default_source or q4_k_m))")]
-    result = subprocess.run(command, check=False, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
-                            timeout=900)
+    if FEWER_CPUS_THAN_THE_MACHINE:
+        env = {**env, "OMP_WAIT_POLICY": "passive"}
+    # Not an xdist worker itself (tests/conftest.py would give it its share of the CPUs again).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    result = subprocess.run(command, check=False, cwd=ROOT, env={**inherited, **env}, capture_output=True, text=True,
+                            timeout=900, preexec_fn=lambda: os.sched_setaffinity(0, MACHINE_CPUS))
     tail = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, f"under {env}:\n{tail}"
     assert " passed" in result.stdout and " failed" not in result.stdout, tail
+    # Every engine split its work between as many threads as the machine has CPUs.
+    threads = re.findall(r"engine compute: (\d+) thread", result.stdout)
+    assert threads and set(threads) == {str(len(MACHINE_CPUS))}, f"under {env}: engines of {set(threads)} threads"
     if kernels.KERNEL_MARCH_VARIABLE in env:  # the AVX2 build of the K-quant kernel ran (a VNNI build is off here)
         assert "kquant_int16" not in result.stdout, f"the K-quant kernel did not run under {env}:\n{tail}"
 
