@@ -69,5 +69,11 @@ def test_ranks_start_fresh_once_a_variable_read_at_import_changed(monkeypatch: p
     monkeypatch.delenv("LMSERVE_A_SETTING_OF_A_TEST")
     monkeypatch.setenv("A_VARIABLE_NOTHING_READS_AT_IMPORT", "1")  # a forked rank takes it as it starts
     assert rank_starter._forking_context(hf_model=False) is not None
+    # ray.init() sets PYTHONBREAKPOINT in its driver; Python reads it at each breakpoint(), not at start-up
+    monkeypatch.setenv("PYTHONBREAKPOINT", "ray.util.rpdb.set_trace")
+    assert rank_starter._forking_context(hf_model=False) is not None
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # read as the interpreter starts
+    assert rank_starter._forking_context(hf_model=False) is None
+    monkeypatch.delenv("PYTHONHASHSEED")
     monkeypatch.setenv(rank_starter.FORK_VARIABLE, "0")
     assert rank_starter._forking_context(hf_model=False) is None

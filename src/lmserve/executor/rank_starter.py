@@ -102,10 +102,14 @@ _server_environment: dict[str, str] | None = None
 # variable a forked rank takes from this process as it starts.
 READ_AT_IMPORT = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH", "PYTORCH_", "CUDA", "HF_",
                   "TRANSFORMERS_", "LMSERVE_")
+# ...but for these, read each time they are used, which a forked rank's own environment serves. PYTHONBREAKPOINT
+# matters most: ray.init() sets it in its driver, and an engine that had used Ray would start every later rank fresh.
+READ_WHEN_USED = ("PYTHONBREAKPOINT",)
 
 
 def _read_at_import(environment: Mapping[str, str]) -> dict[str, str]:
-    return {name: value for name, value in environment.items() if name.startswith(READ_AT_IMPORT)}
+    return {name: value for name, value in environment.items()
+            if name.startswith(READ_AT_IMPORT) and name not in READ_WHEN_USED}
 
 
 def _forking_context(hf_model: bool) -> multiprocessing.context.BaseContext | None:
