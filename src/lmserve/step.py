@@ -1,4 +1,5 @@
-"""What crosses the scheduler -> executor -> model runner boundary each step, and back: the step's plan and its result.
+"""What crosses the scheduler -> executor -> model runner boundary each step, and back: the step's plan and its result;
+and, once as the ranks start, what they tell the engine of their model and cache (WorkerInfo).
 
 Below the engine, the executor and the worker (each of them imports it, it imports none of them), as vLLM keeps
 SchedulerOutput and ModelRunnerOutput in modules of their own.
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.kv_groups import KVCacheGroups
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import SamplingParams
 
@@ -112,3 +114,18 @@ class ModelRunnerOutput:
     accepted_draft_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Requests whose KV loads (SchedulerOutput.kv_loads) this rank finished since its last report.
     finished_kv_loads: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine needs to know of its ranks' model and cache (the same on every rank)."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    kv_bytes_per_block: int
+    # Prompt tokens and generated ones go through different arithmetic (prompt-bf16), so a block's K/V depends on
+    # which of its tokens were prompt tokens: the prefix cache keys such blocks apart (engine/kv_cache.py).
+    prompt_rows_computed_apart: bool = False
+    kv_groups: KVCacheGroups | None = None  # the layers' KV-cache groups (sliding windows in tables of their own)
+    layer_program: str = ""  # how the decoder layers run (ModelRunner.layer_program), for the engine's log and tests

@@ -12,8 +12,7 @@ import pytest
 
 from lmserve.executor.base import reconciled_info
 from lmserve.executor.step_messages import StepEncoder
-from lmserve.step import GrammarMasks, ModelRunnerOutput, SchedulerOutput
-from lmserve.worker.worker import WorkerInfo
+from lmserve.step import GrammarMasks, ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 
 def test_the_pool_is_the_smallest_ranks() -> None:

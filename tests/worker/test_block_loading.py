@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
 from lmserve.worker.block_packing import StoredBlocks, pack_q4_1, pack_q8_0, quantize_blocks
 from lmserve.worker.kernel_choice import BLOCK_METHODS

@@ -111,7 +111,8 @@ def test_profiling_step_runs_each_pipeline_stage_alone(tiny_llama3_dir, rank: in
     """A pipeline stage profiles on its own, as each rank sizes its cache before any stage talks to another: the
     first stage from the embedding, the last from zeros standing for what it would receive (it used to look the
     token ids up in an embedding only the first stage has, so `-pp` on CUDA failed at start-up)."""
-    from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+    from lmserve.distributed.layout import RankLayout
+    from lmserve.distributed.parallel_state import ParallelGroups
 
     source = resolve_model(str(tiny_llama3_dir))
     config = load_hf_config(source)

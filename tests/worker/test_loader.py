@@ -390,7 +390,8 @@ def test_a_tensor_rank_reads_only_its_share_of_a_safetensors_checkpoint(request,
     model's checkpoint_part the loader reads q/k/v and gate/up rows (and q/k/v biases), o_proj/down_proj columns and
     the vocabulary's rows of this rank only; the rank's weights are the same either way. (Phi-3's fused q/k/v and
     gate/up tensors are split by the loader first, so they are read whole.)"""
-    from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+    from lmserve.distributed.layout import RankLayout
+    from lmserve.distributed.parallel_state import ParallelGroups
     from lmserve.worker.models.llama import LlamaForCausalLM
 
     source = resolve_model(str(request.getfixturevalue(fixture)))

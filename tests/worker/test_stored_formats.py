@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from lmserve.block_formats import held_bytes_per_weight
-from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker import kernel_choice
@@ -476,7 +477,8 @@ def test_a_tied_table_in_another_layout_gives_its_pages_back_to_the_file(tiny_q4
 def test_a_whole_untied_embedding_table_stays_the_files_mapping(tmp_path: Path) -> None:
     """Like llama.cpp, the embedding of an untied model (Qwen2.5's 89 MB Q5_0 table) is looked up in the file's own
     pages: only the rows of tokens seen become resident. A table given in parts is copied, row for row."""
-    from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+    from lmserve.distributed.layout import RankLayout
+    from lmserve.distributed.parallel_state import ParallelGroups
 
     blocks = random_stored_blocks("q5_0", 64, 4, seed=21)
     path = tmp_path / "table.bin"

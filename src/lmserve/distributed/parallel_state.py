@@ -1,7 +1,6 @@
-"""One rank's place in the engine's layout and the collectives its model calls, on torch.distributed.
+"""The collectives a rank's model calls, on torch.distributed (its place in the layout: distributed/layout.py).
 
-Ranks are numbered as vLLM numbers them: rank = pp_rank × tp_size + tp_rank, so the ranks of one pipeline stage
-form one tensor-parallel group. gloo carries CPU tensors, NCCL CUDA ones. A single rank (tp = pp = 1) never
+gloo carries CPU tensors, NCCL CUDA ones. A single rank (tp = pp = 1) never
 initialises torch.distributed: every collective is then the identity, at no cost.
 
 Every collective counts the bytes this rank puts on the wire, so a benchmark can set the planner's prediction
@@ -17,57 +16,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lmserve.distributed.layout import RankLayout
+
 logger = logging.getLogger(__name__)
 
 # A collective waits this long for a peer before failing: long enough for a first forward pass on a slow machine,
 # short enough that a rank whose peer died exits instead of hanging (the executor notices the death sooner).
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    rank: int
-    tp_size: int = 1
-    pp_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.pp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // self.tp_size
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
-    def is_driver(self) -> bool:
-        """The rank that samples and returns the step's output: tensor rank 0 of the last stage."""
-        return self.is_last_stage and self.tp_rank == 0
-
-    @staticmethod
-    def driver_rank(tp_size: int, pp_size: int) -> int:
-        return (pp_size - 1) * tp_size
-
-    def stage_layers(self, num_layers: int) -> range:
-        """The layers this rank's stage runs: consecutive, the first stages one larger when they do not divide."""
-        return stage_layers(num_layers, self.pp_size, self.pp_rank)
-
-
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
 @dataclass

@@ -10,8 +10,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lmserve.config import EngineConfig
-from lmserve.step import ModelRunnerOutput, SchedulerOutput
-from lmserve.worker.worker import WorkerInfo
+from lmserve.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 
 def reconciled_info(infos: list[WorkerInfo], driver_rank: int) -> WorkerInfo:

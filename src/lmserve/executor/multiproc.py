@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from lmserve.config import EngineConfig, ParallelConfig, PlacementConfig
-from lmserve.distributed.parallel_state import RankLayout
+from lmserve.distributed.layout import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 from lmserve.executor.rank_starter import RankProcess, start_rank_process
 from lmserve.executor.step_messages import StepEncoder

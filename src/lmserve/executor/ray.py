@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from lmserve.config import EngineConfig
-from lmserve.distributed.parallel_state import RankLayout
+from lmserve.distributed.layout import RankLayout
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 from lmserve.executor.step_messages import StepDecoder, StepEncoder, StepMessage
 from lmserve.step import GrammarMasks, ModelRunnerOutput, SchedulerOutput

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from lmserve.distributed.parallel_state import stage_layers
+from lmserve.distributed.layout import stage_layers
 from lmserve.kv_groups import KVCacheGroups, model_kv_groups
 from lmserve.kv_sizing import kv_bytes_per_block
 from lmserve.worker.attention import check_attention_backend, check_kv_cache_dtype, kv_cache_shapes

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
-from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.heap import release_freed_heap, reuse_large_blocks
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs

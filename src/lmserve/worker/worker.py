@@ -9,32 +9,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from lmserve.config import EngineConfig, PlacementConfig, cpu_share, cuda_device_index
-from lmserve.distributed.parallel_state import RankLayout, destroy_parallel_groups, init_parallel_groups
-from lmserve.kv_groups import KVCacheGroups
-from lmserve.step import ModelRunnerOutput, SchedulerOutput
+from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.parallel_state import destroy_parallel_groups, init_parallel_groups
+from lmserve.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from lmserve.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What the engine needs to know of its ranks' model and cache (the same on every rank)."""
-
-    num_blocks: int
-    max_model_len: int
-    vocab_size: int
-    kv_bytes_per_block: int
-    # Prompt tokens and generated ones go through different arithmetic (prompt-bf16), so a block's K/V depends on
-    # which of its tokens were prompt tokens: the prefix cache keys such blocks apart (engine/kv_cache.py).
-    prompt_rows_computed_apart: bool = False
-    kv_groups: KVCacheGroups | None = None  # the layers' KV-cache groups (sliding windows in tables of their own)
-    layer_program: str = ""  # how the decoder layers run (ModelRunner.layer_program), for the engine's log and tests
 
 
 def rank_placement(config: EngineConfig, rank: int) -> PlacementConfig:

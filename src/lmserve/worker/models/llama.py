@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
-from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
+from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
