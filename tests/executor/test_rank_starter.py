@@ -77,3 +77,19 @@ def test_ranks_start_fresh_once_a_variable_read_at_import_changed(monkeypatch: p
     monkeypatch.delenv("PYTHONHASHSEED")
     monkeypatch.setenv(rank_starter.FORK_VARIABLE, "0")
     assert rank_starter._forking_context(hf_model=False) is None
+
+
+def test_one_rank_is_forked_once_an_earlier_engine_started_the_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank alone starts fresh (a fork server would only start before it); once the server runs, forking it
+    costs nothing more, and a fresh interpreter ~3 s of CPU."""
+    asked: list[bool] = []
+    monkeypatch.setattr(rank_starter, "_forking_context", lambda hf_model: asked.append(hf_model))  # None: fresh
+    monkeypatch.setattr(rank_starter.subprocess, "Popen", lambda command, env: command[-1])
+    monkeypatch.setattr(rank_starter, "_server_environment", None)
+    assert rank_starter.start_rank_process(["fresh"], "INFO", hf_model=False, fork=False) == "fresh"
+    assert asked == []  # not even asked
+    assert rank_starter.start_rank_process(["fresh"], "INFO", hf_model=True, fork=True) == "fresh"
+    assert asked == [True]
+    monkeypatch.setattr(rank_starter, "_server_environment", rank_starter._read_at_import(os.environ))
+    rank_starter.start_rank_process(["fresh"], "INFO", hf_model=False, fork=False)
+    assert asked == [True, False]

@@ -133,8 +133,9 @@ def _forking_context(hf_model: bool) -> multiprocessing.context.BaseContext | No
 
 def start_rank_process(arguments: list[str], log_level: str, hf_model: bool, fork: bool) -> RankProcess:
     """One rank running lmserve.executor.rank_process.main(*arguments), logging at `log_level`; forked where `fork`
-    (this process starts several ranks: for one, the server's start-up would only come before the rank's own)."""
-    context = _forking_context(hf_model) if fork else None
+    (this process starts several ranks: for one, the server's start-up would only come before the rank's own) or
+    where an earlier engine of this process started the server already (an in-process LLM's second engine)."""
+    context = _forking_context(hf_model) if fork or _server_environment is not None else None
     if context is None:
         env = {"LMSERVE_LOG_LEVEL": log_level, **os.environ}
         return subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", *arguments], env=env)
