@@ -169,6 +169,7 @@ def test_one_replica_dying_fails_the_server(server: Server) -> None:
         server.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow  # several machines, simulated
 def test_replicas_on_another_machine_serve_behind_one_front_end(tmp_path: Path, tiny_llama_dir: Path) -> None:
     """vLLM's multi-node data parallel: the front-end runs replica 0 (--data-parallel-size-local 1) and waits for
     replica 1, which `lmserve serve --data-parallel-start-rank 1 --headless` starts "on another machine" (a process

@@ -147,6 +147,7 @@ def _status(url: str) -> int | None:
         return None
 
 
+@pytest.mark.slow  # several machines, simulated
 def test_over_torch_distributed_each_rank_sends_its_part_and_the_answer_is_one_instances(linked_pair) -> None:
     prefill, decode, router = linked_pair
     assert wait_for(lambda: decode.log().count("linked to the kv_producer") == 2, timeout=60), decode.log()

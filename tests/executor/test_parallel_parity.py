@@ -97,6 +97,7 @@ def two_node_ray_cluster():
     cluster.shutdown()
 
 
+@pytest.mark.slow  # several machines, simulated
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_tensor_parallel_under_ray_on_two_nodes(one_rank, tiny_llama_dir: Path, two_node_ray_cluster,
                                                 layout: dict) -> None:
@@ -195,6 +196,7 @@ def two_nodes(tiny_llama_dir: Path, tmp_path: Path):
         node.wait()
 
 
+@pytest.mark.slow  # several machines, simulated
 def test_tensor_parallel_over_two_nodes_without_ray(one_rank, tiny_llama_dir: Path, two_nodes, tmp_path) -> None:
     """vLLM's multi-node mp executor: node 0 runs the engine and rank 0, node 1 (--headless) rank 1, each on the
     CPUs its own flags give; the greedy tokens are one rank's, and the engine's shutdown ends node 1 cleanly."""
@@ -212,6 +214,7 @@ def test_tensor_parallel_over_two_nodes_without_ray(one_rank, tiny_llama_dir: Pa
     assert f"rank 1: engine compute: 1 thread(s) on CPU(s) {node1_cpu}\n" in (tmp_path / "node1.log").read_text()
 
 
+@pytest.mark.slow  # several machines, simulated
 def test_a_rank_that_dies_on_another_node_is_named(tiny_llama_dir: Path, two_nodes) -> None:
     from lmserve.executor.base import RankFailedError
 
@@ -227,6 +230,7 @@ def test_a_rank_that_dies_on_another_node_is_named(tiny_llama_dir: Path, two_nod
     assert node1.wait(timeout=30) == 1
 
 
+@pytest.mark.slow  # several machines, simulated
 def test_a_node_started_with_another_layout_is_refused(tiny_llama_dir: Path, two_nodes) -> None:
     from lmserve.executor.base import RankFailedError
 
@@ -237,6 +241,7 @@ def test_a_node_started_with_another_layout_is_refused(tiny_llama_dir: Path, two
         LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings)
 
 
+@pytest.mark.slow  # several machines, simulated
 def test_a_node_stops_its_ranks_when_node_0_goes_away(two_nodes) -> None:
     """Node 0 stood in for by its results socket: node 1 connects, then the socket goes (an engine killed, a machine
     lost); node 1 stops its rank and exits 1 rather than leave it waiting."""
