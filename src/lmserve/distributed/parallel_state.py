@@ -1,7 +1,7 @@
 """The collectives a rank's model calls, on torch.distributed (its place in the layout: distributed/layout.py).
 
-gloo carries CPU tensors, NCCL CUDA ones. A single rank (tp = pp = 1) never
-initialises torch.distributed: every collective is then the identity, at no cost.
+gloo carries CPU tensors, NCCL CUDA ones. A single rank (tp = pp = 1) never initialises torch.distributed: every
+collective is then the identity, at no cost.
 
 Every collective counts the bytes this rank puts on the wire, so a benchmark can set the planner's prediction
 (lmserve.plan) beside what the ranks actually sent.
