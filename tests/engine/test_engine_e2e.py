@@ -297,10 +297,12 @@ def test_seeded_requests_same_text_across_runs_and_batches(llm: LLM) -> None:
 # ---------------------------------------------------------------------------------------------- bfloat16
 
 
-def test_bfloat16_batch_variance_measured() -> None:
-    """How often does batching change a greedy token in bfloat16? Measured and printed, not asserted.
-
-    The sampled token's logprob (logprobs=0) also shows how far batching moves the numbers when no token flips.
+def test_bfloat16_batching_moves_logprobs_only_by_rounding() -> None:
+    """bfloat16 is not batch-invariant (a batch's products round otherwise than one row's), but batching may move
+    the numbers only by that rounding: up to each request's first changed greedy token, the chosen token's logprob
+    (logprobs=0) moves by less than 1 (measured: 0.2 on the VNNI kind, no token changed), and at most a quarter of
+    the 16 requests change a token at all. A batch that mixed its rows (a mask, a block table, a position) moves
+    logprobs by whole units and changes most requests' first token. The measurement is printed too.
     """
     llm = LLM(dtype="bfloat16", num_blocks=128, enable_prefix_caching=False)
     assert {p.dtype for p in llm.engine.executor.runner.model.parameters()} == {torch.bfloat16}
@@ -329,6 +331,8 @@ def test_bfloat16_batch_variance_measured() -> None:
         f"{first_divergence}); {changed}/{compared} = {changed / compared:.1%} of greedy decisions changed; "
         f"max |logprob(alone) - logprob(batch)| of the chosen token {logprob_delta:.3g}"
     )
+    assert logprob_delta < 1.0, logprob_delta
+    assert changed <= len(PROMPTS) // 4, (changed, first_divergence)
     assert_idle(llm)
 
 
