@@ -4,6 +4,7 @@ reader: the same tokenizer as `from_pretrained(gguf_file=...)` builds, without i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from lmserve import model_tokenizer
+from lmserve import model_tokenizer, tokenizer_cache
 from lmserve.model_tokenizer import _converted_from_gguf, _saved_tokenizer, load_tokenizer
 from lmserve.models import ModelSource
 
@@ -89,17 +90,74 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
 def test_a_changed_file_gets_its_own_entry(
     default_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The entry is keyed by the file (path, size, modification time): a file replaced in place is converted anew."""
+    """The entry is keyed by the file (path, size, modification time): a file replaced in place is converted anew,
+    and the old file's entry, which no start can read again, is removed."""
     monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path / "cache"))
     copy = tmp_path / "model.gguf"
-    os.symlink(default_source.path, copy)
+    shutil.copyfile(default_source.path, copy)
     load_tokenizer(ModelSource("gguf", copy, "copy"))
+    (first,) = (tmp_path / "cache" / "tokenizers").iterdir()
     copy.unlink()
     shutil.copyfile(default_source.path, copy)
     later = time.time() + 10
     os.utime(copy, (later, later))
     load_tokenizer(ModelSource("gguf", copy, "copy"))
-    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+    (second,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    assert second != first
+    assert json.loads((second / tokenizer_cache.SOURCE_FILE).read_text())["mtime_ns"] == copy.stat().st_mtime_ns
+
+
+def test_entries_no_start_would_read_are_removed_when_one_is_saved(
+    default_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file downloaded again, and each temporary file a test suite makes, would otherwise leave its vocabulary
+    in the cache for good."""
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path / "cache"))
+    entries = tmp_path / "cache" / "tokenizers"
+    live = tmp_path / "live.gguf"
+    live.write_bytes(b"a model")
+    month_ago = time.time() - (tokenizer_cache.UNUSED_DAYS + 1) * 86400
+
+    def entry(name: str, source: Path | None, *, age: float | None = None) -> Path:
+        folder = entries / name
+        folder.mkdir(parents=True)
+        (folder / "tokenizer.json").write_text("{}")
+        if source is not None:
+            tokenizer_cache.write_source(folder, source, "versions")
+        if age is not None:
+            os.utime(folder, (age, age))
+        return folder
+
+    entry("replaced-file", live)
+    live.write_bytes(b"another model, downloaded again")
+    kept = {entry("in-use", live), entry(".being-written", None)}
+    entry("an-older-lmserves", None)
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(b"a temporary model")
+    entry("deleted-file", gone)
+    gone.unlink()
+    entry("unused-for-a-month", live, age=month_ago)
+    entry(".abandoned", None, age=time.time() - 2 * tokenizer_cache.ABANDONED_STAGING_SECONDS)
+
+    load_tokenizer(default_source)
+    saved = {folder for folder in entries.iterdir() if folder.name.startswith(default_source.path.stem[:60])}
+    assert len(saved) == 1
+    assert set(entries.iterdir()) == kept | saved
+
+
+def test_reading_an_entry_marks_it_used_and_records_an_older_entrys_file(
+    default_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LMSERVE_CACHE", str(tmp_path))
+    load_tokenizer(default_source)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    (entry / tokenizer_cache.SOURCE_FILE).unlink()  # as an older lmserve saved it
+    old = time.time() - 86400
+    os.utime(entry, (old, old))
+    load_tokenizer(default_source)
+    assert entry.stat().st_mtime > old + 3600
+    record = json.loads((entry / tokenizer_cache.SOURCE_FILE).read_text())
+    assert record["path"] == str(default_source.path.resolve()) and record["size"] == default_source.path.stat().st_size
 
 
 def test_a_cached_gemma_tokenizer_reads_back_as_from_pretrained_builds_it(

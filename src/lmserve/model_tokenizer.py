@@ -4,7 +4,6 @@ here, when a tokenizer is first loaded; not torch (after the first conversion of
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmserve import tokenizer_cache
 from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
 from lmserve.config import cache_directory
 from lmserve.gguf_file import read_gguf_arrays, read_gguf_header
@@ -118,17 +118,18 @@ def _saved_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
 def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     """A GGUF file's tokenizer. transformers builds it from the file's vocabulary and merges (_converted_from_gguf):
     seconds for a large vocabulary (Gemma 3's 262,144 tokens: ~2.5 s). What it builds is kept under lmserve's cache
-    (tokenizer.json and its config, save_pretrained's files), one folder per file (path, size, modification time)
-    and transformers and tokenizers version, and later starts load that (~0.3 s)."""
+    (tokenizer.json and its config, save_pretrained's files; see tokenizer_cache), and later starts load that
+    (~0.3 s)."""
     import tokenizers
     import transformers
 
-    stat = path.stat()
-    key = f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns} {transformers.__version__} {tokenizers.__version__}"
-    cached = cache_directory() / "tokenizers" / f"{path.stem[:60]}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    versions = f"{transformers.__version__} {tokenizers.__version__}"
+    cached = tokenizer_cache.entry_directory(cache_directory() / "tokenizers", path, versions)
     if cached.is_dir():
         try:
-            return _saved_tokenizer(cached)
+            tokenizer = _saved_tokenizer(cached)
+            tokenizer_cache.mark_used(cached, path, versions)
+            return tokenizer
         except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
             logger.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
@@ -149,7 +150,9 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
         tokenizer.save_pretrained(staging)
+        tokenizer_cache.write_source(staging, path, versions)
         staging.rename(cached)  # whole or not at all; a concurrent start that saved first wins
+        tokenizer_cache.remove_stale_entries(cached.parent, keep=cached)
     except OSError as exc:
         logger.info("tokenizer of %s not cached: %s", path, exc)
         if staging is not None:
