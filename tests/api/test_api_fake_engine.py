@@ -83,6 +83,7 @@ class FakeEngine:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict,
                     add_special_tokens: bool = False) -> list[int]:
+        self.template_kwargs = template_kwargs
         return self.prompt_token_ids(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens)
 
     # --------------------------------------------------------------------------- engine side
@@ -496,6 +497,30 @@ def test_unknown_fields_are_refused_and_bookkeeping_fields_accepted(http: httpx.
     assert http.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "response_formt"
     harmless = {"user": "u", "store": False, "metadata": {"k": "v"}, "service_tier": "auto"}
     assert http.post("/v1/completions", json={**COMPLETION, **harmless}).status_code == 200
+
+
+def test_reasoning_effort_reaches_the_chat_template(oai: openai.OpenAI, http: httpx.Client, engine: FakeEngine) -> None:
+    """As vLLM: a variable for the template (gpt-oss's reads it), so agent frameworks that send it are served."""
+    messages = [{"role": "user", "content": "p"}]
+    oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, reasoning_effort="low")
+    assert engine.template_kwargs["reasoning_effort"] == "low"
+    oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, reasoning_effort="high",
+                                extra_body={"chat_template_kwargs": {"reasoning_effort": "medium"}})
+    assert engine.template_kwargs["reasoning_effort"] == "medium"  # the client's own template variable wins
+    oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert "reasoning_effort" not in engine.template_kwargs
+    oai.responses.create(model=MODEL, input="p", max_output_tokens=1, reasoning={"effort": "minimal"})
+    assert engine.template_kwargs["reasoning_effort"] == "minimal"
+    for path, body in (("/v1/chat/completions", {"messages": messages, "reasoning_effort": "ultra"}),
+                       ("/v1/responses", {"input": "p", "reasoning": {"effort": "ultra"}})):
+        error = http.post(path, json={"model": MODEL, **body}).json()["error"]
+        assert error["param"] == "reasoning_effort" and "'low'" in error["message"], error
+
+
+def test_a_text_part_without_text_is_named(http: httpx.Client) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "messages" and "needs its text" in error["message"], error
 
 
 def test_malformed_json(http: httpx.Client) -> None:

@@ -285,6 +285,8 @@ def chat_template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[
     """What a chat request (or /tokenize's messages) hands the chat template besides the messages: the client's
     chat_template_kwargs, its tools, and continue_final_message (which leaves no room for a generation prompt)."""
     kwargs = dict(checked_template_kwargs(req.chat_template_kwargs))
+    if isinstance(req, ChatCompletionRequest) and req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)  # the client's own template variable wins
     if req.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     if req.continue_final_message:
@@ -296,6 +298,7 @@ def chat_template_options(req: ChatCompletionRequest | TokenizeRequest) -> dict[
 
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
 
 
 class ChatMessage(BaseModel):
@@ -332,8 +335,10 @@ class ChatMessage(BaseModel):
             return self.content
         texts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise RequestError(f"only text content parts are supported, got type {part.type!r}", "messages")
+            if part.text is None:
+                raise RequestError("a content part of type 'text' needs its text", "messages")
             texts.append(part.text)
         return "\n".join(texts)
 
@@ -358,6 +363,9 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool | None = False
     # vLLM's: false leaves the thinking out of the answer (under --reasoning-parser); it is still generated.
     include_reasoning: bool | None = True
+    # OpenAI's: how long a reasoning model should think. As vLLM, a variable for the chat template (gpt-oss's
+    # reads it; a template that does not ignores it), so agent frameworks that always send it are served.
+    reasoning_effort: ReasoningEffort | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]

@@ -42,7 +42,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     stream: bool | None = False
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # effort and summary: the model thinks as it does
+    reasoning: dict[str, Any] | None = None  # effort reaches the chat template as reasoning_effort; no summaries
     # Bookkeeping: accepted, no effect on the answer (nothing is stored).
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -78,6 +78,8 @@ class ResponsesRequest(BaseModel):
                              ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
             if getattr(self, ours) is not None:
                 chat[theirs] = getattr(self, ours)
+        if isinstance(self.reasoning, dict) and self.reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = self.reasoning["effort"]  # checked by the chat request's model
         if self.max_tool_calls == 1:
             chat["parallel_tool_calls"] = False
         if self.tools:
