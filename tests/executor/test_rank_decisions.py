@@ -36,6 +36,38 @@ def test_ray_ranks_get_the_drivers_environment_and_sit_node_by_node() -> None:
     assert ranks_by_node(["a", "b", "a", "b"], first_node="a") == [0, 2, 1, 3]
 
 
+def test_what_ray_ranks_keep_for_themselves() -> None:
+    """The devices Ray gives each actor are its own (the head's CUDA_VISIBLE_DEVICES would put every rank on the
+    head's GPUs), and a cluster's per-machine settings can be kept off the forwarded list."""
+    from lmserve.executor.ray import NOT_FORWARDED_ENV_SETTING, forwarded_env
+
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": "0", "CUDA_LAUNCH_BLOCKING": "1",
+               "NCCL_IB_HCA": "mlx5_0", "NCCL_DEBUG": "INFO"}
+    assert forwarded_env(environ) == {"CUDA_LAUNCH_BLOCKING": "1", "NCCL_IB_HCA": "mlx5_0", "NCCL_DEBUG": "INFO"}
+    environ[NOT_FORWARDED_ENV_SETTING] = "NCCL_IB_HCA, GLOO_SOCKET_IFNAME"
+    assert forwarded_env(environ) == {"CUDA_LAUNCH_BLOCKING": "1", "NCCL_DEBUG": "INFO",
+                                      NOT_FORWARDED_ENV_SETTING: "NCCL_IB_HCA, GLOO_SOCKET_IFNAME"}
+
+
+def test_ray_ranks_take_the_clusters_gpus_and_tensor_groups_across_machines_are_found(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lmserve.executor.ray import groups_across_nodes, ranks_on_cuda
+
+    assert ranks_on_cuda("auto", cluster_gpus=4, world_size=4)  # a CPU-only head over GPU workers
+    assert not ranks_on_cuda("auto", cluster_gpus=0, world_size=2)
+    assert not caplog.records
+    assert not ranks_on_cuda("auto", cluster_gpus=2, world_size=4)
+    assert "2 GPU(s) for 4 ranks" in caplog.text
+    assert ranks_on_cuda("cuda", cluster_gpus=0, world_size=2)  # waits for the placement group, then says so
+    assert not ranks_on_cuda("cpu", cluster_gpus=8, world_size=2)
+    # -tp 2 -pp 2 on nodes a, a, b, b: each tensor group on one machine; a, b, a, b: both cross the network.
+    assert groups_across_nodes(["a", "a", "b", "b"], 2) == []
+    assert groups_across_nodes(["a", "b", "b", "b"], 2) == [0]
+    assert groups_across_nodes(["a", "b", "a", "b"], 2) == [0, 1]
+    assert groups_across_nodes(["a", "b", "c", "d"], 1) == []
+
+
 class MaskReadingWorker:
     """Stands for a Worker: its step reads the masks where the runner would, at the draw, and reports what it read."""
 

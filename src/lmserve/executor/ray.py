@@ -35,12 +35,35 @@ DEATH_SEEN_S = 1.0  # how long a failed step waits for the other ranks' results,
 HEALTH_TIMEOUT_S = float(os.environ.get("LMSERVE_RAY_HEALTH_TIMEOUT_S", "60"))
 # Environment that must reach the ranks on other machines (Ray starts actors with the node's, not the driver's).
 FORWARDED_ENV_PREFIXES = ("LMSERVE_", "NCCL_", "GLOO_", "HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "OMP_")
+# Each actor's own: Ray sets the devices a GPU bundle gives it (vLLM's WORKER_SPECIFIC_ENV_VARS leave these too).
+RANK_OWN_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"})
+# Names (comma-separated) a cluster's machines set each for themselves, e.g. NCCL_IB_HCA or NCCL_SOCKET_IFNAME where
+# the nodes' interfaces differ: as vLLM's ray_non_carry_over_env_vars.json.
+NOT_FORWARDED_ENV_SETTING = "LMSERVE_RAY_NOT_FORWARDED_ENV"
 
 
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
     """The driver's variables that the ranks need as the driver has them (lmserve's settings, NCCL's and gloo's
     interfaces, the Hugging Face cache), for the actors' runtime_env."""
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    kept_local = RANK_OWN_ENV | {name.strip() for name in environ.get(NOT_FORWARDED_ENV_SETTING, "").split(",")}
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in kept_local}
+
+
+def ranks_on_cuda(device: str, cluster_gpus: float, world_size: int) -> bool:
+    """Whether the ranks take GPU bundles. auto: what the cluster has, not what this (head) process sees, so that a
+    CPU-only head does not hide the workers' GPUs."""
+    if device == "auto" and 0 < cluster_gpus < world_size:
+        logger.warning("the Ray cluster has %g GPU(s) for %d ranks: the ranks run on CPUs (--device cuda to wait "
+                       "for GPUs instead)", cluster_gpus, world_size)
+    return device == "cuda" or (device == "auto" and cluster_gpus >= world_size)
+
+
+def groups_across_nodes(node_of_rank: list[str], tensor_parallel_size: int) -> list[int]:
+    """The tensor-parallel groups whose ranks are not all on one machine: each layer's all-reduces of those cross
+    the network."""
+    groups = range(len(node_of_rank) // tensor_parallel_size)
+    return [g for g in groups
+            if len(set(node_of_rank[g * tensor_parallel_size:(g + 1) * tensor_parallel_size])) > 1]
 
 
 def ranks_by_node(node_ids: list[str], first_node: str) -> list[int]:
@@ -179,9 +202,7 @@ class RayExecutor(Executor):
         if self._started_ray:
             # Joins the cluster of `ray start` (RAY_ADDRESS or this machine's), else starts a local one.
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
-        # auto: what the cluster has, not what this (head) process sees: a CPU-only head must not hide the GPUs.
-        cuda = config.model.device == "cuda" or (
-            config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) >= self.world_size)
+        cuda = ranks_on_cuda(config.model.device, ray.cluster_resources().get("GPU", 0), self.world_size)
         bundle = {"GPU": 1} if cuda else {"CPU": 1}
         self._placement = placement_group([bundle] * self.world_size, strategy="PACK")
         self._remove_placement_group = remove_placement_group
@@ -202,7 +223,11 @@ class RayExecutor(Executor):
         try:
             nodes = ray.get([a.node_id.remote() for a in actors])
             head = ray.get_runtime_context().get_node_id()
-            self.actors = [actors[i] for i in ranks_by_node(nodes, head if head in nodes else nodes[0])]
+            order = ranks_by_node(nodes, head if head in nodes else nodes[0])
+            self.actors = [actors[i] for i in order]
+            if spanning := groups_across_nodes([nodes[i] for i in order], parallel.tensor_parallel_size):
+                logger.warning("tensor-parallel group(s) %s span machines (the placement group's bundles did not "
+                               "fit one node each): their all-reduces cross the network", spanning)
             host, port = ray.get(self.actors[0].node_address.remote())
             init_method = f"tcp://{host}:{port}"
             infos = ray.get([a.start.remote(config, rank, init_method, rank == self.driver_rank)
