@@ -3,7 +3,9 @@
 #   1. benchmarks/gpu_prepare.sh, here on the CPU machine (wheels and the tokenizer into .gpu/);
 #   2. the device call: carry [".gpu"], command `bash benchmarks/gpu_checks.sh`, timeout_s 600.
 # It installs the carried wheels, runs tests/gpu (bf16 parity with transformers on a mixed batch, the server end to
-# end on CUDA, prefix caching, aborts, --gpu-memory-utilization), then benchmarks/gpu_w1_w4.py, and writes to $OUT:
+# end on CUDA, prefix caching, aborts, --gpu-memory-utilization; issue 37's scale-out: -dp 2 replicas on the GPUs,
+# and on a machine with two GPUs or more -tp 2 / -pp 2 over NCCL against one rank's tokens), then
+# benchmarks/gpu_w1_w4.py, and writes to $OUT:
 # env.txt, tests_gpu.log, tests_gpu.xml, gpu_w1_w4.log, gpu_w1_w4.json, summary.txt.
 # Each stage has its own time limit, so a hang in one still leaves the others' results.
 set -uo pipefail

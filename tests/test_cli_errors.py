@@ -77,7 +77,9 @@ def test_a_setting_out_of_bounds_is_one_line_before_anything_loads(argv, message
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--port", "99999"], "argument --port: must be a port in [0, 65535], got 99999"),
     (["serve", "--port", "-5"], "argument --port: must be a port in [0, 65535], got -5"),
-    (["router", "--prefill", "a", "--decode", "b", "--port", "70000"], "argument --port: must be a port in"),
+    (["router", "--prefill", "http://a:1", "--decode", "http://b:1", "--port", "70000"],
+     "argument --port: must be a port in"),
+    (["router", "--prefill", "http://a:1", "--decode", "b:8200"], "argument --decode: must be an instance's base URL"),
     (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
 ])  # fmt: skip
 def test_a_bad_port_or_log_level_is_an_argument_error(argv, message, capsys) -> None:

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+import urllib.parse
 
 from lmserve.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -116,6 +117,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _instance_url(text: str) -> str:
+    parsed = urllib.parse.urlsplit(text)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc or len(text) > 2048:
+        raise argparse.ArgumentTypeError(f"must be an instance's base URL such as http://127.0.0.1:8100, got {text!r}")
+    return text
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -180,12 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "same model path and layout flags")
     srv.set_defaults(func=cmd_serve)
 
-    router = sub.add_parser("router", help="one OpenAI endpoint in front of a prefill and a decode instance "
+    router = sub.add_parser("router", help="one OpenAI endpoint in front of prefill and decode instances "
                                            "(prefill/decode disaggregation, --kv-transfer-config)")
-    router.add_argument("--prefill", required=True, metavar="URL",
-                        help="the prefill instance (kv_producer), e.g. http://127.0.0.1:8100")
-    router.add_argument("--decode", required=True, metavar="URL",
-                        help="the decode instance (kv_consumer), e.g. http://127.0.0.1:8200")
+    router.add_argument("--prefill", required=True, metavar="URL", nargs="+", action="extend", type=_instance_url,
+                        help="the prefill instances (kv_producer), e.g. http://127.0.0.1:8100; each request goes to "
+                             "the one with the fewest requests in flight")
+    router.add_argument("--decode", required=True, metavar="URL", nargs="+", action="extend", type=_instance_url,
+                        help="the decode instances (kv_consumer), e.g. http://127.0.0.1:8200")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=_port, default=8000)
     router.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,

@@ -1,27 +1,34 @@
-"""`lmserve router`: one OpenAI endpoint in front of a prefill instance and a decode instance (vLLM's disaggregated
-prefill proxy). Each completion or chat request goes first to the prefill instance with max_tokens 1 (it computes
-the prompt, and its --kv-transfer-config kv_producer stores the prompt's KV blocks), then, as the client sent it, to
-the decode instance (kv_consumer), which loads those blocks instead of computing them and streams the answer back.
+"""`lmserve router`: one OpenAI endpoint in front of prefill instances and decode instances (vLLM's disaggregated
+prefill proxy). Each completion or chat request goes first to a prefill instance with max_tokens 1 (it computes the
+prompt, and its --kv-transfer-config kv_producer stores the prompt's KV blocks), then, as the client sent it, to a
+decode instance (kv_consumer), which loads those blocks instead of computing them and streams the answer back. With
+several instances of a role, each request goes to the one with the fewest requests in flight through this router
+(ties in turn).
 
-The two instances must serve the same model with the same settings; the router only forwards. Errors from either
-instance reach the client as they were sent; one that cannot be reached is a 502. A client that goes away closes the
-decode instance's stream, which aborts the request there.
+The instances must serve the same model with the same settings; the router only forwards. Errors from an instance
+reach the client as they were sent; one that cannot be reached, or that fails, is a 502 naming it (mid-stream: an
+error event, then the end of the stream). A client that goes away cancels the request where it is: the prefill call,
+the decode call or the decode stream, each of which the instance aborts.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from lmserve.api.body import BodyTooLargeError, read_body
-from lmserve.api.errors import error_response
+from lmserve.api.errors import ClientDisconnected, error_response
+from lmserve.api.sse import until_disconnect
 
 FORWARDED_HEADERS = ("authorization",)
+CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it
 
 
 def prefill_request(payload: dict) -> dict:
@@ -36,8 +43,54 @@ def prefill_request(payload: dict) -> dict:
     return prefill
 
 
-def build_router_app(prefill_url: str, decode_url: str, max_body_bytes: int, timeout_s: float = 600.0) -> FastAPI:
-    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+class InstanceFailed(Exception):
+    def __init__(self, role: str, url: str, exc: Exception) -> None:
+        super().__init__(f"the {role} instance {url} failed: {type(exc).__name__}: {exc}")
+
+
+class Instances:
+    """One role's instances and the requests this router has in flight on each."""
+
+    def __init__(self, role: str, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError(f"the router needs at least one {role} instance")
+        self.role = role
+        self.urls = [url.rstrip("/") for url in urls]
+        self.in_flight = [0] * len(self.urls)
+        self._next = 0
+
+    def acquire(self) -> int:
+        """The instance with the fewest requests in flight, ties in turn; counted until release()."""
+        order = [(self._next + k) % len(self.urls) for k in range(len(self.urls))]
+        chosen = min(order, key=lambda i: self.in_flight[i])
+        self._next = (chosen + 1) % len(self.urls)
+        self.in_flight[chosen] += 1
+        return chosen
+
+    def release(self, index: int) -> None:
+        self.in_flight[index] -= 1
+
+
+class RelayedStream(StreamingResponse):
+    """A decode instance's event stream, closed (which aborts the request there) however the response ends: when
+    the client leaves while a chunk is being sent, or before the first, the relay's own cleanup never runs."""
+
+    def __init__(self, lines: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(lines, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+
+
+def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_bytes: int,
+                     timeout_s: float = 600.0) -> FastAPI:
+    prefill, decode = Instances("prefill", prefill_urls), Instances("decode", decode_urls)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
 
     @asynccontextmanager
@@ -46,6 +99,64 @@ def build_router_app(prefill_url: str, decode_url: str, max_body_bytes: int, tim
         await client.aclose()
 
     app = FastAPI(title="lmserve router", lifespan=lifespan)
+    app.state.instances = {"prefill": prefill, "decode": decode}
+
+    async def post(role: Instances, path: str, payload: dict, headers: dict[str, str]) -> httpx.Response:
+        index = role.acquire()
+        try:
+            return await client.post(role.urls[index] + path, json=payload, headers=headers)
+        except httpx.HTTPError as exc:
+            raise InstanceFailed(role.role, role.urls[index], exc) from exc
+        finally:
+            role.release(index)
+
+    async def open_stream(path: str, payload: dict, headers: dict[str, str]) -> Response:
+        index = decode.acquire()
+        url = decode.urls[index]
+        try:
+            upstream = await client.send(client.build_request("POST", url + path, json=payload, headers=headers),
+                                         stream=True)
+        except httpx.HTTPError as exc:
+            decode.release(index)
+            raise InstanceFailed("decode", url, exc) from exc
+        released = False
+
+        async def close() -> None:  # however the response ends: a client gone before the first chunk included
+            nonlocal released
+            await upstream.aclose()
+            if not released:
+                released = True
+                decode.release(index)
+
+        if upstream.status_code != 200:
+            try:
+                body = await upstream.aread()
+            except httpx.HTTPError as exc:
+                raise InstanceFailed("decode", url, exc) from exc
+            finally:
+                await close()
+            return Response(body, upstream.status_code, media_type="application/json")
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for line in upstream.aiter_lines():  # whole lines: an error event never lands mid-event
+                    yield (line + "\n").encode()
+            except httpx.HTTPError as exc:
+                failure = error_response(502, str(InstanceFailed("decode", url, exc)))
+                yield b"\n" + b"data: " + failure.body + b"\n\n"
+            finally:
+                await close()
+
+        return RelayedStream(relay(), close)
+
+    async def answer(path: str, payload: dict, headers: dict[str, str]) -> Response:
+        prefilled = await post(prefill, path, prefill_request(payload), headers)
+        if prefilled.status_code != 200:
+            return Response(prefilled.content, prefilled.status_code, media_type="application/json")
+        if payload.get("stream"):
+            return await open_stream(path, payload, headers)
+        decoded = await post(decode, path, payload, headers)
+        return Response(decoded.content, decoded.status_code, media_type="application/json")
 
     async def forward(request: Request, path: str) -> Response:
         try:
@@ -58,29 +169,11 @@ def build_router_app(prefill_url: str, decode_url: str, max_body_bytes: int, tim
             return error_response(400, "the request body must be a JSON object")
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         try:
-            prefilled = await client.post(prefill_url + path, json=prefill_request(payload), headers=headers)
-            if prefilled.status_code != 200:
-                return Response(prefilled.content, prefilled.status_code, media_type="application/json")
-            if not payload.get("stream"):
-                decoded = await client.post(decode_url + path, json=payload, headers=headers)
-                return Response(decoded.content, decoded.status_code, media_type="application/json")
-            upstream = await client.send(client.build_request("POST", decode_url + path, json=payload,
-                                                              headers=headers), stream=True)
-        except httpx.HTTPError as exc:
-            return error_response(502, f"an instance behind the router failed: {type(exc).__name__}: {exc}")
-        if upstream.status_code != 200:
-            body = await upstream.aread()
-            await upstream.aclose()
-            return Response(body, upstream.status_code, media_type="application/json")
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-
-        return StreamingResponse(relay(), media_type="text/event-stream")
+            return await until_disconnect(answer(path, payload, headers), request)
+        except InstanceFailed as exc:
+            return error_response(502, str(exc))
+        except ClientDisconnected:  # the call in flight was cancelled: its instance aborts the request
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -93,29 +186,34 @@ def build_router_app(prefill_url: str, decode_url: str, max_body_bytes: int, tim
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        url = decode.urls[0]
         try:
-            answer = await client.get(decode_url + "/v1/models", headers=headers)
+            listed = await client.get(url + "/v1/models", headers=headers)
         except httpx.HTTPError as exc:
-            return error_response(502, f"the decode instance failed: {type(exc).__name__}: {exc}")
-        return Response(answer.content, answer.status_code, media_type="application/json")
+            return error_response(502, str(InstanceFailed("decode", url, exc)))
+        return Response(listed.content, listed.status_code, media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
-        states = {}
-        for role, url in (("prefill", prefill_url), ("decode", decode_url)):
-            try:
-                states[role] = (await client.get(url + "/health", timeout=5.0)).status_code
-            except httpx.HTTPError:
-                states[role] = None
-        healthy = all(code == 200 for code in states.values())
-        return JSONResponse({"prefill": states["prefill"], "decode": states["decode"]}, 200 if healthy else 503)
+        """200 when every instance answers 200; the status of each (null: not reachable)."""
+        states: dict[str, dict[str, int | None]] = {}
+        for role in (prefill, decode):
+            states[role.role] = {}
+            for url in role.urls:
+                try:
+                    states[role.role][url] = (await client.get(url + "/health", timeout=5.0)).status_code
+                except httpx.HTTPError:
+                    states[role.role][url] = None
+        healthy = all(code == 200 for role in states.values() for code in role.values())
+        return JSONResponse(states, 200 if healthy else 503)
 
     return app
 
 
-def run_router(prefill_url: str, decode_url: str, host: str, port: int, max_body_bytes: int, log_level: str) -> int:
+def run_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, max_body_bytes: int,
+               log_level: str) -> int:
     import uvicorn
 
-    uvicorn.run(build_router_app(prefill_url, decode_url, max_body_bytes), host=host, port=port,
+    uvicorn.run(build_router_app(prefill_urls, decode_urls, max_body_bytes), host=host, port=port,
                 log_level=log_level.lower())
     return 0

@@ -1,0 +1,171 @@
+"""`lmserve router` in front of scripted instances (FastAPI apps over real HTTP): requests spread over several
+prefill and decode instances, a client that leaves is cancelled wherever its request is, and an instance that cannot
+be reached, or dies mid-stream, is named to the client. The router against real lmserve instances is
+tests/api/test_disaggregation_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Self
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lmserve.api.router import build_router_app, prefill_request
+
+SLOW = "slow"  # the instance answers only when the client has gone (and records that it saw it go)
+DIE = "die"  # a stream that breaks off after two events
+
+
+class ServerThread:
+    """uvicorn on a socket bound to a free port, in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+class Instance:
+    """An lmserve instance as the router sees it: it answers with its own name, streams three events, and records
+    every request it got and every client that left it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.requests: list[dict] = []
+        self.left: list[str] = []  # prompts whose client went away
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self.completions)
+        self.app.get("/health")(lambda: {"ok": True})
+
+    async def completions(self, request: Request) -> Any:
+        payload = await request.json()
+        self.requests.append(payload)
+        prompt = payload["prompt"]
+        if payload.get("stream"):
+            return StreamingResponse(self.events(prompt), media_type="text/event-stream")
+        if prompt == SLOW and payload["max_tokens"] > 1 or prompt == SLOW + "-prefill":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            self.left.append(prompt)
+        return JSONResponse({"instance": self.name, "max_tokens": payload["max_tokens"]})
+
+    async def events(self, prompt: str) -> AsyncIterator[str]:
+        try:
+            for index in range(1000 if prompt == SLOW else 3):
+                yield f"data: {json.dumps({'instance': self.name, 'index': index})}\n\n"
+                if prompt == DIE and index == 1:
+                    raise RuntimeError("the instance died")
+                await asyncio.sleep(0.05 if prompt == SLOW else 0)
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.left.append(prompt)
+            raise
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[list[Instance], list[Instance], ServerThread, dict]]:
+    prefill, decode = [Instance("p0"), Instance("p1")], [Instance("d0"), Instance("d1")]
+    with (ServerThread(prefill[0].app) as p0, ServerThread(prefill[1].app) as p1,
+          ServerThread(decode[0].app) as d0, ServerThread(decode[1].app) as d1):
+        app = build_router_app([p0.url, p1.url], [d0.url, d1.url], max_body_bytes=1 << 20)
+        with ServerThread(app) as router:
+            yield prefill, decode, router, app.state.instances
+
+
+def ask(router: ServerThread, prompt: str = "hello", **fields: Any) -> httpx.Response:
+    return httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8,
+                                                            **fields}, timeout=10)
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_prefill_instance_gets_one_token_and_the_decode_instance_the_request() -> None:
+    payload = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True, "n": 3,
+               "stream_options": {"include_usage": True}, "min_tokens": 5}
+    assert prefill_request(payload) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False, "n": 1}
+    chat = {"model": "m", "messages": [], "max_completion_tokens": 50, "max_tokens": 50}
+    assert prefill_request(chat) == {"model": "m", "messages": [], "max_completion_tokens": 1, "stream": False,
+                                     "n": 1}
+
+
+def test_requests_take_turns_and_go_where_fewest_are_in_flight(cluster) -> None:
+    prefill, decode, router, instances = cluster
+    answers = [ask(router).json()["instance"] for _ in range(4)]
+    assert answers == ["d0", "d1", "d0", "d1"]
+    assert [len(p.requests) for p in prefill] == [2, 2]
+    assert all(r["max_tokens"] == 1 and r["stream"] is False for p in prefill for r in p.requests)
+    assert all(r["max_tokens"] == 8 for d in decode for r in d.requests)
+
+    # A stream in flight on d0: the next requests go to d1 until it ends.
+    with httpx.stream("POST", f"{router.url}/v1/completions", timeout=10,
+                      json={"model": "m", "prompt": SLOW, "max_tokens": 8, "stream": True}) as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
+        assert json.loads(next(lines).removeprefix("data: "))["instance"] == "d0"
+        assert instances["decode"].in_flight == [1, 0]
+        assert [ask(router).json()["instance"] for _ in range(2)] == ["d1", "d1"]
+    assert wait_for(lambda: decode[0].left == [SLOW])  # the client closed the stream: d0's request ended too
+    assert wait_for(lambda: instances["decode"].in_flight == [0, 0] and instances["prefill"].in_flight == [0, 0])
+
+
+def test_a_client_that_leaves_is_cancelled_wherever_its_request_is(cluster) -> None:
+    prefill, decode, router, instances = cluster
+    for prompt, where in ((SLOW + "-prefill", prefill), (SLOW, decode)):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8},
+                       timeout=0.5)
+        assert wait_for(lambda w=where, p=prompt: any(i.left == [p] for i in w)), prompt
+    assert all(r["prompt"] != SLOW + "-prefill" for d in decode for r in d.requests)  # it never got that far
+    assert wait_for(lambda: instances["decode"].in_flight == [0, 0] and instances["prefill"].in_flight == [0, 0])
+
+
+def test_an_instance_that_is_gone_or_dies_is_named(cluster) -> None:
+    _prefill, _decode, router, instances = cluster
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: connections are refused
+        with ServerThread(build_router_app([gone], [router.url], max_body_bytes=1 << 20)) as broken:
+            answer = ask(broken)
+            assert answer.status_code == 502
+            assert f"the prefill instance {gone} failed: ConnectError" in answer.json()["error"]["message"]
+            health = httpx.get(f"{broken.url}/health", timeout=10)
+            assert health.status_code == 503 and health.json()["prefill"] == {gone: None}
+
+    oai = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
+    events = []
+    with pytest.raises(openai.APIError, match="the decode instance .* failed"):
+        events.extend(oai.completions.create(model="m", prompt=DIE, max_tokens=8, stream=True))
+    assert len(events) == 2  # both events before the instance died, whole
+    health = httpx.get(f"{router.url}/health", timeout=10)
+    assert health.status_code == 200
+    assert health.json() == {role: {url: 200 for url in instances[role].urls} for role in ("prefill", "decode")}
