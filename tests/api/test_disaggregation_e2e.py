@@ -113,6 +113,21 @@ def test_chat_through_the_router_and_nothing_held_afterwards(pair) -> None:
         assert stats["kv_blocks_used"] == 0 and stats["num_requests_waiting"] == 0
 
 
+def test_a_client_leaving_the_router_frees_both_instances(pair) -> None:
+    """Streamed or not, a client that goes away mid-answer ends the request on the decode instance."""
+    prefill, decode, router = pair
+    ask = {"model": MODEL, "prompt": PROMPT, "max_tokens": 800, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{router.base_url}/v1/completions", json={**ask, "stream": True}, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert [next(lines) for _ in range(6)]  # decoding on the decode instance
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router.base_url}/v1/completions", json=ask, timeout=3)
+    for server in (prefill, decode):
+        stats = wait_for(lambda s=server: (e := engine(s))["num_requests_running"] == 0 and e, timeout=20)
+        assert stats and stats["kv_blocks_used"] == 0 and stats["num_requests_waiting"] == 0
+    assert engine(decode)["num_requests_aborted"] >= 2
+
+
 def test_the_routers_errors(pair) -> None:
     _prefill, _decode, router = pair
     bad = httpx.post(f"{router.base_url}/v1/completions", content=b"{not json", timeout=10)

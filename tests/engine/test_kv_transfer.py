@@ -107,6 +107,25 @@ def test_a_block_missing_from_the_storage_is_computed(producer: LLM, consumer: L
     assert again.num_cached_tokens == 32  # the run of stored blocks ends where one is missing
 
 
+def test_the_consumers_own_prefix_cache_comes_first_then_the_stored_blocks(
+        plain: LLM, producer: LLM, consumer: LLM) -> None:
+    """A decode instance that already holds a prompt's first blocks (a shared system prompt) loads only the rest."""
+    shared = "You are a patient chess teacher. Explain each rule with a short example and no jargon at all. " * 3
+    first, second = shared + "How does the knight move?", shared + "What is castling, and when is it allowed?"
+    producer.generate(first, ONE_TOKEN)
+    consumer.generate(first, GREEDY)
+    prefilled = producer.generate(second, ONE_TOKEN)[0]
+    tokens, first_tokens = prefilled.prompt_token_ids, consumer.generate(first, ONE_TOKEN)[0].prompt_token_ids
+    common = next(i for i, (a, b) in enumerate(zip(tokens, first_tokens, strict=False)) if a != b) // 16
+    full = (len(tokens) - 1) // 16
+    assert 2 <= common < full
+    loaded_before = consumer.engine.scheduler.kv_transfer.num_loaded_blocks
+    decoded = consumer.generate(second, GREEDY)[0]
+    assert consumer.engine.scheduler.kv_transfer.num_loaded_blocks - loaded_before == full - common
+    assert decoded.num_cached_tokens == 16 * full  # its own hit and the loaded blocks
+    assert decoded.outputs[0].token_ids == plain.generate(second, GREEDY)[0].outputs[0].token_ids
+
+
 def test_prompt_logprobs_compute_every_position(consumer: LLM) -> None:
     out = consumer.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0))[0]
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
