@@ -237,10 +237,10 @@ class PlacementConfig:
             raise ValueError(f"engine_cpus must be CPU ids from 0 to {MAX_CPUS - 1}, got {self.engine_cpus!r}")
 
 
-def cuda_device_index(data_parallel_rank: int, world_size: int, rank: int, device_count: int) -> int:
-    """The GPU of a rank: each data-parallel replica's ranks on GPUs of their own (replica r's world_size ranks on
-    GPUs r * world_size ...), wrapping around when the replicas need more GPUs than the machine has."""
-    return (data_parallel_rank * world_size + rank) % device_count
+def cuda_device_index(local_replica: int, ranks_per_node: int, local_rank: int, device_count: int) -> int:
+    """The GPU of a rank: each of this machine's data-parallel replicas with GPUs of its own (its local replica r's
+    ranks here on GPUs r * ranks_per_node ...), wrapping around when they need more GPUs than the machine has."""
+    return (local_replica * ranks_per_node + local_rank) % device_count
 
 
 def cpu_share(cpus: list[int], parts: int, index: int) -> list[int]:
@@ -358,6 +358,20 @@ class ParallelConfig:
         start = self.data_parallel_start_rank
         count = self.data_parallel_size_local or self.data_parallel_size - start
         return range(start, start + count)
+
+    def cuda_device(self, local_rank: int, device_count: int) -> int:
+        """This replica's rank `local_rank` (on this machine)'s GPU, counting replicas from this machine's first
+        (a machine that runs replicas 2 and 3 gives them its GPUs from 0, as the one that runs 0 and 1 does)."""
+        local_replica = self.data_parallel_rank - self.data_parallel_start_rank
+        return cuda_device_index(local_replica, self.ranks_per_node, local_rank, device_count)
+
+    def gpus_shared(self, device_count: int) -> str | None:
+        """Why ranks on this machine share GPUs, when they must (more ranks here than GPUs), else None."""
+        ranks_here = len(self.local_replicas) * self.ranks_per_node
+        if ranks_here <= device_count:
+            return None
+        return (f"{len(self.local_replicas)} replica(s) of {self.ranks_per_node} rank(s) on this machine share its "
+                f"{device_count} GPU(s): ranks wrap around onto GPUs already in use")
 
     @property
     def world_size(self) -> int:

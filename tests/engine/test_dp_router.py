@@ -284,11 +284,22 @@ def test_offline_llm_refuses_data_parallel() -> None:
 def test_each_replica_gets_gpus_of_its_own() -> None:
     """-dp 2 -tp 2 on 4 GPUs: replica 0's ranks on GPUs 0-1, replica 1's on 2-3 (every replica took GPUs 0-1 before:
     `rank % device_count`); more replicas than the GPUs allow wrap around."""
-    from lmserve.config import cuda_device_index
-
     config = make_engine_config(data_parallel_size=2, tensor_parallel_size=2)
     replicas = [replica_config(config, i).parallel for i in range(2)]
     assert [p.data_parallel_rank for p in replicas] == [0, 1] and config.parallel.data_parallel_rank == 0
-    gpus = [cuda_device_index(p.data_parallel_rank, p.world_size, rank, 4) for p in replicas for rank in range(2)]
-    assert gpus == [0, 1, 2, 3]
-    assert [cuda_device_index(r, 1, 0, 2) for r in range(4)] == [0, 1, 0, 1]
+    gpus = [p.cuda_device(rank, 4) for p in replicas for rank in range(2)]  # what worker.Worker asks
+    assert gpus == [0, 1, 2, 3] and replicas[0].gpus_shared(4) is None
+    wrapped = [replica_config(make_engine_config(data_parallel_size=4), r).parallel for r in range(4)]
+    assert [p.cuda_device(0, 2) for p in wrapped] == [0, 1, 0, 1]
+    assert "4 replica(s) of 1 rank(s) on this machine share its 2 GPU(s)" in wrapped[0].gpus_shared(2)
+
+
+def test_a_machine_running_later_replicas_gives_them_its_gpus_from_the_first() -> None:
+    """Replicas 2 and 3 of -dp 4 -tp 2 on a second machine with 8 GPUs: GPUs 0-3, as on the first machine (before,
+    counted from the global replica index: 4-7, or wrapped onto each other with other counts)."""
+    config = make_engine_config(data_parallel_size=4, tensor_parallel_size=2, data_parallel_size_local=2,
+                                data_parallel_start_rank=2, data_parallel_address="10.0.0.1")
+    replicas = [replica_config(config, i).parallel for i in config.parallel.local_replicas]
+    assert [p.cuda_device(rank, 8) for p in replicas for rank in range(2)] == [0, 1, 2, 3]
+    assert [p.cuda_device(rank, 6) for p in replicas for rank in range(2)] == [0, 1, 2, 3]
+    assert replicas[0].gpus_shared(8) is None and replicas[0].gpus_shared(2) is not None

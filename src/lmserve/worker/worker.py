@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from lmserve.config import EngineConfig, PlacementConfig, cpu_share, cuda_device_index
+from lmserve.config import EngineConfig, PlacementConfig, cpu_share
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import destroy_parallel_groups, init_parallel_groups
 from lmserve.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
@@ -40,9 +40,11 @@ class Worker:
         self.local_rank = rank % parallel_config.ranks_per_node
         device = resolve_device(config.model.device)
         if device.type == "cuda" and (self.layout.world_size > 1 or parallel_config.data_parallel_size > 1):
-            torch.cuda.set_device(cuda_device_index(parallel_config.data_parallel_rank,
-                                                    parallel_config.ranks_per_node, self.local_rank,
-                                                    torch.cuda.device_count()))
+            device_count = torch.cuda.device_count()
+            torch.cuda.set_device(parallel_config.cuda_device(self.local_rank, device_count))
+            shared = parallel_config.gpus_shared(device_count)
+            if shared and self.local_rank == 0 and parallel_config.data_parallel_rank == parallel_config.local_replicas.start:
+                logger.warning(shared)
         self.parallel = init_parallel_groups(self.layout, init_method, device)
         self.runner = ModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
                                   scheduler_config=config.scheduler)
