@@ -113,6 +113,17 @@ def test_chat_through_the_router_and_nothing_held_afterwards(pair) -> None:
         assert stats["kv_blocks_used"] == 0 and stats["num_requests_waiting"] == 0
 
 
+def test_the_responses_api_through_the_router(pair) -> None:
+    prefill, decode, router = pair
+    ask = {"model": MODEL, "input": "In a few words: " + PROMPT, "max_output_tokens": 12, "temperature": 0}
+    loaded_before = engine(decode)["kv_transfer_loaded_tokens"]
+    answer = client(router).responses.create(**ask)
+    assert engine(decode)["kv_transfer_loaded_tokens"] > loaded_before
+    assert answer.output_text == client(prefill).responses.create(**ask).output_text
+    with client(router).responses.stream(**ask) as stream:
+        assert stream.get_final_response().output_text == answer.output_text
+
+
 def test_a_client_leaving_the_router_frees_both_instances(pair) -> None:
     """Streamed or not, a client that goes away mid-answer ends the request on the decode instance."""
     prefill, decode, router = pair

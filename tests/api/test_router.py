@@ -90,6 +90,9 @@ def test_the_prefill_instance_gets_one_token_and_the_decode_instance_the_request
     payload = {"model": "m", "prompt": "p", "max_tokens": 50, "stream": True, "n": 3,
                "stream_options": {"include_usage": True}, "min_tokens": 5}
     assert prefill_request(payload) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False, "n": 1}
+    responses = {"model": "m", "input": "p", "max_output_tokens": 50, "stream": True}
+    assert prefill_request(responses, "/v1/responses") == {"model": "m", "input": "p", "max_output_tokens": 1,
+                                                            "stream": False}  # no n: the Responses API has none
     chat = {"model": "m", "messages": [], "max_completion_tokens": 50, "max_tokens": 50}
     assert prefill_request(chat) == {"model": "m", "messages": [], "max_completion_tokens": 1, "stream": False,
                                      "n": 1}

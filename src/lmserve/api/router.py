@@ -1,9 +1,9 @@
 """`lmserve router`: one OpenAI endpoint in front of prefill instances and decode instances (vLLM's disaggregated
-prefill proxy). Each completion or chat request goes first to a prefill instance with max_tokens 1 (it computes the
-prompt, and its --kv-transfer-config kv_producer stores the prompt's KV blocks), then, as the client sent it, to a
-decode instance (kv_consumer), which loads those blocks instead of computing them and streams the answer back. With
-several instances of a role, each request goes to the one with the fewest requests in flight through this router
-(ties in turn).
+prefill proxy). Each completion, chat or Responses request goes first to a prefill instance with one output token
+(it computes the prompt, and its --kv-transfer-config kv_producer stores the prompt's KV blocks), then, as the client
+sent it, to a decode instance (kv_consumer), which loads those blocks instead of computing them and streams the answer
+back. With several instances of a role, each request goes to the one with the fewest requests in flight through this
+router (ties in turn).
 
 The instances must serve the same model with the same settings; the router only forwards. Errors from an instance
 reach the client as they were sent; one that cannot be reached, or that fails, is a 502 naming it (mid-stream: an
@@ -31,10 +31,14 @@ FORWARDED_HEADERS = ("authorization",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it
 
 
-def prefill_request(payload: dict) -> dict:
+def prefill_request(payload: dict, path: str = "/v1/completions") -> dict:
     """The request as the prefill instance gets it: one token, not streamed, one choice, the prompt unchanged."""
     prefill = {k: v for k, v in payload.items() if k not in ("stream_options", "min_tokens")}
-    prefill.update(stream=False, n=1)
+    prefill["stream"] = False
+    if path == "/v1/responses":  # no n; its length field is max_output_tokens
+        prefill["max_output_tokens"] = 1
+        return prefill
+    prefill["n"] = 1
     if "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
         prefill.pop("max_tokens", None)
@@ -150,7 +154,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
         return RelayedStream(relay(), close)
 
     async def answer(path: str, payload: dict, headers: dict[str, str]) -> Response:
-        prefilled = await post(prefill, path, prefill_request(payload), headers)
+        prefilled = await post(prefill, path, prefill_request(payload, path), headers)
         if prefilled.status_code != 200:
             return Response(prefilled.content, prefilled.status_code, media_type="application/json")
         if payload.get("stream"):
@@ -182,6 +186,10 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await forward(request, "/v1/chat/completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await forward(request, "/v1/responses")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
