@@ -265,6 +265,22 @@ def test_errors_from_the_real_engine(server: Server) -> None:
 MODEL = "smollm2-135m-instruct"
 
 
+def test_allowed_token_ids_limit_what_is_drawn(client: openai.OpenAI, server: Server) -> None:
+    """vLLM's allowed_token_ids over HTTP: every drawn token is one of them, greedy or sampled, streamed or not."""
+    ids = httpx.post(f"{server.base_url}/tokenize", json={"prompt": " yes no maybe"}).json()["tokens"]
+    assert len(ids) == 3
+    for temperature, stream in ((0, False), (1.5, True)):
+        answer = client.completions.create(model=MODEL, prompt="Is the sky green?", max_tokens=6, temperature=temperature,
+                                           seed=1, logprobs=0, stream=stream, extra_body={"allowed_token_ids": ids})
+        chunks = list(answer) if stream else [answer]
+        tokens = [t for c in chunks if c.choices for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+        assert len(tokens) == 6 and set(tokens) <= {" yes", " no", " maybe"}, tokens
+    for bad, message in (([], "must not be empty"), ([10**9], "vocabulary"), ([-1], ">= 0")):
+        error = httpx.post(f"{server.base_url}/v1/completions",
+                           json={"prompt": "hi", "max_tokens": 1, "allowed_token_ids": bad}).json()["error"]
+        assert error["param"] == "allowed_token_ids" and message in error["message"], error
+
+
 def offline_prompt_logprobs(offline: LLM, token_ids: list[int], k: int = 1) -> list:
     (out,) = offline.generate(token_ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k))
     return out.prompt_logprobs

@@ -62,7 +62,7 @@ class StreamOptions(OpenAIRequestModel):
 _PASSTHROUGH_FIELDS = (
     "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
+    "skip_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids",
 )
 
 
@@ -111,6 +111,7 @@ class _SamplingRequest(OpenAIRequestModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be drawn
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k at its position
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
