@@ -42,6 +42,10 @@ class Instance:
         self.requests.append(payload)
         prompt = payload["prompt"]
         if payload.get("stream"):
+            if prompt == SLOW + "-headers":  # the stream's headers never come before the client goes
+                while not await request.is_disconnected():
+                    await asyncio.sleep(0.02)
+                self.left.append(prompt)
             return StreamingResponse(self.events(prompt), media_type="text/event-stream")
         if prompt == SLOW and payload["max_tokens"] > 1 or prompt == SLOW + "-prefill":
             while not await request.is_disconnected():
@@ -124,6 +128,10 @@ def test_a_client_that_leaves_is_cancelled_wherever_its_request_is(cluster) -> N
             httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8},
                        timeout=0.5)
         assert wait_for(lambda w=where, p=prompt: any(i.left == [p] for i in w)), prompt
+    with pytest.raises(httpx.ReadTimeout):  # a stream whose instance has not answered yet
+        httpx.post(f"{router.url}/v1/completions", timeout=0.5,
+                   json={"model": "m", "prompt": SLOW + "-headers", "max_tokens": 8, "stream": True})
+    assert wait_for(lambda: any(SLOW + "-headers" in d.left for d in decode))
     assert all(r["prompt"] != SLOW + "-prefill" for d in decode for r in d.requests)  # it never got that far
     assert wait_for(lambda: instances["decode"].in_flight == [0, 0] and instances["prefill"].in_flight == [0, 0])
 

@@ -120,9 +120,11 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
         try:
             upstream = await client.send(client.build_request("POST", url + path, json=payload, headers=headers),
                                          stream=True)
-        except httpx.HTTPError as exc:
+        except BaseException as exc:  # a failure, or the client gone while the instance had not answered yet
             decode.release(index)
-            raise InstanceFailed("decode", url, exc) from exc
+            if isinstance(exc, httpx.HTTPError):
+                raise InstanceFailed("decode", url, exc) from exc
+            raise
         released = False
 
         async def close() -> None:  # however the response ends: a client gone before the first chunk included
