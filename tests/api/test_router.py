@@ -147,6 +147,12 @@ def test_an_instance_that_is_gone_or_dies_is_named(cluster) -> None:
             assert f"the prefill instance {gone} failed: ConnectError" in answer.json()["error"]["message"]
             health = httpx.get(f"{broken.url}/health", timeout=10)
             assert health.status_code == 503 and health.json()["prefill"] == {gone: None}
+        # /v1/models from the first decode instance that answers.
+        with ServerThread(build_router_app([router.url], [gone, router.url], max_body_bytes=1 << 20)) as second:
+            assert httpx.get(f"{second.url}/v1/models", timeout=10).status_code == 404  # the scripted one has none
+        with ServerThread(build_router_app([router.url], [gone], max_body_bytes=1 << 20)) as none:
+            listed = httpx.get(f"{none.url}/v1/models", timeout=10)
+            assert listed.status_code == 502 and f"the decode instance {gone} failed" in listed.json()["error"]["message"]
 
     oai = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=10)
     events = []

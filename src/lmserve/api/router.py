@@ -13,6 +13,7 @@ the decode call or the decode stream, each of which the instance aborts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -195,26 +196,33 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """The first decode instance that answers (they all serve the same model)."""
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-        url = decode.urls[0]
+        failure = None
+        for url in decode.urls:
+            try:
+                listed = await client.get(url + "/v1/models", headers=headers)
+            except httpx.HTTPError as exc:
+                failure = InstanceFailed("decode", url, exc)
+                continue
+            return Response(listed.content, listed.status_code, media_type="application/json")
+        return error_response(502, str(failure))
+
+    async def status(url: str) -> int | None:
         try:
-            listed = await client.get(url + "/v1/models", headers=headers)
-        except httpx.HTTPError as exc:
-            return error_response(502, str(InstanceFailed("decode", url, exc)))
-        return Response(listed.content, listed.status_code, media_type="application/json")
+            return (await client.get(url + "/health", timeout=5.0)).status_code
+        except httpx.HTTPError:
+            return None
 
     @app.get("/health")
     async def health() -> Response:
-        """200 when every instance answers 200; the status of each (null: not reachable)."""
-        states: dict[str, dict[str, int | None]] = {}
-        for role in (prefill, decode):
-            states[role.role] = {}
-            for url in role.urls:
-                try:
-                    states[role.role][url] = (await client.get(url + "/health", timeout=5.0)).status_code
-                except httpx.HTTPError:
-                    states[role.role][url] = None
-        healthy = all(code == 200 for role in states.values() for code in role.values())
+        """200 when every instance answers 200; the status of each (null: not reachable), asked all at once."""
+        urls = [(role.role, url) for role in (prefill, decode) for url in role.urls]
+        codes = await asyncio.gather(*(status(url) for _, url in urls))
+        states: dict[str, dict[str, int | None]] = {"prefill": {}, "decode": {}}
+        for (role, url), code in zip(urls, codes, strict=True):
+            states[role][url] = code
+        healthy = all(code == 200 for code in codes)
         return JSONResponse(states, 200 if healthy else 503)
 
     return app
