@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from lmserve.api.body import BodyTooLargeError, read_body
 from lmserve.api.errors import ClientDisconnected, error_response
-from lmserve.api.sse import until_disconnect
+from lmserve.api.sse import ClosingEventStream, until_disconnect
 
 FORWARDED_HEADERS = ("authorization",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it
@@ -74,23 +72,6 @@ class Instances:
 
     def release(self, index: int) -> None:
         self.in_flight[index] -= 1
-
-
-class RelayedStream(StreamingResponse):
-    """A decode instance's event stream, closed (which aborts the request there) however the response ends: when
-    the client leaves while a chunk is being sent, or before the first, the relay's own cleanup never runs."""
-
-    def __init__(self, lines: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(lines, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.close = close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.close()
 
 
 def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_bytes: int,
@@ -154,7 +135,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
             finally:
                 await close()
 
-        return RelayedStream(relay(), close)
+        return ClosingEventStream(relay(), close)  # a client gone before the first chunk included
 
     async def answer(path: str, payload: dict, headers: dict[str, str]) -> Response:
         prefilled = await post(prefill, path, prefill_request(payload, path), headers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -47,32 +47,42 @@ def sse_error(exc: Exception) -> str:
     return f"data: {response.body.decode()}\n\n"
 
 
-class EventStreamResponse(StreamingResponse):
-    """An SSE response that closes its event generator and its engine requests when it ends, however it ends,
-    then records their timelines.
+class ClosingEventStream(StreamingResponse):
+    """An SSE response that runs `close` once it ends, however it ends.
 
     When the client leaves while a chunk (or the headers) is being sent, the cancellation never reaches the
-    generator's own awaits, and a generator that never started has no cleanup to run: without this, the engine
-    would keep generating for nobody.
+    generator's own awaits, and a generator that never started has no cleanup to run: without this, what feeds the
+    stream (an engine request, a decode instance behind the router) would go on for nobody.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], group: RequestGroup) -> None:
+    def __init__(self, events: AsyncIterator[Any], close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.events = events
-        self.group = group
+        self.close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                aclose = getattr(self.events, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self.group.close()
-                self.group.record(delivered=True)
+                await self.close()
+
+
+class EventStreamResponse(ClosingEventStream):
+    """Closes its event generator and its engine requests when it ends, then records their timelines."""
+
+    def __init__(self, events: AsyncIterator[str], group: RequestGroup) -> None:
+        super().__init__(events, self._close)
+        self.events = events
+        self.group = group
+
+    async def _close(self) -> None:
+        aclose = getattr(self.events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        await self.group.close()
+        self.group.record(delivered=True)
 
 
 def json_response(payload: BaseModel) -> Response:
