@@ -165,15 +165,16 @@ class RunningServer:
 
     def wait_ready(self) -> float:
         started = time.monotonic()
-        while time.monotonic() - started < self.spec.start_timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {self.process.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        with httpx.Client(timeout=2) as client:  # one client: httpx.get builds a TLS context (~20 ms of CPU) each call
+            while time.monotonic() - started < self.spec.start_timeout:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.spec.name} exited with {self.process.returncode}; see {self.log}")
+                try:
+                    if client.get(f"{self.base_url}/v1/models").status_code == 200:
+                        return time.monotonic() - started
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
         raise RuntimeError(f"{self.spec.name} did not start in {self.spec.start_timeout:.0f} s; see {self.log}")
 
     def stop(self) -> None:

@@ -44,13 +44,14 @@ def free_port() -> int:
 
 def wait_healthy(url: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client(timeout=2) as client:  # one client: httpx.get builds a TLS context (~20 ms of CPU) each call
+        while time.monotonic() < deadline:
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
     raise RuntimeError(f"{url} not healthy")
 
 

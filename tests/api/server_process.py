@@ -16,6 +16,9 @@ from typing import Any
 import httpx
 
 LMSERVE = Path(sys.executable).parent / "lmserve"
+# One client for the helpers that poll a server: `httpx.get` builds a TLS context each call (~20 ms of CPU), taken
+# from the one CPU that a pytest worker shares with the servers it starts.
+HTTP = httpx.Client(timeout=10)
 
 
 def free_port() -> int:
@@ -106,15 +109,16 @@ def launch_server(tmp: Path, *args: str, command: list[str] | None = None,
 def wait_healthy(server: Server, timeout: float = 180) -> Server:
     """The server once /health answers 200; raises with its log if it exits or takes longer than `timeout`."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    with httpx.Client(timeout=2) as client:  # a client of its own: HTTP may be polled from other threads
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+            try:
+                if client.get(f"{server.base_url}/health").status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
 
@@ -140,4 +144,4 @@ def start_servers(tmp: Path, *arguments: tuple[str, ...], timeout: float = 180) 
 def debug_engine(server: Server, *request_ids: str) -> dict:
     """/debug/engine, with the positions and status of the given requests."""
     params = [("request_id", r) for r in request_ids]
-    return httpx.get(f"{server.base_url}/debug/engine", params=params, timeout=10).json()
+    return HTTP.get(f"{server.base_url}/debug/engine", params=params).json()

@@ -14,7 +14,7 @@ import openai
 import pytest
 from network_addresses import free_port_block, non_loopback_address
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import LMSERVE, Server, alive, children, start_server, wait_for
+from server_process import HTTP, LMSERVE, Server, alive, children, start_server, wait_for
 
 from lmserve.config import KV_BLOCK_SIZE
 
@@ -58,7 +58,7 @@ def model(tiny_llama_dir: Path) -> str:
 
 
 def replicas(server: Server) -> list[dict]:
-    return httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()["engines"]
+    return HTTP.get(f"{server.base_url}/debug/engine", timeout=10).json()["engines"]
 
 
 def test_two_replicas_serve_the_openai_client(server: Server, client: openai.OpenAI, model: str) -> None:
@@ -137,13 +137,13 @@ def test_shared_prefix_goes_to_the_replica_that_has_it_and_a_dropped_stream_free
 
 def test_metrics_carry_an_engine_label_per_replica(server: Server) -> None:
     per_replica = replicas(server)
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    text = HTTP.get(f"{server.base_url}/metrics", timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, field in (("lmserve:prefix_cache_hits", "prefix_cache_hits"), ("lmserve:kv_blocks_total",
                                                                           "kv_blocks_total")):
         values = {s.labels["engine"]: s.value for s in families[name].samples if not s.name.endswith("_created")}
         assert values == {str(i): float(r[field]) for i, r in enumerate(per_replica)}
-    debug = httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()
+    debug = HTTP.get(f"{server.base_url}/debug/engine", timeout=10).json()
     assert debug["kv_blocks_total"] == sum(r["kv_blocks_total"] for r in per_replica)  # the top level: the sums
     assert debug["prefix_cache_hits"] == sum(r["prefix_cache_hits"] for r in per_replica)
 
@@ -159,7 +159,7 @@ def test_one_replica_dying_fails_the_server(server: Server) -> None:
         pids = engine_pids(server)
         assert len(pids) == 2
         os.kill(pids[1], signal.SIGKILL)
-        assert wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=2).status_code == 503, timeout=5)
+        assert wait_for(lambda: HTTP.get(f"{server.base_url}/health", timeout=2).status_code == 503, timeout=5)
         response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
         assert response.status_code == 503
         assert server.process.wait(timeout=20) == 1

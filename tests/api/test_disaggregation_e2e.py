@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from network_addresses import free_port_block
-from server_process import LMSERVE, Server, free_port, start_servers, wait_for
+from server_process import HTTP, LMSERVE, Server, free_port, start_servers, wait_for
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = ("Paris is the capital of France. It lies on the Seine, in the north of the country, and has been a centre "
@@ -38,7 +38,7 @@ def start_router(tmp: Path, prefill: Server, decode: Server) -> Server:
 
     def healthy() -> bool:
         try:
-            return httpx.get(f"{router.base_url}/health", timeout=2).status_code == 200
+            return HTTP.get(f"{router.base_url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -49,7 +49,7 @@ def start_router(tmp: Path, prefill: Server, decode: Server) -> Server:
 
 
 def engine(server: Server) -> dict:
-    return httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()
+    return HTTP.get(f"{server.base_url}/debug/engine", timeout=10).json()
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_the_routers_errors(pair) -> None:
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):  # the instance's own 400 reaches the client as it was sent
         client(router).completions.create(model=MODEL, prompt="x", max_tokens=1, temperature=-3)
-    assert httpx.get(f"{router.base_url}/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
+    assert HTTP.get(f"{router.base_url}/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
 
 
 def test_a_router_whose_decode_instance_is_gone_says_so(pair, tmp_path: Path) -> None:
@@ -168,7 +168,7 @@ def test_a_router_whose_decode_instance_is_gone_says_so(pair, tmp_path: Path) ->
 
 def _status(url: str) -> int | None:
     try:
-        return httpx.get(url, timeout=10).status_code
+        return HTTP.get(url, timeout=10).status_code
     except httpx.HTTPError:
         return None
 

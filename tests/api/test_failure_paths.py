@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import LMSERVE, Server, alive, start_server, wait_for
+from server_process import HTTP, LMSERVE, Server, alive, start_server, wait_for
 
 LONG = {"prompt": "Count: 1, 2,", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
 
@@ -26,7 +26,7 @@ def tiny_server(tmp_path: Path, tiny_llama_dir: Path, *args: str) -> Server:
 
 
 def engine_stats(server: Server) -> dict:
-    return httpx.get(f"{server.base_url}/debug/engine", timeout=5).json()
+    return HTTP.get(f"{server.base_url}/debug/engine", timeout=5).json()
 
 
 def stream_in_background(server: Server, body: dict, first_chunk: threading.Event,

@@ -12,7 +12,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-from server_process import Server, alive, children, cpu_seconds, start_server
+from server_process import HTTP, Server, alive, children, cpu_seconds, start_server
 
 from lmserve import LLM, SamplingParams
 
@@ -42,7 +42,7 @@ def offline() -> LLM:
 
 def engine(server: Server, *request_ids: str) -> dict:
     params = [("request_id", r) for r in request_ids]
-    return httpx.get(f"{server.base_url}/debug/engine", params=params, timeout=10).json()
+    return HTTP.get(f"{server.base_url}/debug/engine", params=params, timeout=10).json()
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05):
@@ -127,7 +127,7 @@ def test_sixteen_concurrent_streams_are_batched(client: openai.OpenAI, server: S
     # Which of the 16 requests each engine step served (their recorded timelines): decodes batched together, not
     # merely fewer steps than one at a time (which batches of two would also give).
     def burst() -> list[dict] | None:
-        data = httpx.get(f"{server.base_url}/dashboard/api/requests", params={"limit": 16}, timeout=10).json()["data"]
+        data = HTTP.get(f"{server.base_url}/dashboard/api/requests", params={"limit": 16}, timeout=10).json()["data"]
         return data if len(data) == 16 and all(t["num_output_tokens"] == STREAM_TOKENS for t in data) else None
 
     timelines = wait_until(burst, timeout=30)
@@ -389,7 +389,7 @@ def test_engine_death_fails_requests_and_server_exits(tmp_path) -> None:
         with pytest.raises((openai.APIError, httpx.HTTPError)):
             for _ in stream:
                 pass
-        assert wait_until(lambda: httpx.get(f"{srv.base_url}/health", timeout=2).status_code == 503, timeout=3)
+        assert wait_until(lambda: HTTP.get(f"{srv.base_url}/health", timeout=2).status_code == 503, timeout=3)
         new = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert new.status_code == 503
         assert srv.process.wait(20) != 0

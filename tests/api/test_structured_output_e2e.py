@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import Server, start_server
+from server_process import HTTP, Server, start_server
 
 MODEL = "smollm2-135m-instruct"
 
@@ -81,7 +81,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def engine_stats(server: Server) -> dict:
-    return httpx.get(f"{server.base_url}/debug/engine", timeout=10).json()
+    return HTTP.get(f"{server.base_url}/debug/engine", timeout=10).json()
 
 
 def ask_json(client: openai.OpenAI, name: str, stream: bool, seed: int | None) -> str:
@@ -135,7 +135,7 @@ def test_sixteen_requests_with_different_schemas_share_engine_steps(client: open
     # Which engine steps each of the sixteen ran in (their timelines): one request at a time, no step would hold two.
     # (Counting all steps against all tokens instead failed once in a full run: when the sixteen arrive spread out
     # over a loaded machine's API process, the first ones finish before the last ones start.)
-    timelines = httpx.get(f"{server.base_url}/dashboard/api/requests", params={"limit": len(jobs)}, timeout=10)
+    timelines = HTTP.get(f"{server.base_url}/dashboard/api/requests", params={"limit": len(jobs)}, timeout=10)
     per_step = collections.Counter(span[0] for t in timelines.json()["data"] for span in t["steps"])  # [index, ...]
     assert max(per_step.values()) >= len(jobs) // 2, per_step
 
