@@ -3,11 +3,14 @@ worker/kv_transfer.py, distributed/kv_link.py)."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import re
 import socket
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.config_values import parse_json_config, parse_memory
@@ -21,6 +24,8 @@ DEFAULT_KV_BUFFER_BYTES = 10**9  # vLLM's kv_buffer_size
 KV_LINK_BUFFER_PREFIX = "lmserve-kv-link-"
 DEFAULT_KV_PORT = 14579  # vLLM's kv_port
 KV_BUFFER_DEVICES = ("cuda", "cpu")  # vLLM's kv_buffer_device values; the buffer itself is host memory here
+MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+MAX_EXTRA_CONFIG_BYTES = 64 * 1024  # a plugged connector's kv_connector_extra_config, as JSON
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,11 @@ class KVTransferConfig:
     - PyNcclConnector (vLLM V0's names): over torch.distributed between the two instances (gloo on CPU, NCCL on CUDA),
       a link per rank; the producer (kv_rank 0, kv_parallel_size 2) listens on kv_ip:kv_port + rank, the consumer
       (kv_rank 1) connects. The consumer keeps what it received in a buffer of its own (shared_storage_path, a new
-      directory; at most kv_buffer_size bytes, oldest removed first) on buffer_host, the machine of its engine."""
+      directory; at most kv_buffer_size bytes, oldest removed first) on buffer_host, the machine of its engine.
+    - any other name, from kv_connector_module_path (vLLM's key): a module every process of the instance imports,
+      whose attribute of that name has a `scheduler` and a `worker` class (lmserve.engine.kv_transfer's
+      KVConnectorScheduler, lmserve.worker.kv_transfer's KVConnectorWorker); kv_connector_extra_config reaches both
+      as extra_config."""
 
     kv_connector: str
     kv_role: str
@@ -43,6 +52,8 @@ class KVTransferConfig:
     kv_ip: str = "127.0.0.1"
     kv_port: int = DEFAULT_KV_PORT
     buffer_host: str = ""
+    module_path: str = ""
+    extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def saves(self) -> bool:
@@ -59,11 +70,13 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> KVTransferConfig:
         known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_rank", "kv_parallel_size",
-                 "kv_buffer_device", "engine_id", "kv_ip", "kv_port", "kv_buffer_size"}
+                 "kv_buffer_device", "engine_id", "kv_ip", "kv_port", "kv_buffer_size", "kv_connector_module_path"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         connector, role = value.get("kv_connector"), value.get("kv_role")
+        if "kv_connector_module_path" in value:
+            return cls._plugged(value, connector, role)
         if connector not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not supported; use "
                              f"{' or '.join(KV_CONNECTORS)}")
@@ -74,7 +87,8 @@ class KVTransferConfig:
             # vLLM's default is "cuda"; lmserve's consumer buffers what it receives in host memory either way.
             raise ValueError(f"kv_transfer_config: kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
                              f"got {device!r}")
-        extra = value.get("kv_connector_extra_config") or {}
+        extra = value.get("kv_connector_extra_config")
+        extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")  # noqa: TRY004 - a bad flag value
         if connector == "PyNcclConnector":
@@ -85,6 +99,29 @@ class KVTransferConfig:
                              "shared_storage_path, a directory both instances reach")
         return cls(connector, role, path, byte_count("max_storage_bytes", extra.get("max_storage_bytes",
                                                                                      DEFAULT_KV_STORAGE_BYTES)))
+
+    @classmethod
+    def _plugged(cls, value: dict[str, Any], connector: Any, role: Any) -> KVTransferConfig:
+        """A connector of the user's (vLLM's kv_connector_module_path); it is imported where it runs."""
+        module_path = value["kv_connector_module_path"]
+        if not isinstance(module_path, str) or len(module_path) > 200 or not MODULE_PATH.fullmatch(module_path):
+            raise ValueError(f"kv_transfer_config: kv_connector_module_path must be a dotted module name, got "
+                             f"{str(module_path)[:200]!r}")
+        if not isinstance(connector, str) or len(connector) > 100 or not connector.isidentifier():
+            raise ValueError(f"kv_transfer_config: kv_connector must name a class of {module_path}, got "
+                             f"{str(connector)[:100]!r}")
+        if role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        extra = value.get("kv_connector_extra_config")
+        extra = {} if extra is None else extra
+        if not isinstance(extra, dict) or len(json.dumps(extra)) > MAX_EXTRA_CONFIG_BYTES:
+            raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an object of at most "
+                             f"{MAX_EXTRA_CONFIG_BYTES} bytes")
+        path = extra.get("shared_storage_path", "")
+        if not isinstance(path, str) or len(path) > 4096:
+            raise ValueError("kv_transfer_config: shared_storage_path must be a path")
+        capacity = byte_count("max_storage_bytes", extra.get("max_storage_bytes", DEFAULT_KV_STORAGE_BYTES))
+        return cls(connector, role, path, capacity, module_path=module_path, extra_config=extra)
 
     @classmethod
     def _network(cls, value: dict[str, Any], role: str) -> KVTransferConfig:
@@ -124,6 +161,20 @@ def byte_count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"kv_transfer_config: {name} must be a positive size, got {value!r}")
     return value
+
+
+def plugged_connector(config: KVTransferConfig) -> Any:
+    """The object kv_connector names in kv_connector_module_path's module (its `scheduler` and `worker` classes are
+    checked by the side that takes them)."""
+    try:
+        module = importlib.import_module(config.module_path)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises, said as a configuration error
+        raise ValueError(f"kv_transfer_config: cannot import kv_connector_module_path {config.module_path!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    connector = getattr(module, config.kv_connector, None)
+    if connector is None:
+        raise ValueError(f"kv_transfer_config: {config.module_path} has no {config.kv_connector}")
+    return connector
 
 
 def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:

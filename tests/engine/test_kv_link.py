@@ -26,7 +26,7 @@ from lmserve import LLM
 from lmserve.distributed import kv_link
 from lmserve.distributed.kv_link import KVLink, wait_linked
 from lmserve.kv_transfer_config import DEFAULT_KV_BUFFER_BYTES, KVTransferConfig, parse_kv_transfer_config
-from lmserve.worker.kv_transfer import KVBlockFiles
+from lmserve.worker.kv_transfer import PyNcclWorker
 
 LINK_WAIT_S = 60
 
@@ -36,9 +36,9 @@ def transfer(role: str, port: int, **extra: object) -> str:
 
 
 def link(llm: LLM) -> KVLink:
-    files = llm.engine.executor.runner.kv_files
-    assert files is not None and files.link is not None
-    return files.link
+    connector = llm.engine.executor.runner.kv_connector
+    assert isinstance(connector, PyNcclWorker)
+    return connector.link
 
 
 def loaded_blocks(llm: LLM) -> int:
@@ -223,7 +223,7 @@ def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp
     import sys
 
     from lmserve.distributed.kv_storage import SharedKVStorage
-    from lmserve.engine.kv_transfer import KVTransferScheduling
+    from lmserve.engine.kv_transfer import scheduler_connector
 
     # The consumer's process names its buffer (as the front-end does) and fills it, then is killed.
     consumer = ("import json, os, time\n"
@@ -248,7 +248,7 @@ def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp
             kept.mkdir()
         config = KVTransferConfig("PyNcclConnector", "kv_consumer",
                                   str(killed_buffer.with_name(f"lmserve-kv-link-1-{host}-p{os.getpid()}-fedcba987654")))
-        scheduling = KVTransferScheduling(config, 1, kv=None)  # the next consumer's start
+        scheduling = scheduler_connector(config, 1, kv=None)  # the next consumer's start
         try:
             assert not killed_buffer.exists()
             assert live_buffer.is_dir() and foreign_buffer.is_dir()
@@ -285,7 +285,7 @@ def test_a_consumers_rank_on_another_machine_than_its_engine_is_refused() -> Non
     elsewhere = dataclasses.replace(config, buffer_host="node-0.example")
     with pytest.raises(ValueError, match=r"on the machine of its engine \(node-0.example\); rank 1 runs on .*"
                                          r"SharedStorageConnector"):
-        KVBlockFiles(elsewhere, [], 1, "m")
+        PyNcclWorker(elsewhere, [], 1, "m")
     assert not Path(config.shared_storage_path).exists()  # nothing made on the wrong machine
     producer = dataclasses.replace(parse_kv_transfer_config(transfer("kv_producer", 65535)), buffer_host="node-0.example")
     assert producer.buffer_host and not producer.loads  # a producer's ranks keep no buffer: any machine may send

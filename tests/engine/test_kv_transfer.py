@@ -158,15 +158,15 @@ def test_the_producer_keeps_to_its_byte_cap(tmp_path: Path) -> None:
 @pytest.fixture
 def slow_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request's load takes 0.3 s longer: the steps in between are what the loading thread runs beside."""
-    from lmserve.worker.kv_transfer import KVBlockFiles
+    from lmserve.worker.kv_transfer import KVConnectorWorker
 
-    load = KVBlockFiles._load_in_thread
+    load = KVConnectorWorker._load_in_thread
 
     def slower(self, blocks):
         time.sleep(0.3)
         load(self, blocks)
 
-    monkeypatch.setattr(KVBlockFiles, "_load_in_thread", slower)
+    monkeypatch.setattr(KVConnectorWorker, "_load_in_thread", slower)
 
 
 def recorded_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list:

@@ -5,11 +5,12 @@ A consumer, admitting a request, counts its local prefix-cache hit first, then p
 blocks that a producer stored; those blocks are allocated like computed ones, read in by the step before its forward
 pass, and count as cached tokens (as vLLM counts external hits). The ranks read them in beside the forward passes of
 other requests; the request waits (Request.kv_loading) until the driver rank reports its load done, as vLLM's
-WAITING_FOR_REMOTE_KVS. The last prompt token is never loaded: its logits are needed. A producer names every full prompt block a step completes that no file holds yet; the worker writes them once
-the forward pass has. Requests asking for prompt logprobs compute every position, as with the prefix cache.
+WAITING_FOR_REMOTE_KVS. The last prompt token is never loaded: its logits are needed. A producer names every full
+prompt block a step completes that no file holds yet; the worker writes them once the forward pass has. Requests
+asking for prompt logprobs compute every position, as with the prefix cache.
 
-Over PyNcclConnector the consumer's storage is its own buffer directory, which its ranks' links fill; the producer
-has none (its ranks remember what they sent on the link now up).
+KVConnectorScheduler is the interface (vLLM V1's scheduler role), with one subclass per connector; a connector of the
+user's comes from kv_connector_module_path.
 """
 
 from __future__ import annotations
@@ -21,40 +22,52 @@ from pathlib import Path
 from lmserve.distributed.kv_storage import SharedKVStorage, remove_orphans
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.request import Request
-from lmserve.kv_transfer_config import KVTransferConfig
+from lmserve.kv_transfer_config import KVTransferConfig, plugged_connector
 
 
-class KVTransferScheduling:
+class KVConnectorScheduler:
+    """A connector's scheduler side (vLLM V1's KVConnectorBase_V1 in its scheduler role), one per engine. The
+    scheduler asks it, admitting a request, for the stored blocks after its local prefix-cache hit (`pin`: handles
+    that keep them until loaded, in block order), hands the pinned handles with their new block ids to the worker
+    side (`loads`), and each step names the prompt blocks the step completes for the worker side to save (`saves`).
+    This base class keeps the bookkeeping every connector shares; a connector says what is stored (`pin_stored`,
+    `stored`) and releases what it held (`unpin`, `close`). Without storage it loads nothing and saves every block."""
+
     def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
         self.config = config
+        self.world_size = world_size
         self.kv = kv
-        if config.over_network and config.loads:  # buffers of consumers killed before their clean-up, beside ours
-            remove_orphans(Path(config.shared_storage_path).parent)
-        self.storage = (SharedKVStorage(config.shared_storage_path, world_size)
-                        if config.loads or not config.over_network else None)
         self._saved: dict[str, int] = {}  # request id -> its prompt blocks already named for saving
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
 
+    def pin_stored(self, block_hashes: list[bytes]) -> list[str]:
+        """Pins the longest run of these blocks (prefix-cache hashes, in order) that is stored: a handle each."""
+        return []
+
+    def stored(self, block_hash: bytes) -> bool:
+        """Whether a producer already saved this block (it is then not saved again)."""
+        return False
+
+    def unpin(self, pinned: list[str]) -> None:
+        """Releases pins that will not be loaded (the request could not be admitted after all)."""
+
+    def close(self) -> None:
+        """The engine stops: releases what the connector holds."""
+
     def pin(self, request: Request, num_local_hit_blocks: int) -> list[str]:
-        """Pins the stored blocks that follow the local hit (none for a producer-only instance)."""
+        """Pins the stored blocks that follow the local hit (none for a producer-only instance). The last prompt
+        token is never loaded: its logits are needed. Requests asking for prompt logprobs compute every position."""
         if not self.config.loads or request.num_prompt_logprobs_missing:
             return []
         hashes = self.kv.block_hashes(request)
-        assert self.storage is not None
-        return self.storage.pin(hashes[num_local_hit_blocks : (request.num_tokens - 1) // self.kv.block_size])
-
-    def unpin(self, pinned: list[str]) -> None:
-        if self.storage is not None:
-            self.storage.unpin(pinned)
+        return self.pin_stored(hashes[num_local_hit_blocks : (request.num_tokens - 1) // self.kv.block_size])
 
     def loads(self, request: Request, first_block: int, pinned: list[str]) -> list[tuple[str, int, str]]:
-        """(request id, block id, pinned file) of the pinned blocks, now allocated after the local hit."""
+        """(request id, block id, handle) of the pinned blocks, now allocated after the local hit."""
         table = self.kv.block_ids(request.request_id)
-        assert self.storage is not None
         self.num_loaded_blocks += len(pinned)
-        return [(request.request_id, table[first_block + i], str(self.storage.pins / name))
-                for i, name in enumerate(pinned)]
+        return [(request.request_id, table[first_block + i], handle) for i, handle in enumerate(pinned)]
 
     def saves(self, requests: Iterable[Request]) -> list[tuple[int, str]]:
         """(block id, hash hex) of the prompt blocks this step completes that are not stored yet."""
@@ -69,17 +82,73 @@ class KVTransferScheduling:
                 continue
             hashes, table = self.kv.block_hashes(request), self.kv.block_ids(request.request_id)
             for i in range(done, full):
-                if table[i] >= 0 and (self.storage is None or not self.storage.has(hashes[i])):
+                if table[i] >= 0 and not self.stored(hashes[i]):
                     out.append((table[i], hashes[i].hex()))
             self._saved[request.request_id] = full
         self.num_saved_blocks += len(out)
         return out
 
     def drop(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted)."""
         self._saved.pop(request_id, None)
+
+
+class SharedStorageScheduler(KVConnectorScheduler):
+    """SharedStorageConnector: blocks are files of a directory both instances reach; a pin is a hard link."""
+
+    def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
+        super().__init__(config, world_size, kv)
+        self.storage = SharedKVStorage(config.shared_storage_path, world_size)
+
+    def pin_stored(self, block_hashes: list[bytes]) -> list[str]:
+        return [str(self.storage.pins / name) for name in self.storage.pin(block_hashes)]
+
+    def stored(self, block_hash: bytes) -> bool:
+        return self.storage.has(block_hash)
+
+    def unpin(self, pinned: list[str]) -> None:
+        self.storage.unpin([Path(handle).name for handle in pinned])
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+class PyNcclScheduler(SharedStorageScheduler):
+    """PyNcclConnector: the consumer reads its own buffer directory, which its ranks' links fill; the producer has
+    no storage (its ranks remember what they sent on the link now up)."""
+
+    def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
+        if config.loads:  # buffers of consumers killed before their clean-up, beside ours
+            remove_orphans(Path(config.shared_storage_path).parent)
+            super().__init__(config, world_size, kv)
+        else:
+            KVConnectorScheduler.__init__(self, config, world_size, kv)
+            self.storage = None
+
+    def pin_stored(self, block_hashes: list[bytes]) -> list[str]:
+        return super().pin_stored(block_hashes) if self.storage is not None else []
+
+    def stored(self, block_hash: bytes) -> bool:
+        return False  # the producer's ranks skip what they sent
+
+    def unpin(self, pinned: list[str]) -> None:
+        if self.storage is not None:
+            super().unpin(pinned)
 
     def close(self) -> None:
         if self.storage is not None:
-            self.storage.close()
-        if self.config.over_network and self.config.loads:  # the consumer's own buffer
-            shutil.rmtree(self.config.shared_storage_path, ignore_errors=True)
+            super().close()
+            shutil.rmtree(self.config.shared_storage_path, ignore_errors=True)  # the consumer's own buffer
+
+
+BUILT_IN: dict[str, type[KVConnectorScheduler]] = {"SharedStorageConnector": SharedStorageScheduler,
+                                                    "PyNcclConnector": PyNcclScheduler}
+
+
+def scheduler_connector(config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> KVConnectorScheduler:
+    """The scheduler side of the configured connector: a built-in one, or a kv_connector_module_path's `scheduler`."""
+    side = getattr(plugged_connector(config), "scheduler", None) if config.module_path else BUILT_IN[config.kv_connector]
+    if not (isinstance(side, type) and issubclass(side, KVConnectorScheduler)):
+        raise ValueError(f"kv_transfer_config: {config.module_path}.{config.kv_connector}.scheduler must be a "  # noqa: TRY004 - a configuration error
+                         "subclass of lmserve.engine.kv_transfer.KVConnectorScheduler")
+    return side(config, world_size, kv)

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from lmserve.config import CacheConfig, SchedulerConfig
 from lmserve.engine.grammar import GrammarManager
 from lmserve.engine.kv_cache import KVCacheManager
-from lmserve.engine.kv_transfer import KVTransferScheduling
+from lmserve.engine.kv_transfer import KVConnectorScheduler, scheduler_connector
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.speculation import Speculator
@@ -80,8 +80,8 @@ class Scheduler:
         spec = scheduler_config.speculative_config
         self.speculator = Speculator(spec, draft_constrained) if spec is not None else None
         transfer = cache_config.kv_transfer_config
-        self.kv_transfer = (KVTransferScheduling(transfer, world_size, self.kv_cache_manager)
-                            if transfer is not None else None)
+        self.kv_transfer: KVConnectorScheduler | None = (
+            scheduler_connector(transfer, world_size, self.kv_cache_manager) if transfer is not None else None)
 
     # ---- queue management ----------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ own, beside the forward passes of the requests already running (a consumer; the 
 once the driver rank reports its load done, and a rank waits for a load before any step that reads or reuses its
 blocks: vLLM V1's start_load_kv / get_finished). Over PyNcclConnector, the producer sends the blocks over this rank's link
 (lmserve.distributed.kv_link) instead, and the consumer's link thread writes what arrives into its own buffer
-directory, from which the step loads it as from shared storage.
+directory, from which the step loads it as from shared storage. KVConnectorWorker is the interface (vLLM V1's worker
+role), with one subclass per connector; a connector of the user's comes from kv_connector_module_path.
 
 A block's file holds, for each of this rank's layers, its K then its V block as the cache stores them, raw. A layout
 file per rank (the model, the element type, the block shapes) must match between the instances: a decode instance on
@@ -28,81 +29,47 @@ import torch
 
 from lmserve.distributed.kv_link import MAX_BLOCKS_PER_MESSAGE, KVLink
 from lmserve.distributed.kv_storage import block_file
-from lmserve.kv_transfer_config import KVTransferConfig
+from lmserve.kv_transfer_config import KVTransferConfig, plugged_connector
 
 logger = logging.getLogger(__name__)
 
 
-class KVBlockFiles:
+class KVConnectorWorker:
+    """A connector's worker side (vLLM V1's KVConnectorBase_V1 in its worker role), one per rank, over this rank's
+    KV cache tensors. `save` writes or sends the blocks the scheduler side named, after the step's forward pass
+    computed them; `load` reads pinned blocks (the scheduler side's handles) into the cache, on a thread of its own
+    beside the forward passes (vLLM's start_load_kv / get_finished: `start_loads`, `finished_loads`, and `wait_for`
+    before a step that reads or reuses a loading block). A subclass says how blocks are saved and loaded; this class
+    runs the loads and gives a block's bytes (`gather`, `scatter`: each block's K then V of every layer, raw)."""
+
     def __init__(self, config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
                  model_name: str) -> None:
         self.config = config
-        self.root = Path(config.shared_storage_path)
-        _check_buffer_machine(config, rank)
-        if config.loads or not config.over_network:  # a link's producer keeps no files
-            self.root.mkdir(parents=True, exist_ok=True)
         self.kv_caches = kv_caches
         self.rank = rank
+        self.model_name = model_name
         self.parts = [t[0] for layer in kv_caches for t in layer]  # one block of each cache tensor
         self.block_bytes = sum(p.numel() * p.element_size() for p in self.parts)
-        self.written: deque[tuple[Path, int]] = deque()  # this producer's files, oldest first, for its byte cap
-        self.bytes_written = 0
-        self.link: KVLink | None = None
         self._loader: ThreadPoolExecutor | None = None  # started by the first load
         self._loading: dict[str, tuple[Future, frozenset[int]]] = {}  # request id -> its load and its blocks
-        if config.over_network:
-            # Names sent on the link now up, as many as the consumer's buffer holds: one sent longer ago than that may
-            # be gone there, so it is sent again.
-            self._sent: OrderedDict[str, None] = OrderedDict()
-            self._sent_generation = 0
-            device = kv_caches[0][0].device if kv_caches else torch.device("cpu")
-            self.link = KVLink(config, rank, self._layout(model_name), device, self.block_bytes, self._keep)
-        else:
-            self._check_layout(model_name)
-
-    def _layout(self, model_name: str) -> dict:
-        return {"model": model_name, "dtype": str(self.parts[0].dtype) if self.parts else "",
-                "block_shapes": [list(p.shape) for p in self.parts], "block_bytes": self.block_bytes}
-
-    def _check_layout(self, model_name: str) -> None:
-        layout = self._layout(model_name)
-        path = self.root / f"layout-r{self.rank}.json"
-        try:
-            found = json.loads(path.read_text())
-        except FileNotFoundError:
-            temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-            temporary.write_text(json.dumps(layout))
-            os.replace(temporary, path)
-            return
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"kv transfer: cannot read {path}: {exc}") from None
-        if found != layout:
-            raise ValueError(f"kv transfer: {self.root} holds KV blocks of another layout ({path}: {found}); this "
-                             f"instance's is {layout}. Use another shared_storage_path, or the same model, "
-                             "--kv-cache-dtype and CPU kind on both sides")
 
     def save(self, blocks: list[tuple[int, str]]) -> None:
-        """Writes (or sends) each (block id, hash) that no producer wrote yet."""
-        if self.link is not None:
-            self._send(blocks)
-            return
-        missing = [(block_id, path) for block_id, name in blocks
-                   if not (path := block_file(self.root, name, self.rank)).exists()]
-        if missing:
-            data = self._gather([block_id for block_id, _ in missing]).cpu()
-            for row, (_, path) in zip(data, missing, strict=True):
-                self._write(path, row)
-        self._keep_to_cap()
+        """Saves each (block id, hash hex) the scheduler side named; called after the step's forward pass."""
+        raise NotImplementedError
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """(blocks, block bytes): each block's bytes as its file holds them, cache tensor after cache tensor; one
-        index_select per tensor (a block is ~60 small pieces: copied one by one, 120 blocks took 50 ms)."""
+    def load(self, blocks: list[tuple[int, str]]) -> None:
+        """Reads each (block id, handle) into the cache; runs on the loading thread."""
+        raise NotImplementedError
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """(blocks, block bytes): each block's bytes, cache tensor after cache tensor; one index_select per tensor (a
+        block is ~60 small pieces: copied one by one, 120 blocks took 50 ms)."""
         index = torch.tensor(block_ids, device=self.parts[0].device)
         return torch.cat([t.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
                           for layer in self.kv_caches for t in layer], dim=1)
 
-    def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """_gather's inverse: (blocks, block bytes) into the cache's blocks."""
+    def scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """gather's inverse: (blocks, block bytes) into the cache's blocks."""
         index = torch.tensor(block_ids, device=self.parts[0].device)
         offset = 0
         for layer in self.kv_caches:
@@ -112,59 +79,20 @@ class KVBlockFiles:
                 t.index_copy_(0, index, part.to(t.device))
                 offset += size
 
-    def _write(self, path: Path, data: torch.Tensor) -> None:
-        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        data.numpy().tofile(temporary)
-        os.replace(temporary, path)
-        self.written.append((path, self.block_bytes))
-        self.bytes_written += self.block_bytes
-
-    def _keep_to_cap(self) -> None:
-        while self.bytes_written > self.config.max_storage_bytes and self.written:
-            path, size = self.written.popleft()
-            path.unlink(missing_ok=True)
-            self.bytes_written -= size
-
-    def _send(self, blocks: list[tuple[int, str]]) -> None:
-        assert self.link is not None
-        if self.link.generation != self._sent_generation:  # a new consumer (or the same one, restarted) holds none
-            self._sent.clear()
-            self._sent_generation = self.link.generation
-        fresh = [(block_id, name) for block_id, name in blocks if name not in self._sent]
-        capacity = max(1, self.config.max_storage_bytes // max(1, self.block_bytes))
-        for start in range(0, len(fresh), MAX_BLOCKS_PER_MESSAGE):
-            chunk = fresh[start : start + MAX_BLOCKS_PER_MESSAGE]
-            if not self.link.send([name for _, name in chunk], self._gather([b for b, _ in chunk]).reshape(-1)):
-                return  # no consumer linked: it computes these blocks itself
-            for _, name in chunk:
-                self._sent[name] = None
-            while len(self._sent) > capacity:
-                self._sent.popitem(last=False)
-
-    def _keep(self, names: list[str], data: torch.Tensor) -> None:
-        """The consumer's link thread: the received blocks into this rank's buffer files, before it acknowledges."""
-        for i, name in enumerate(names):
-            path = block_file(self.root, name, self.rank)
-            if not path.exists():
-                self._write(path, data[i * self.block_bytes : (i + 1) * self.block_bytes])
-        self._keep_to_cap()
-
     def close(self) -> None:
         self.wait_for(self._loading)
         if self._loader is not None:
             self._loader.shutdown()
-        if self.link is not None:
-            self.link.close()
 
     @property
     def loading(self) -> bool:
         return bool(self._loading)
 
     def start_loads(self, loads: list[tuple[str, int, str]]) -> None:
-        """Starts reading each request's (request id, block id, pin) on the loading thread."""
+        """Starts reading each request's (request id, block id, handle) on the loading thread."""
         by_request: dict[str, list[tuple[int, str]]] = {}
-        for request_id, block_id, pin in loads:
-            by_request.setdefault(request_id, []).append((block_id, pin))
+        for request_id, block_id, handle in loads:
+            by_request.setdefault(request_id, []).append((block_id, handle))
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmserve-kv-load")
         for request_id, blocks in by_request.items():
@@ -180,7 +108,8 @@ class KVBlockFiles:
         torch.set_num_threads(1)
         try:
             with torch.inference_mode():  # the cache's tensors are inference tensors
-                self.load(blocks)
+                if blocks:
+                    self.load(blocks)
         finally:
             torch.set_num_threads(previous)
 
@@ -202,17 +131,143 @@ class KVBlockFiles:
             self._loading.pop(request_id)[0].result()
         return done
 
+
+class SharedStorageWorker(KVConnectorWorker):
+    """SharedStorageConnector: a block's file per rank in the storage directory; loads read the scheduler's pins."""
+
+    def __init__(self, config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
+                 model_name: str) -> None:
+        super().__init__(config, kv_caches, rank, model_name)
+        self.root = Path(config.shared_storage_path)
+        self.written: deque[tuple[Path, int]] = deque()  # this producer's files, oldest first, for its byte cap
+        self.bytes_written = 0
+        if self.keeps_files:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self._check_layout()
+
+    @property
+    def keeps_files(self) -> bool:
+        return True
+
+    def _layout(self) -> dict:
+        return {"model": self.model_name, "dtype": str(self.parts[0].dtype) if self.parts else "",
+                "block_shapes": [list(p.shape) for p in self.parts], "block_bytes": self.block_bytes}
+
+    def _check_layout(self) -> None:
+        layout = self._layout()
+        path = self.root / f"layout-r{self.rank}.json"
+        try:
+            found = json.loads(path.read_text())
+        except FileNotFoundError:
+            temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+            temporary.write_text(json.dumps(layout))
+            os.replace(temporary, path)
+            return
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"kv transfer: cannot read {path}: {exc}") from None
+        if found != layout:
+            raise ValueError(f"kv transfer: {self.root} holds KV blocks of another layout ({path}: {found}); this "
+                             f"instance's is {layout}. Use another shared_storage_path, or the same model, "
+                             "--kv-cache-dtype and CPU kind on both sides")
+
+    def save(self, blocks: list[tuple[int, str]]) -> None:
+        """Writes each (block id, hash) that no producer wrote yet."""
+        missing = [(block_id, path) for block_id, name in blocks
+                   if not (path := block_file(self.root, name, self.rank)).exists()]
+        if missing:
+            data = self.gather([block_id for block_id, _ in missing]).cpu()
+            for row, (_, path) in zip(data, missing, strict=True):
+                self._write(path, row)
+        self._keep_to_cap()
+
+    def _write(self, path: Path, data: torch.Tensor) -> None:
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        data.numpy().tofile(temporary)
+        os.replace(temporary, path)
+        self.written.append((path, self.block_bytes))
+        self.bytes_written += self.block_bytes
+
+    def _keep_to_cap(self) -> None:
+        while self.bytes_written > self.config.max_storage_bytes and self.written:
+            path, size = self.written.popleft()
+            path.unlink(missing_ok=True)
+            self.bytes_written -= size
+
     def load(self, blocks: list[tuple[int, str]]) -> None:
         """Reads each (block id, pin) into the cache, then drops the pins."""
-        if not blocks:
-            return
         data = np.empty((len(blocks), self.block_bytes), dtype=np.uint8)
         paths = [block_file(Path(pin).parent, Path(pin).name, self.rank) for _, pin in blocks]
         for row, path in zip(data, paths, strict=True):
             _read_into(path, row)
-        self._scatter([block_id for block_id, _ in blocks], torch.from_numpy(data))
+        self.scatter([block_id for block_id, _ in blocks], torch.from_numpy(data))
         for path in paths:
             path.unlink(missing_ok=True)
+
+
+class PyNcclWorker(SharedStorageWorker):
+    """PyNcclConnector: the producer sends the blocks over this rank's link (lmserve.distributed.kv_link); the
+    consumer's link thread writes what arrives into its own buffer directory, from which the step loads it as from
+    shared storage. The link checks the two sides' layouts when it comes up."""
+
+    def __init__(self, config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
+                 model_name: str) -> None:
+        _check_buffer_machine(config, rank)
+        super().__init__(config, kv_caches, rank, model_name)
+        # Names sent on the link now up, as many as the consumer's buffer holds: one sent longer ago than that may be
+        # gone there, so it is sent again.
+        self._sent: OrderedDict[str, None] = OrderedDict()
+        self._sent_generation = 0
+        device = kv_caches[0][0].device if kv_caches else torch.device("cpu")
+        self.link = KVLink(config, rank, self._layout(), device, self.block_bytes, self._keep)
+
+    @property
+    def keeps_files(self) -> bool:
+        return self.config.loads  # a link's producer keeps no files
+
+    def _check_layout(self) -> None:
+        """The link compares layouts when it comes up."""
+
+    def save(self, blocks: list[tuple[int, str]]) -> None:
+        """Sends each (block id, hash) the consumer does not hold yet."""
+        if self.link.generation != self._sent_generation:  # a new consumer (or the same one, restarted) holds none
+            self._sent.clear()
+            self._sent_generation = self.link.generation
+        fresh = [(block_id, name) for block_id, name in blocks if name not in self._sent]
+        capacity = max(1, self.config.max_storage_bytes // max(1, self.block_bytes))
+        for start in range(0, len(fresh), MAX_BLOCKS_PER_MESSAGE):
+            chunk = fresh[start : start + MAX_BLOCKS_PER_MESSAGE]
+            if not self.link.send([name for _, name in chunk], self.gather([b for b, _ in chunk]).reshape(-1)):
+                return  # no consumer linked: it computes these blocks itself
+            for _, name in chunk:
+                self._sent[name] = None
+            while len(self._sent) > capacity:
+                self._sent.popitem(last=False)
+
+    def _keep(self, names: list[str], data: torch.Tensor) -> None:
+        """The consumer's link thread: the received blocks into this rank's buffer files, before it acknowledges."""
+        for i, name in enumerate(names):
+            path = block_file(self.root, name, self.rank)
+            if not path.exists():
+                self._write(path, data[i * self.block_bytes : (i + 1) * self.block_bytes])
+        self._keep_to_cap()
+
+    def close(self) -> None:
+        super().close()
+        self.link.close()
+
+
+BUILT_IN: dict[str, type[KVConnectorWorker]] = {"SharedStorageConnector": SharedStorageWorker,
+                                                 "PyNcclConnector": PyNcclWorker}
+
+
+def worker_connector(config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
+                     model_name: str) -> KVConnectorWorker:
+    """The worker side of the configured connector: a built-in one, or a kv_connector_module_path's `worker`."""
+    side = getattr(plugged_connector(config), "worker", None) if config.module_path else BUILT_IN[config.kv_connector]
+    if not (isinstance(side, type) and issubclass(side, KVConnectorWorker)):
+        raise ValueError(f"kv_transfer_config: {config.module_path}.{config.kv_connector}.worker must be a "  # noqa: TRY004 - a configuration error
+                         "subclass of lmserve.worker.kv_transfer.KVConnectorWorker")
+    return side(config, kv_caches, rank, model_name)
 
 
 def _check_buffer_machine(config: KVTransferConfig, rank: int) -> None:

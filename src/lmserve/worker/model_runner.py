@@ -28,7 +28,7 @@ from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_acti
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_cache_setup import allocate_kv_cache
-from lmserve.worker.kv_transfer import KVBlockFiles
+from lmserve.worker.kv_transfer import KVConnectorWorker, worker_connector
 from lmserve.worker.layer_program import ProgramRefused
 from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
@@ -123,7 +123,7 @@ class ModelRunner:
         self._allocate_kv_cache(model, model_config, cache_config, scheduler_config)
         self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
         logger.info("decoder layers: %s", self.layer_program)
-        self.kv_files = self._kv_files(cache_config, source, model_config)
+        self.kv_connector = self._kv_connector(cache_config, source, model_config)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         # Each request's token from the last step that sampled it, for a step planned before that token was known
@@ -231,8 +231,9 @@ class ModelRunner:
             return f"from Python (no layer program: {refused})"
         return "one C++ program for the batches it takes (--enforce-eager: from Python)"
 
-    def _kv_files(self, cache_config: CacheConfig, source: ModelSource, model_config: ModelConfig) -> KVBlockFiles | None:
-        """Prefill/decode disaggregation's block files (worker/kv_transfer.py), keyed to this model as it runs."""
+    def _kv_connector(self, cache_config: CacheConfig, source: ModelSource,
+                      model_config: ModelConfig) -> KVConnectorWorker | None:
+        """Prefill/decode disaggregation's worker side (worker/kv_transfer.py), keyed to this model as it runs."""
         transfer = cache_config.kv_transfer_config
         if transfer is None:
             return None
@@ -241,7 +242,7 @@ class ModelRunner:
                              "of their own: start both instances with --disable-hybrid-kv-cache-manager")
         size = source.path.stat().st_size if source.kind == "gguf" else 0
         identity = f"{source.kind}:{source.path.name}:{size}:{self.quantization}:{model_config.dtype}"
-        return KVBlockFiles(transfer, self.kv_caches, self.layout.rank, identity)
+        return worker_connector(transfer, self.kv_caches, self.layout.rank, identity)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         # Decodes first so their queries form one contiguous, batched attention call.
@@ -333,17 +334,17 @@ class ModelRunner:
         """The step's sampled tokens on the driver rank (the only rank with one rank); None on the other ranks,
         which take their part in the same forward pass. A consumer's KV loads run beside it (worker/kv_transfer.py):
         the driver's output names the requests whose loads ended."""
-        if self.kv_files is None:
+        if self.kv_connector is None:
             return self._execute(scheduler_output)
         # Before a step reads or reuses a loading request's blocks (it runs, ended, was preempted, or another request
         # shares its blocks through the prefix cache), its load must be in.
         scheduled = scheduler_output.scheduled
-        self.kv_files.wait_for(
+        self.kv_connector.wait_for(
             [s.request_id for s in scheduled] + [*scheduler_output.finished_request_ids],
-            [block for s in scheduled for block in s.block_ids] if self.kv_files.loading else ())
+            [block for s in scheduled for block in s.block_ids] if self.kv_connector.loading else ())
         if scheduler_output.kv_loads:
-            self.kv_files.start_loads(scheduler_output.kv_loads)
-        finished = self.kv_files.finished_loads()
+            self.kv_connector.start_loads(scheduler_output.kv_loads)
+        finished = self.kv_connector.finished_loads()
         output = self._execute(scheduler_output)
         if output is None and self.layout.is_driver and finished:
             output = ModelRunnerOutput(sampled_token_ids={})
@@ -364,8 +365,8 @@ class ModelRunner:
                                if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID])
         batch = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self._stage_forward(batch)
-        if scheduler_output.kv_saves and self.kv_files is not None:
-            self.kv_files.save(scheduler_output.kv_saves)  # a producer's blocks, now that the step wrote them
+        if scheduler_output.kv_saves and self.kv_connector is not None:
+            self.kv_connector.save(scheduler_output.kv_saves)  # a producer's blocks, now that the step wrote them
         if self.drafter is not None:
             self.drafter.mirror(batch.input_ids, batch.positions, batch.attn, batch.prompt_rows)
         if hidden is None:

@@ -63,6 +63,6 @@ class Worker:
         return self.parallel.stats.as_dict()
 
     def shutdown(self) -> None:
-        if self.runner.kv_files is not None:
-            self.runner.kv_files.close()
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
         destroy_parallel_groups()
