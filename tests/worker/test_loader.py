@@ -384,20 +384,22 @@ def test_phi3_fused_matrices_come_out_as_separate_weights_whole_and_as_blocks(ti
     assert not any(name.startswith("rope_") for name in as_floats)  # LongRoPE's factors are the config's
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_phi3_dir"])
-def test_a_tensor_rank_reads_only_its_share_of_a_safetensors_checkpoint(request, fixture: str) -> None:
+@pytest.mark.parametrize(("fixture", "tp"), [("tiny_llama_dir", 2), ("tiny_qwen2_dir", 2), ("tiny_phi3_dir", 2),
+                                             ("tiny_phi3_dir", 4)])
+def test_a_tensor_rank_reads_only_its_share_of_a_safetensors_checkpoint(request, fixture: str, tp: int) -> None:
     """Issue 37: each tensor-parallel rank read and converted every tensor whole before keeping its share. With the
     model's checkpoint_part the loader reads q/k/v and gate/up rows (and q/k/v biases), o_proj/down_proj columns and
-    the vocabulary's rows of this rank only; the rank's weights are the same either way. (Phi-3's fused q/k/v and
-    gate/up tensors are split by the loader first, so they are read whole.)"""
+    the vocabulary's rows of this rank only; the rank's weights are the same either way. Phi-3's fused q/k/v and
+    gate/up tensors too: each rank reads its rows of each part (at 4 ranks over 2 KV heads, two ranks read the same
+    k and v rows)."""
     from lmserve.distributed.layout import RankLayout
     from lmserve.distributed.parallel_state import ParallelGroups
     from lmserve.worker.models.llama import LlamaForCausalLM
 
     source = resolve_model(str(request.getfixturevalue(fixture)))
     config = load_hf_config(source)
-    for rank in range(2):
-        parallel = ParallelGroups(RankLayout(rank, tp_size=2))
+    for rank in range(tp):
+        parallel = ParallelGroups(RankLayout(rank, tp_size=tp))
         models, read = [], []
         for part in (True, False):
             model = LlamaForCausalLM(config, 64, parallel)
@@ -410,12 +412,17 @@ def test_a_tensor_rank_reads_only_its_share_of_a_safetensors_checkpoint(request,
         assert models[0].keys() == models[1].keys()
         for name, value in models[0].items():
             assert torch.equal(value, models[1][name]), name
-        q = "model.layers.0.self_attn.q_proj.weight"
-        fused_in_file = config.model_type == "phi3"  # one qkv_proj tensor, split by the loader after the read
-        assert shares[q] == (whole[q] if fused_in_file else (whole[q][0] // 2, whole[q][1]))
+        kv_ranks = min(tp, config.num_key_value_heads)  # ranks beyond the KV heads share them
+        for name, parts in (("q_proj", tp), ("k_proj", kv_ranks), ("v_proj", kv_ranks)):
+            weight = f"model.layers.0.self_attn.{name}.weight"
+            assert shares[weight] == (whole[weight][0] // parts, whole[weight][1]), name
+        for name in ("gate_proj", "up_proj"):
+            weight = f"model.layers.0.mlp.{name}.weight"
+            assert shares[weight] == (whole[weight][0] // tp, whole[weight][1]), name
         o = "model.layers.0.self_attn.o_proj.weight"
-        assert shares[o] == (whole[o][0], whole[o][1] // 2)
+        assert shares[o] == (whole[o][0], whole[o][1] // tp)
         embed = "model.embed_tokens.weight"
-        assert shares[embed][0] == min(-(-config.vocab_size // 2), config.vocab_size - rank * -(-config.vocab_size // 2))
+        per_rank = -(-config.vocab_size // tp)
+        assert shares[embed][0] == min(per_rank, config.vocab_size - rank * per_rank)
         elements = [sum(int(np.prod(s)) for s in r.values()) for r in read]
-        assert elements[0] < 0.6 * elements[1], elements  # about half of what a rank read before
+        assert elements[0] < (1.2 / tp) * elements[1], elements  # about 1/tp of what a rank read before

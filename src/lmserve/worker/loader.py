@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 def load_weights(
     source: ModelSource, dtype: torch.dtype | None, blocks: Collection[str] = (),
     wanted: Callable[[str], bool] | None = None,
-    part: Callable[[str, tuple[int, ...]], TensorPart | None] | None = None,
+    part: Callable[[str, tuple[int, ...]], TensorPart | FusedRowsPart | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     """Every weight as (Hugging Face name, tensor in `dtype`; None: in the dtype the checkpoint stores it, for
     targets that convert as they copy). `blocks`: block formats (worker/quantization.py's names, q4_1, q8_0) whose
@@ -103,9 +103,17 @@ class TensorPart:
     stop: int
 
 
+@dataclass(frozen=True)
+class FusedRowsPart:
+    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) read as the separate weights it holds, each as this
+    rank's rows of it: (the separate weight's name, first row, end row) in the fused tensor's rows."""
+
+    pieces: tuple[tuple[str, int, int], ...]
+
+
 def _hf_weights(
     directory: Path, wanted: Callable[[str], bool] | None,
-    part: Callable[[str, tuple[int, ...]], TensorPart | None] | None = None,
+    part: Callable[[str, tuple[int, ...]], TensorPart | FusedRowsPart | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open  # HF directories only
 
@@ -119,6 +127,10 @@ def _hf_weights(
                 cut = part(name, tuple(f.get_slice(name).get_shape())) if part is not None else None
                 if cut is None:
                     yield name, f.get_tensor(name)
+                elif isinstance(cut, FusedRowsPart):
+                    whole = f.get_slice(name)
+                    for piece, start, stop in cut.pieces:
+                        yield piece, whole[start:stop]
                 elif cut.dim == 0:
                     yield name, f.get_slice(name)[cut.start : cut.stop]
                 else:
@@ -249,6 +261,15 @@ def fused_parts(name: str) -> list[str]:
     return [f"{prefix}.{part}.{kind}" for part in _FUSED_PARTS[last]] if last in _FUSED_PARTS else [name]
 
 
+def fused_sizes(num_parts: int, rows: int, config: GGUFConfig) -> list[int]:
+    """The rows of each weight a fused one of `rows` rows holds: q, k, v by the config's heads, gate and up halves."""
+    if num_parts == 3:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_rows = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        return [config.num_attention_heads * head_dim, kv_rows, kv_rows]
+    return [rows // 2] * 2
+
+
 def split_fused(
     name: str, tensor: torch.Tensor | StoredBlocks, config: GGUFConfig
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
@@ -261,12 +282,7 @@ def split_fused(
         yield name, tensor
         return
     data = tensor.data if isinstance(tensor, StoredBlocks) else tensor
-    if len(parts) == 3:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_rows = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-        sizes = [config.num_attention_heads * head_dim, kv_rows, kv_rows]
-    else:
-        sizes = [data.shape[0] // 2] * 2
+    sizes = fused_sizes(len(parts), data.shape[0], config)
     if sum(sizes) != data.shape[0]:
         raise ValueError(f"{name!r} has {data.shape[0]} rows; the config's {' + '.join(map(str, sizes))} expected")
     for part, rows in zip(parts, data.split(sizes), strict=True):

@@ -33,7 +33,7 @@ from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.layer_program import LayerProgram, ProgramRefused, add_linear, new_program
-from lmserve.worker.loader import TensorPart
+from lmserve.worker.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
 from lmserve.worker.models.layers import (
     MLP,
     Attention,
@@ -407,10 +407,11 @@ class LlamaForCausalLM(nn.Module):
         if tied_blocks and self.lm_head is not None and not self.embed_tokens.share_rows_of(self.lm_head):
             self.embed_tokens.release_file_pages()
 
-    def checkpoint_part(self, hf_name: str, shape: tuple[int, ...]) -> TensorPart | None:
+    def checkpoint_part(self, hf_name: str, shape: tuple[int, ...]) -> TensorPart | FusedRowsPart | None:
         """The rows or columns of a checkpoint tensor that this tensor rank keeps (None: all of it, or not split here),
         so that the loader reads and converts only those (worker/loader.py): q, k, v, gate and up by rows (weights
-        and biases), o_proj and down_proj by columns, the vocabulary by rows, as load_weights splits them."""
+        and biases; stored fused, as Phi-3's, this rank's rows of each part), o_proj and down_proj by columns, the
+        vocabulary by rows, as load_weights splits them."""
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank
         name = hf_name.removeprefix("model.")
         parts = name.split(".")
@@ -419,6 +420,8 @@ class LlamaForCausalLM(nn.Module):
         if len(parts) >= 2 and parts[-2] in self._FUSED:
             rows = self._rank_rows(self._FUSED[parts[-2]], shape[0])
             return TensorPart(0, *rows) if rows is not None else None
+        if len(parts) >= 2 and parts[-2] in self._SOURCES:  # stored fused (Phi-3): this rank's rows of each part
+            return self._fused_rows_part(hf_name, shape[0])
         if name in self._VOCAB_PARALLEL and shape[0] == self.vocab_size:
             per_rank = -(-self.vocab_size // tp)
             return TensorPart(0, min(rank * per_rank, shape[0]), min((rank + 1) * per_rank, shape[0]))
@@ -427,6 +430,22 @@ class LlamaForCausalLM(nn.Module):
             columns = shape[1] // tp
             return TensorPart(1, rank * columns, (rank + 1) * columns)
         return None
+
+    def _fused_rows_part(self, hf_name: str, total_rows: int) -> FusedRowsPart | None:
+        """This rank's rows of each weight a fused checkpoint tensor holds; None (read whole, split after) where a
+        part's rows do not split evenly or the rows are not the config's."""
+        names = fused_parts(hf_name)
+        sizes = fused_sizes(len(names), total_rows, self.config)
+        if sum(sizes) != total_rows:
+            return None
+        pieces, offset = [], 0
+        for name, size in zip(names, sizes, strict=True):
+            rows = self._rank_rows(self._FUSED[name.split(".")[-2]], size)
+            if rows is None:
+                return None
+            pieces.append((name, offset + rows[0], offset + rows[1]))
+            offset += size
+        return FusedRowsPart(tuple(pieces))
 
     def _rank_rows(self, fused: tuple[str, int], total_rows: int) -> tuple[int, int] | None:
         """This tensor rank's rows (first, end) of a checkpoint's q, k, v, gate or up of total_rows; None when they
