@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
+from timing import wait_until_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -165,17 +165,12 @@ class RunningServer:
 
     def wait_ready(self) -> float:
         started = time.monotonic()
-        with httpx.Client(timeout=2) as client:  # one client: httpx.get builds a TLS context (~20 ms of CPU) each call
-            while time.monotonic() - started < self.spec.start_timeout:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.spec.name} exited with {self.process.returncode}; see {self.log}")
-                try:
-                    if client.get(f"{self.base_url}/v1/models").status_code == 200:
-                        return time.monotonic() - started
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
-        raise RuntimeError(f"{self.spec.name} did not start in {self.spec.start_timeout:.0f} s; see {self.log}")
+        try:
+            wait_until_healthy(self.process, self.base_url, poll_s=1, timeout_s=self.spec.start_timeout,
+                               path="/v1/models")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.spec.name}: {exc}; see {self.log}") from None
+        return time.monotonic() - started
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+from timing import wait_until_healthy
 
 VENV_BIN = Path(sys.executable).parent
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "lmserve-peers"))
@@ -82,19 +83,8 @@ def start(server: str, model: str, port: int, lmserve_args: list[str]) -> subpro
 
 
 def wait_ready(port: int, proc: subprocess.Popen, started: float) -> float:
-    # One client for every poll: `httpx.get` builds a TLS context each call (~20 ms of CPU), which at this rate took
-    # a third of a core from the server starting beside it on 2 cores.
-    with httpx.Client(timeout=1) as client:
-        while time.perf_counter() - started < 300:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    return time.perf_counter() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-    raise RuntimeError("server not ready in 300 s")
+    wait_until_healthy(proc, f"http://127.0.0.1:{port}", poll_s=0.05, timeout_s=300)
+    return time.perf_counter() - started
 
 
 def bench(model: str, port: int, workload: list[str]) -> dict:
