@@ -114,7 +114,7 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
         extra = value.get("kv_connector_extra_config")
         extra = {} if extra is None else extra
-        if not isinstance(extra, dict) or len(json.dumps(extra)) > MAX_EXTRA_CONFIG_BYTES:
+        if not isinstance(extra, dict) or len(json.dumps(extra, default=str)) > MAX_EXTRA_CONFIG_BYTES:
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an object of at most "
                              f"{MAX_EXTRA_CONFIG_BYTES} bytes")
         path = extra.get("shared_storage_path", "")
