@@ -18,6 +18,7 @@ from lmserve.gguf_file import read_gguf_header
 from lmserve.models import (
     DEFAULT_MODEL,
     GGUF_CONFIG_MAPPING,
+    GGUF_EXTRA_CONFIG_MAPPING,
     SUPPORTED_MODEL_TYPES,
     GGUFConfig,
     load_hf_config,
@@ -105,7 +106,9 @@ def test_linear_rope_scaling_gives_transformers_tables(tmp_path: Path) -> None:
 def test_the_metadata_table_is_transformers_own() -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING as theirs
 
-    assert set(SUPPORTED_MODEL_TYPES) - {"gemma3_text"} <= set(GGUF_CONFIG_MAPPING)  # HF's name for GGUF's gemma3
+    # HF's name for GGUF's gemma3; transformers reads no GGUF of Mixtral or OLMoE (lmserve's own table, llama.cpp's keys)
+    assert set(SUPPORTED_MODEL_TYPES) - {"gemma3_text", "mixtral", "olmoe"} <= set(GGUF_CONFIG_MAPPING)
+    assert {"mixtral", "olmoe"} <= set(GGUF_EXTRA_CONFIG_MAPPING)
     for prefix in GGUF_CONFIG_MAPPING:
         assert GGUF_CONFIG_MAPPING[prefix] == theirs[prefix], prefix
 

@@ -184,6 +184,25 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
                "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
                "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": None,
                "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "qwen2_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                  "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
+                  "bos_token_id": None, "eos_token_id": None, "sliding_window": 0, "num_experts": 60,
+                  "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": None, "attention_bias": False,
+                  "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None,
+                "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5,
+                "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "olmoe": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
+              "num_attention_heads": 16, "num_key_value_heads": 16, "attention_bias": False,
+              "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 50279, "rms_norm_eps": 1e-5,
+              "pad_token_id": 1, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+              "clip_qkv": None},
     "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
              "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096,
              "original_max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000, "rms_norm_eps": 1e-5,
@@ -214,6 +233,8 @@ class GGUFConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if model_type == "mixtral":  # transformers' MixtralConfig answers to both names
+            self.num_experts = self.num_local_experts
         self.rope_parameters = rope_parameters or {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
         if model_type in GEMMA_MODEL_TYPES:
             self.layer_types = default_layer_types(model_type, self.num_hidden_layers, self.sliding_window)
@@ -277,6 +298,10 @@ GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
     "gemma3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                "attention.sliding_window": "sliding_window"},
     "phi3": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None},
+    "qwen2_moe": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "expert_count": "num_experts",
+                  "expert_used_count": "num_experts_per_tok"},
+    "qwen3_moe": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                  "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
     "tokenizer": {
         "ggml.bos_token_id": "bos_token_id",
         "ggml.eos_token_id": "eos_token_id",
@@ -286,24 +311,51 @@ GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
 }
 
 
+# Metadata of the architectures that transformers' table leaves out (OLMoE, and Mixtral, which llama.cpp writes as a
+# llama with experts), and the MoE sizes it does not read: llama.cpp's keys.
+GGUF_EXTRA_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
+    "mixtral": {**_GGUF_LLAMA_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    "olmoe": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "expert_count": "num_experts",
+              "expert_used_count": "num_experts_per_tok"},
+    "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+}
+# llama.cpp's architecture names that differ from transformers' model types.
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
+def gguf_model_type(arch: str, metadata: dict[str, Any]) -> str:
+    """The model type (transformers' name) of a GGUF's general.architecture: llama.cpp writes Mixtral as a llama with
+    experts."""
+    if arch == "llama" and metadata.get("llama.expert_count"):
+        return "mixtral"
+    return _GGUF_MODEL_TYPES.get(arch, arch)
+
+
 def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
-    """The architecture and config attributes a GGUF header implies."""
+    """The model type and config attributes a GGUF header implies."""
     header = read_gguf_header(path)
     metadata, tensor_names = header.metadata, {t.name for t in header.tensors}
-    arch = metadata.get("general.architecture", "<missing>")
+    gguf_arch = metadata.get("general.architecture", "<missing>")
+    arch = gguf_model_type(gguf_arch, metadata)
     _check_model_type(arch, path)
 
     kwargs: dict[str, Any] = {}
-    for prefix in (arch, "tokenizer"):
-        for key, attr in GGUF_CONFIG_MAPPING[prefix].items():
+    tables = [(gguf_arch, GGUF_CONFIG_MAPPING.get(arch, {})), (gguf_arch, GGUF_EXTRA_CONFIG_MAPPING.get(arch, {})),
+              ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])]
+    for prefix, table in tables:
+        for key, attr in table.items():
             if attr is not None and f"{prefix}.{key}" in metadata:
                 kwargs[attr] = metadata[f"{prefix}.{key}"]
+    if arch == "qwen3_moe":  # llama.cpp always renormalises Qwen3-MoE's chosen weights (as its released configs say)
+        kwargs["norm_topk_prob"] = True
     if "vocab_size" not in kwargs:  # older files only list the tokens
         if "tokenizer.ggml.tokens" not in metadata:
             raise ValueError(f"{path} has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         kwargs["vocab_size"] = metadata["tokenizer.ggml.tokens"]
-    if f"{arch}.attention.key_length" in metadata:  # written where head_dim is not hidden / heads (Qwen3)
-        kwargs["head_dim"] = metadata[f"{arch}.attention.key_length"]
+    if f"{gguf_arch}.attention.key_length" in metadata:  # written where head_dim is not hidden / heads (Qwen3)
+        kwargs["head_dim"] = metadata[f"{gguf_arch}.attention.key_length"]
     if arch in ("gemma2", "gemma3"):
         # llama.cpp's scale of the scores: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B models (the
         # only ones where query_pre_attn_scalar is not head_dim; a GGUF header does not carry it).
@@ -317,9 +369,9 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
     # llama.cpp drops output.weight when the head shares the embedding.
     kwargs["tie_word_embeddings"] = "output.weight" not in tensor_names
 
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    scaling = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
     if scaling == "linear":
-        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
+        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{gguf_arch}.rope.scaling.factor"]}
     elif scaling != "none":
         raise ValueError(
             f"{path}: rope scaling '{scaling}' is not supported in GGUF files; use an HF directory"

@@ -17,7 +17,13 @@ import numpy as np
 import torch
 
 from lmserve.config import GEMMA_MODEL_TYPES
-from lmserve.gguf_file import ggml_type_name, read_gguf_blocks, read_gguf_header, read_gguf_tensor
+from lmserve.gguf_file import (
+    GGUFTensorInfo,
+    ggml_type_name,
+    read_gguf_blocks,
+    read_gguf_header,
+    read_gguf_tensor,
+)
 from lmserve.models import GGUFConfig, ModelSource, load_model_config
 from lmserve.worker.block_packing import StoredBlocks
 
@@ -174,7 +180,16 @@ _GGUF_PER_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, the shared expert and its gate (Qwen2-MoE). The routed experts are stacked in
+    # one tensor each (_GGUF_EXPERTS).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Every expert's gate, up or down weight in one [experts, rows, columns] tensor: read as each expert's own weight.
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 
 
@@ -194,7 +209,10 @@ _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_fac
 
 
 def hf_name_from_gguf(name: str, arch: str = "llama") -> str:
+    """A GGUF tensor's Hugging Face name; for stacked experts, with `*` where the expert's index goes."""
     match = _GGUF_NAME.fullmatch(name)
+    if match and match[1] is not None and match[2] in _GGUF_EXPERTS:
+        return f"model.layers.{match[1]}.mlp.experts.*.{_GGUF_EXPERTS[match[2]]}.{match[3]}"
     per_layer = {"phi3": _GGUF_PHI3_PER_LAYER}.get(arch, _GGUF_GEMMA_PER_LAYER if arch in GEMMA_MODEL_TYPES
                                                    else _GGUF_PER_LAYER)
     table = per_layer if match and match[1] is not None else _GGUF_TOP_LEVEL
@@ -215,11 +233,14 @@ def _gguf_weights(
         supported = ", ".join(t.name for t in SUPPORTED_GGML_TYPES)
         raise ValueError(f"{path} holds tensors of GGUF type {found}; lmserve dequantizes {supported}")
     # llama.cpp interleaves the two rotary halves of each Q/K head for its llama arch only (not qwen2).
-    permuted = config.model_type in ("llama", "mistral")
+    permuted = config.model_type in ("llama", "mistral", "mixtral")
     for info in tensors:
         if info.name in _GGUF_ROPE_TENSORS:
             continue  # read into the config by lmserve.models; the rotary embedding applies them
         name = hf_name_from_gguf(info.name, config.model_type)
+        if "*" in name:
+            yield from _gguf_experts(path, info, name, blocks, wanted)
+            continue
         if wanted is not None and not wanted(name):
             continue
         method = ggml_type_name(info.ggml_type).lower()
@@ -235,6 +256,25 @@ def _gguf_weights(
         yield name, StoredBlocks(method, tensor, file_mapped) if as_blocks else tensor
 
 
+def _gguf_experts(
+    path: Path, info: GGUFTensorInfo, pattern: str, blocks: Collection[str], wanted: Callable[[str], bool] | None,
+) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
+    """A stacked [experts, rows, columns] tensor as each expert's weight (`pattern` with its index for the `*`): a
+    file's blocks as views of the mapping, one expert's rows each, so that no expert is copied before its layer
+    packs it."""
+    num_experts = info.shape[0]
+    method = ggml_type_name(info.ggml_type).lower()
+    as_blocks = method in blocks and len(info.shape) == 3
+    array = read_gguf_blocks(path, info) if as_blocks else read_gguf_tensor(path, info)
+    array = array.reshape(num_experts, -1, *array.shape[1:] if as_blocks else array.shape[2:])
+    for expert in range(num_experts):
+        name = pattern.replace("*", str(expert))
+        if wanted is not None and not wanted(name):
+            continue
+        tensor = torch.from_numpy(array[expert] if array.flags.writeable else array[expert].copy())
+        yield name, StoredBlocks(method, tensor, True) if as_blocks else tensor
+
+
 def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
     """For a GGUF file, each matrix's stored type by Hugging Face name (lower case: q5_0, q4_k, f32...), which decides
     the kernel format each layer takes (worker/stored_formats.py); None for any other source."""
@@ -242,11 +282,16 @@ def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
         return None
     header = read_gguf_header(source.path)
     arch = header.metadata.get("general.architecture", "llama")
-    types = {
-        hf_name_from_gguf(info.name, arch): ggml_type_name(info.ggml_type).lower()
-        for info in header.tensors
-        if len(info.shape) == 2 and info.name not in _GGUF_ROPE_TENSORS
-    }
+    types = {}
+    for info in header.tensors:
+        if len(info.shape) not in (2, 3) or info.name in _GGUF_ROPE_TENSORS:
+            continue
+        name = hf_name_from_gguf(info.name, arch)
+        stored = ggml_type_name(info.ggml_type).lower()
+        if "*" in name:  # stacked experts: each expert's weight is stored in the stack's type
+            types.update({name.replace("*", str(e)): stored for e in range(info.shape[0])})
+        elif len(info.shape) == 2:
+            types[name] = stored
     return {part: stored for name, stored in types.items() for part in fused_parts(name)}
 
 

@@ -93,6 +93,9 @@ class BlockQuantizedLinear(nn.Module):
         # The decoder layers' copy for prompt rows (use_prompt_copies), built the same way.
         self.prompt_copies = False
         self.prompt_copy: nn.Module | None = None
+        # Every row on the block kernel, and no copy ever made: an expert's layers (worker/models/moe.py), whose
+        # copies would cost every expert's bytes again.
+        self.kernel_only = False
         self.copy_lock = threading.Lock()  # one builder of this layer's copies at a time
 
     def _pack(self, weight: torch.Tensor | StoredBlocks | StoredRows) -> tuple[torch.Tensor, int, int]:
@@ -184,6 +187,8 @@ class BlockQuantizedLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_only:
+            return self.linear_op(x, self.blocks, self.out_features, self.bias)
         if self.prompt_copies:
             rows = current_prompt_rows()
             if rows is not None and rows.prompt is not None and x.dim() == 2 and x.shape[0] == rows.num_rows:
@@ -247,6 +252,8 @@ def prepare_batched_copies(module: nn.Module, threads: int = 1) -> None:
     its copy then), `threads` layers at a time in layer order: fbgemm packs a matrix on one core (~6 s for Qwen2.5
     0.5B's layers), and the first prompt after start-up waits for the copies it needs."""
     def build(child: BlockQuantizedLinear) -> None:
+        if child.kernel_only:
+            return
         if child.prompt_copies:
             if child.batched_path.prompt_weights != "int8":
                 child.prepare_prompt_copy()
@@ -265,7 +272,7 @@ def use_prompt_copies(module: nn.Module) -> int:
     how many layers take it (a layer whose shape the AMX kernel cannot tile keeps its batched path)."""
     count = 0
     for child in module.modules():
-        if not isinstance(child, BlockQuantizedLinear):
+        if not isinstance(child, BlockQuantizedLinear) or child.kernel_only:
             continue
         prompt_weights = child.batched_path.prompt_weights
         if prompt_weights == "int8":

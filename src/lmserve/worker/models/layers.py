@@ -12,8 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lmserve.config import QK_NORM_MODEL_TYPES, model_layer_types
+from lmserve.config import (
+    FULL_QK_NORM_MODEL_TYPES,
+    QK_NORM_MODEL_TYPES,
+    QKV_BIAS_MODEL_TYPES,
+    model_layer_types,
+)
 from lmserve.distributed.parallel_state import ParallelGroups
+from lmserve.moe_shape import moe_shape
 from lmserve.worker.attention import AttentionMetadata, PagedAttention
 from lmserve.worker.models.rotary import apply_rotary, rotary_dim
 
@@ -74,12 +80,21 @@ def layer_types(config: PretrainedConfig) -> list[str]:
     return model_layer_types(config)
 
 
-def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_parallel: bool = False) -> None:
     """Megatron's split needs whole heads and whole MLP columns on every rank; KV heads fewer than the ranks are
-    replicated (kv_head_replicas)."""
+    replicated (kv_head_replicas). A mixture of experts splits each expert's columns the same way, or with
+    expert_parallel places whole experts on ranks."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("MLP columns", config.intermediate_size)):
+    shape = moe_shape(config)
+    columns = [("attention heads", heads), ("MLP columns", config.intermediate_size)]
+    if shape is not None:
+        columns[1:] = [("MLP columns", shape.dense_intermediate)] if shape.sparse_step > 1 or shape.dense_layers else []
+        if not expert_parallel:
+            columns.append(("expert MLP columns", shape.expert_intermediate))
+        if shape.shared_intermediate:
+            columns.append(("shared expert MLP columns", shape.shared_intermediate))
+    for what, count in columns:
         if count % tp_size:
             raise ValueError(f"tensor parallel size {tp_size} does not divide the model's {count} {what}")
     if kv_heads % tp_size and tp_size % kv_heads:
@@ -106,13 +121,21 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        bias = config.model_type in QKV_BIAS_MODEL_TYPES or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE, one weight of head_dim shared by the heads.
+        # Qwen3 and Gemma 3 normalize each head of q and k before RoPE, one weight of head_dim shared by the heads;
+        # OLMoE normalizes q and k whole (one weight over all heads: under tensor parallel, a norm across ranks).
         qk_norm = config.model_type in QK_NORM_MODEL_TYPES
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.full_qk_norm = config.model_type in FULL_QK_NORM_MODEL_TYPES
+        if self.full_qk_norm and tp != 1:
+            raise ValueError(f"{config.model_type} normalizes q and k across all heads: tensor parallel is not "
+                             "supported for it (run it on one rank, or data parallel)")
+        norm_sizes = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(norm_sizes[0], config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
+        self.k_norm = RMSNorm(norm_sizes[1], config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
+        # OLMoE's optional clamp of q, k and v (None in its released configs).
+        self.clip_qkv = getattr(config, "clip_qkv", None)
         # Gemma scales scores by query_pre_attn_scalar^-1/2, which is not always head_dim's (Gemma 2 27B).
         scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         window = config.sliding_window if layer_type == "sliding_attention" else 0
@@ -122,8 +145,15 @@ class Attention(nn.Module):
         self.fused = None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata):
-        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        if self.full_qk_norm:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q.copy_(self.q_norm(q.contiguous())[0])
+            k.copy_(self.k_norm(k.contiguous())[0])
+        qkv = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
             if self.fused is not None:  # in place, each head a row
                 self.fused.rms_norm(q, q, self.q_norm.weight, self.q_norm.eps)
@@ -142,10 +172,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, intermediate_size: int | None = None,
+                 reduce: bool = True) -> None:
+        """intermediate_size: the whole MLP's columns (default the config's); this rank holds its share. reduce:
+        whether forward() sums the ranks' shares (an expert's caller sums every expert's share first, once)."""
         super().__init__()
-        self.parallel = parallel
-        self.intermediate = config.intermediate_size // parallel.tp_size  # this rank's columns
+        self.parallel = parallel if reduce else None
+        self.intermediate = (intermediate_size or config.intermediate_size) // parallel.tp_size  # this rank's
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
         # Gemma's configs name hidden_activation (GeGLU); the others hidden_act.
@@ -158,22 +191,26 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.activation == "gelu_pytorch_tanh":
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            return self.parallel.all_reduce(self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up))
-        if self.fused is not None:
-            out = gate_up.new_empty(gate_up.shape[0], self.intermediate)
-            self.fused.silu_and_mul(out, gate_up)
-            return self.parallel.all_reduce(self.down_proj(out))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.parallel.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+            out = self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
+        elif self.fused is not None:
+            hidden = gate_up.new_empty(gate_up.shape[0], self.intermediate)
+            self.fused.silu_and_mul(hidden, gate_up)
+            out = self.down_proj(hidden)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(nn.functional.silu(gate) * up)
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention") -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, layer_type: str = "full_attention",
+                 mlp: nn.Module | None = None) -> None:
+        """mlp: the layer's feed-forward block where it is not the config's MLP (a mixture of experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, parallel, layer_type)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, parallel)
+        self.mlp = mlp if mlp is not None else MLP(config, parallel)
 
     def forward(self, rope, x, residual, kv_cache, md):
         x, residual = self.input_layernorm(x, residual)

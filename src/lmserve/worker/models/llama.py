@@ -29,6 +29,7 @@ from torch import nn
 from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
+from lmserve.moe_shape import moe_shape
 from lmserve.worker.block_embedding import BlockEmbedding
 from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
@@ -49,6 +50,7 @@ from lmserve.worker.models.layers import (
     layer_types,
     vocab_rows,
 )
+from lmserve.worker.models.moe import SparseMoeBlock
 from lmserve.worker.models.rotary import RotaryEmbedding
 from lmserve.worker.quantization import (
     LAYER_TYPES,
@@ -78,17 +80,18 @@ if TYPE_CHECKING:
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: PretrainedConfig, max_position: int, parallel: ParallelGroups | None = None,
-        rope_device: torch.device | None = None,
+        rope_device: torch.device | None = None, expert_parallel: bool = False,
     ) -> None:
         """rope_device: where the RoPE tables live (default: the default device); worker/model_builder.py builds
-        the parameters on meta and passes the target device here."""
+        the parameters on meta and passes the target device here. expert_parallel: a mixture of experts' tensor
+        ranks hold whole experts each instead of a share of every expert (worker/models/moe.py)."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported architecture {config.model_type!r}: lmserve supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         parallel = parallel or ParallelGroups(RankLayout(0))
-        check_tensor_parallel(config, parallel.tp_size)
+        check_tensor_parallel(config, parallel.tp_size, expert_parallel)
         layout = parallel.layout
         self.config = config
         self.parallel = parallel
@@ -112,11 +115,18 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) if needs_embedding else None
         )
-        layer_class = SandwichDecoderLayer if gemma else DecoderLayer
-        self.layers = nn.ModuleList(
-            layer_class(config, parallel, types[i]) if i in self.stage_layers else MissingLayer()
-            for i in range(config.num_hidden_layers)
-        )
+        self.moe = moe_shape(config)
+        if gemma:
+            self.layers = nn.ModuleList(
+                SandwichDecoderLayer(config, parallel, types[i]) if i in self.stage_layers else MissingLayer()
+                for i in range(config.num_hidden_layers)
+            )
+        else:
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, parallel, types[i], self._feed_forward(i, expert_parallel))
+                if i in self.stage_layers else MissingLayer()
+                for i in range(config.num_hidden_layers)
+            )
         last = layout.is_last_stage
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.program: LayerProgram | None = None  # use_layer_program
@@ -124,6 +134,23 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             Linear(config.hidden_size, rows_per_rank, bias=False) if last and not self.tie_word_embeddings else None
         )
+
+    def _feed_forward(self, index: int, expert_parallel: bool) -> nn.Module | None:
+        """Layer `index`'s feed-forward block where it is not the config's MLP: a mixture of experts, or a MoE model's
+        dense layer (its own columns)."""
+        if self.moe is None:
+            return None
+        if self.moe.is_moe_layer(index):
+            return SparseMoeBlock(self.config, self.parallel, self.moe, expert_parallel)
+        return MLP(self.config, self.parallel, intermediate_size=self.moe.dense_intermediate)
+
+    def _keep_experts_on_kernels(self) -> None:
+        for block in self.moe_blocks().values():
+            block.keep_experts_on_kernels()
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        """This rank's mixture-of-experts blocks by layer index."""
+        return {i: self.layers[i].mlp for i in self.stage_layers if isinstance(self.layers[i].mlp, SparseMoeBlock)}
 
     @property
     def num_layers(self) -> int:
@@ -183,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
         if first.input_layernorm.fused is None:
             raise ProgramRefused("no fused ops (--fused-ops none, or not float32 on CPU)")
         attn, mlp = first.self_attn, first.mlp
+        if self.moe is not None:
+            raise ProgramRefused("mixture-of-experts layers")
+        if attn.full_qk_norm or attn.clip_qkv is not None:
+            raise ProgramRefused("q/k norms over all heads, or clipped q/k/v")
         if mlp.activation not in ("silu", "gelu_pytorch_tanh"):
             raise ProgramRefused(f"activation {mlp.activation}")
         sandwich = isinstance(first, SandwichDecoderLayer)
@@ -220,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
         A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer, in
         OUTPUT_LAYER_METHOD's format where the method names one."""
         quantize_linears(self.layers, method)
+        self._keep_experts_on_kernels()
         if output_layer and self.parallel.layout.is_last_stage:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.lm_head = LAYER_TYPES[OUTPUT_LAYER_METHOD.get(method, method)](head, None)
@@ -275,13 +307,13 @@ class LlamaForCausalLM(nn.Module):
         for index in self.stage_layers:
             layer = self.layers[index]
             for owner, name in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
-                fused = getattr(owner, name)
+                fused = getattr(owner, name, None)  # none on a mixture of experts
                 prefix = f"model.layers.{index}.{'self_attn' if owner is layer.self_attn else 'mlp'}"
                 sources = [f"{prefix}.{part}.weight" for part in self._SOURCES[name]]
                 if not isinstance(fused, nn.Linear) or stored_format(sources) is not None:
                     continue
                 parts = [stored_format([source]) for source in sources]
-                sizes = [self._shard_rows(name, shard, layer)[1] for shard in range(len(sources))]
+                sizes = [self._shard_rows(name, shard, owner)[1] for shard in range(len(sources))]
                 if all(f is not None and layer_fits(f, rows, fused.in_features) for f, rows in zip(parts, sizes,
                                                                                                   strict=True)):
                     segments = list(zip(sizes, parts, strict=True))
@@ -306,6 +338,7 @@ class LlamaForCausalLM(nn.Module):
         """The layers pend_block_layers left in float (their stored type has no exact kernel format) to `method`
         (fp16), the output layer too; returns how many were replaced."""
         count = quantize_linears(self.layers, method)
+        self._keep_experts_on_kernels()
         if not self.parallel.layout.is_last_stage:
             return count
         if self.lm_head is None:
@@ -337,13 +370,40 @@ class LlamaForCausalLM(nn.Module):
 
     def wants(self, hf_name: str) -> bool:
         """Whether this rank loads a checkpoint weight (the loader skips the others unread)."""
-        return not self._is_other_ranks(hf_name.removeprefix("model."))
+        return not self._is_other_ranks(self._our_name(hf_name))
+
+    # Mixtral's checkpoints name the experts' block and weights their own way: w1 is the gate, w3 up, w2 down.
+    _MIXTRAL_NAMES: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+    def _our_name(self, hf_name: str) -> str:
+        """A checkpoint weight's name under this module ("layers.3.mlp.experts.5.gate_proj.weight")."""
+        name = hf_name.removeprefix("model.")
+        if "block_sparse_moe." in name:
+            for theirs, ours in self._MIXTRAL_NAMES:
+                name = name.replace(theirs, ours)
+        return name
+
+    def _owner(self, parts: list[str]) -> nn.Module:
+        """The module that holds a layer's weight ["layers", index, ..., linear, "weight"]: its attention, MLP or
+        expert."""
+        return self.layers[int(parts[1])].get_submodule(".".join(parts[2:-2]))
+
+    def _whole_on_rank(self, parts: list[str]) -> bool:
+        """Whether a layer weight is held whole by the rank that holds it (an expert under expert parallel)."""
+        if "experts" not in parts:
+            return False
+        return bool(self.layers[int(parts[1])].mlp.expert_parallel)
 
     def _is_other_ranks(self, name: str) -> bool:
-        """Whether a checkpoint weight belongs to another pipeline stage (or, tied, is not needed at all)."""
+        """Whether a checkpoint weight belongs to another pipeline stage or expert-parallel rank (or, tied, is not
+        needed at all)."""
         parts = name.split(".")
         if parts[0] == "layers":
-            return int(parts[1]) not in self.stage_layers
+            if int(parts[1]) not in self.stage_layers:
+                return True
+            return "experts" in parts and not self.layers[int(parts[1])].mlp.is_local(int(parts[parts.index(
+                "experts") + 1]))
         if name == "embed_tokens.weight":
             return self.embed_tokens is None
         if name == "lm_head.weight":
@@ -362,7 +422,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         tp, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            name = self._our_name(hf_name)
             if "rotary_emb.inv_freq" in name or self._is_other_ranks(name):
                 continue
             parts = name.split(".")
@@ -370,9 +430,10 @@ class LlamaForCausalLM(nn.Module):
             if fused is not None:
                 parts[-2] = fused[0]
                 target = ".".join(parts)
-                offset, size = self._shard_rows(fused[0], fused[1])
+                offset, size = self._shard_rows(fused[0], fused[1], self._owner(parts))
                 # The loader may have read this rank's rows only (checkpoint_part): then the tensor is its share.
-                rows = None if _num_rows(tensor) == size else self._rank_rows(fused, _num_rows(tensor))
+                rows = (None if _num_rows(tensor) == size
+                        else self._rank_rows(fused, _num_rows(tensor), self._whole_on_rank(parts)))
                 shard = tensor if rows is None else _rows(tensor, lambda t, rows=rows: t[rows[0] : rows[1]])
                 if shard.shape[0] != size:
                     raise ValueError(f"{hf_name!r} has {shard.shape[0]} rows for this rank, expected {size}")
@@ -391,8 +452,8 @@ class LlamaForCausalLM(nn.Module):
                     tensor = _column_shard(tensor, tp, tp_rank)
                 if target in pending:
                     pending[target].load_rows(0, tensor)
-                else:
-                    params[target].data.copy_(_floats(tensor))
+                else:  # (a GGUF stores the shared expert's [1, hidden] gate as [hidden])
+                    params[target].data.copy_(_floats(tensor).reshape(params[target].shape))
                 if name == "embed_tokens.weight" and self.tie_word_embeddings and "lm_head.weight" in pending:
                     pending["lm_head.weight"].load_rows(0, tensor)  # the tied output layer's own blocks
                     loaded.add("lm_head.weight")
@@ -401,6 +462,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
         finish_block_linears(self)
+        self._keep_experts_on_kernels()
         tied_blocks = self.tie_word_embeddings and isinstance(self.embed_tokens, BlockEmbedding)
         # The tied blocks held once where the layouts allow; elsewhere the table's pages that the output layer's
         # packing read go back to the file.
@@ -413,9 +475,11 @@ class LlamaForCausalLM(nn.Module):
         and biases; stored fused, as Phi-3's, this rank's rows of each part), o_proj and down_proj by columns, the
         vocabulary by rows, as load_weights splits them."""
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank
-        name = hf_name.removeprefix("model.")
+        name = self._our_name(hf_name)
         parts = name.split(".")
         if tp == 1 or not shape or self._is_other_ranks(name):
+            return None
+        if parts[0] == "layers" and self._whole_on_rank(parts):
             return None
         if len(parts) >= 2 and parts[-2] in self._FUSED:
             rows = self._rank_rows(self._FUSED[parts[-2]], shape[0])
@@ -447,10 +511,13 @@ class LlamaForCausalLM(nn.Module):
             offset += size
         return FusedRowsPart(tuple(pieces))
 
-    def _rank_rows(self, fused: tuple[str, int], total_rows: int) -> tuple[int, int] | None:
+    def _rank_rows(self, fused: tuple[str, int], total_rows: int, whole: bool = False) -> tuple[int, int] | None:
         """This tensor rank's rows (first, end) of a checkpoint's q, k, v, gate or up of total_rows; None when they
-        do not split evenly. K and v split by KV heads, which ranks share when they outnumber them."""
+        do not split evenly. K and v split by KV heads, which ranks share when they outnumber them. whole: the
+        weight is not split (an expert under expert parallel)."""
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        if whole:
+            return 0, total_rows
         parts, index = tp, rank
         if fused[0] == "qkv_proj" and fused[1] > 0:
             replicas = kv_head_replicas(self.config, tp)
@@ -462,17 +529,16 @@ class LlamaForCausalLM(nn.Module):
 
     def _rank_columns(self, parts: list[str]) -> int:
         """This rank's input columns of a row-parallel weight (["layers", index, ..., "o_proj" | "down_proj", ...])."""
-        layer = self.layers[int(parts[1])]
-        return layer.self_attn.q_size if parts[-2] == "o_proj" else layer.mlp.intermediate
+        owner = self._owner(parts)
+        return owner.q_size if parts[-2] == "o_proj" else owner.intermediate
 
-    def _shard_rows(self, fused_name: str, shard: int, layer: nn.Module | None = None) -> tuple[int, int]:
-        """Where this tensor rank's rows of q, k, v, gate or up go in the fused matrix: (first row, rows)."""
-        layer = layer or self.layers[self.stage_layers.start]
+    def _shard_rows(self, fused_name: str, shard: int, owner: nn.Module) -> tuple[int, int]:
+        """Where this tensor rank's rows of q, k, v, gate or up go in the fused matrix of `owner` (an attention, MLP
+        or expert): (first row, rows)."""
         if fused_name == "qkv_proj":
-            attn = layer.self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+            sizes = [owner.q_size, owner.kv_size, owner.kv_size]
         else:
-            sizes = [layer.mlp.intermediate] * 2
+            sizes = [owner.intermediate] * 2
         return sum(sizes[:shard]), sizes[shard]
 
 
@@ -513,4 +579,16 @@ def decoder_linear_weights(config: PretrainedConfig) -> int:
     q_size = config.num_attention_heads * head_dim
     kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
     attention = config.hidden_size * (2 * q_size + 2 * kv_size)
-    return config.num_hidden_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+    shape = moe_shape(config)
+    if shape is None:
+        return config.num_hidden_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+    # A mixture of experts: the weights a token reads (its top-k experts and the shared one), which is what a
+    # step's integer products scale with.
+    total = 0
+    for index in range(config.num_hidden_layers):
+        if shape.is_moe_layer(index):
+            mlp = shape.top_k * shape.expert_intermediate + shape.shared_intermediate
+        else:
+            mlp = shape.dense_intermediate
+        total += attention + 3 * config.hidden_size * mlp
+    return total

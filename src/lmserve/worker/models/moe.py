@@ -1,0 +1,143 @@
+"""The mixture-of-experts feed-forward block, one layer that Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE all run (and the
+families built on them): route each token to its top-k experts, run every active expert once over the tokens that
+chose it, and sum each token's experts' outputs, weighted, in a fixed order.
+
+Each expert is an MLP of this rank's columns whose linear layers are the ordinary ones (worker/quantization.py), so a
+GGUF's expert blocks are taken as the file stores them, one layer an expert, in the same kernels' layout as a dense
+layer: no float copy of an expert ever exists. An expert's layers run their block kernel on every row, prompt rows
+too (BlockQuantizedLinear.kernel_only): a per-expert float copy for prompts would cost the experts' bytes again.
+
+Batch invariance: a token's output depends on its own routing alone. Each expert's kernels compute a row without
+reference to the other rows, and a token's k experts are summed in its own top-k order (highest weight first), so
+neither which other tokens share the step nor how many chose the same expert changes a token's result.
+
+Under tensor parallel every rank holds its share of every expert's columns (Megatron, as the dense MLP) and the block
+sums the routed and shared experts' partial outputs with one all-reduce. With expert parallel (vLLM's
+--enable-expert-parallel) a rank holds whole experts instead, experts e with e % tp == tp_rank, and the same
+all-reduce adds the ranks that hold each token's experts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmserve.distributed.parallel_state import ParallelGroups
+from lmserve.moe_shape import MoeShape
+from lmserve.worker.models.layers import MLP, MissingLayer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+class RouterWeight(nn.Module):
+    """A [out, hidden] weight that is never quantized: the router's logits decide which experts run (a rounding that
+    flips a choice changes a token's whole output), and it is a small matrix. llama.cpp keeps ffn_gate_inp in float32
+    in its quantized files too.
+
+    The product runs in float64 and is rounded to float32: BLAS sums a row's products in an order that depends on
+    how many rows it is given (measured here: a decode alone and beside a prefill differed by 5e-6), and a token's
+    routing must not depend on its batch. In float64 those orders agree to ~1e-16, far inside float32's rounding."""
+
+    def __init__(self, out_features: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, hidden_size), requires_grad=False)
+        self._weight64: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._weight64 is None or self._weight64.device != x.device:
+            self._weight64 = self.weight.detach().double()
+        return (x.double() @ self._weight64.t()).float()
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, shape: MoeShape,
+                 expert_parallel: bool = False) -> None:
+        super().__init__()
+        self.shape = shape
+        self.parallel = parallel
+        self.num_experts, self.top_k = shape.num_experts, shape.top_k
+        self.gate = RouterWeight(shape.num_experts, config.hidden_size)
+        tp, rank = parallel.tp_size, parallel.tp_rank
+        self.expert_parallel = expert_parallel and tp > 1
+        # Experts split by columns (each rank a share of each) or placed whole (expert parallel: the MLP takes its
+        # share of tp times the columns, all of them).
+        columns = shape.expert_intermediate * (tp if self.expert_parallel else 1)
+        self.local_experts = [e for e in range(shape.num_experts) if not self.expert_parallel or e % tp == rank]
+        local = set(self.local_experts)
+        self.experts = nn.ModuleList(
+            _expert(config, parallel, columns) if e in local else MissingLayer() for e in range(shape.num_experts)
+        )
+        self.shared_expert = (_expert(config, parallel, shape.shared_intermediate) if shape.shared_intermediate
+                              else None)
+        self.shared_expert_gate = RouterWeight(1, config.hidden_size) if shape.shared_intermediate else None
+        # Tokens routed to each expert since the last read (routed_token_counts): expert load, per layer. Made at the
+        # first forward pass (the module is built on the meta device).
+        self.routed_tokens: torch.Tensor | None = None
+
+    def is_local(self, expert: int) -> bool:
+        return not self.expert_parallel or expert % self.parallel.tp_size == self.parallel.tp_rank
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts (highest score first) and their weights, in float32."""
+        probs = torch.softmax(self.gate(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # sorted: highest first
+        if self.shape.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+        if self.routed_tokens is None:
+            self.routed_tokens = torch.zeros_like(counts)
+        self.routed_tokens += counts
+        out = self._experts(x, weights, chosen, counts)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out.add_(self.shared_expert(x) * gate.to(x.dtype))
+        return self.parallel.all_reduce(out)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor
+                 ) -> torch.Tensor:
+        """sum over j of weights[t, j] * expert[chosen[t, j]](x[t]), each active expert run once over its tokens."""
+        tokens, k = chosen.shape
+        # Slot s = t * k + j: token t's j-th choice. Grouped by expert (stable: tokens in order within an expert).
+        order = torch.argsort(chosen.flatten(), stable=True)
+        slot_out = x.new_zeros(tokens * k, x.shape[1]) if self.expert_parallel else x.new_empty(tokens * k, x.shape[1])
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            if self.is_local(expert):
+                slot_out[slots] = self.experts[expert](x[slots // k])
+        slot_out = slot_out.view(tokens, k, -1)
+        scale = weights.to(x.dtype)
+        out = slot_out[:, 0] * scale[:, :1]
+        for j in range(1, k):  # one token's experts in its own top-k order, whatever the batch
+            out.addcmul_(slot_out[:, j], scale[:, j : j + 1])
+        return out
+
+    def keep_experts_on_kernels(self) -> None:
+        """Every expert's block layers run their kernel on every row and never build a float copy (the module's
+        docstring says why)."""
+        for expert in self.experts:
+            for linear in (getattr(expert, "gate_up_proj", None), getattr(expert, "down_proj", None)):
+                if hasattr(linear, "kernel_only"):
+                    linear.kernel_only = True
+
+    def routed_token_counts(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last call, and the count starts again."""
+        if self.routed_tokens is None:
+            return torch.zeros(self.num_experts, dtype=torch.int64)
+        counts, self.routed_tokens = self.routed_tokens, None  # made under inference mode: replaced, not zeroed
+        return counts.clone()
+
+
+def _expert(config: PretrainedConfig, parallel: ParallelGroups, intermediate: int) -> MLP:
+    """One expert: an MLP of `intermediate` columns (this rank's share) whose output the block sums first."""
+    return MLP(config, parallel, intermediate_size=intermediate, reduce=False)

@@ -1,0 +1,142 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) through the real ModelRunner's paged path match
+transformers on the same weights, from Hugging Face directories and from GGUF files laid out as llama.cpp's converter
+writes them; a GGUF's K-quant experts run at their stored size in the block kernels; and a token's result does not
+depend on the other tokens of its step.
+
+The parity checks are test_model_parity's: a prompt in two chunks then decodes, and mixed batches of prefill chunks and
+decodes, each row's logits against one full transformers forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from moe_models import FAMILIES, MOE_K_SIZES, quantize_experts_k, save_tiny_moe, write_moe_gguf
+from test_model_parity import KERNELS, TINY_ATOL, Parity, chunked_prefill_then_decode, mixed_batch, scheduled
+
+from lmserve.models import GGUFConfig, load_hf_config, load_model_config, resolve_model
+from lmserve.moe_shape import moe_shape
+from lmserve.worker.models.moe import SparseMoeBlock
+from lmserve.worker.quantization import BlockQuantizedLinear
+
+# int16 activations round each block of 32 inputs to 16-bit integers: measured 1.5e-4 on logits up to 1.8.
+K_QUANT_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory, default_tokenizer) -> dict[str, Path]:
+    dirs = {family: save_tiny_moe(tmp_path_factory.mktemp(family), family, default_tokenizer) for family in FAMILIES}
+    # A Qwen3-MoE whose first layer is a dense MLP (mlp_only_layers), as some of its releases have.
+    dirs["qwen3_moe_dense_first"] = save_tiny_moe(tmp_path_factory.mktemp("qwen3-dense-first"), "qwen3_moe",
+                                                  default_tokenizer, mlp_only_layers=[0])
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def moe_kquant(tmp_path_factory, default_tokenizer, make_k_quant) -> tuple[Path, Path]:
+    """A Qwen3-MoE GGUF whose experts are random Q4_K (gate, up) and Q6_K (down) blocks, as Q4_K_M stores them, its
+    other matrices float16, and the Hugging Face directory that holds exactly the same weights."""
+    directory = save_tiny_moe(tmp_path_factory.mktemp("qwen3-moe-k"), "qwen3_moe", default_tokenizer,
+                              sizes=MOE_K_SIZES, moe_intermediate_size=256)
+    blocks = quantize_experts_k(directory, np.random.default_rng(0), make_k_quant)
+    return directory, write_moe_gguf(directory, directory / "experts-q4_k_m.gguf", expert_blocks=blocks,
+                                     other_type=Q.F16)
+
+
+CASES = [*FAMILIES, "qwen3_moe_dense_first"]
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
+@pytest.mark.parametrize("family", CASES)
+def test_a_hugging_face_moe_matches_transformers(moe_dirs, family: str, kernels: str) -> None:
+    p = Parity(moe_dirs[family], max_model_len=256, num_blocks=32, atol=TINY_ATOL, kernels=kernels)
+    blocks = p.runner.model.moe_blocks()
+    assert blocks and all(isinstance(b, SparseMoeBlock) for b in blocks.values())
+    if family == "qwen3_moe_dense_first":
+        assert sorted(blocks) == [1]
+    seq = p.sequence(76, 0)
+    error, scale = chunked_prefill_then_decode(p, seq, split=29, prompt_len=70, blocks=[9, 0, 17, 4, 30])
+    print(f"\n{p.name}: chunked prefill + decode, max abs logit error {error:.3g} (max |logit| {scale:.3g})")
+    error, scale = mixed_batch(p, {"a": [11, 3], "b": [6, 25, 1], "c": [20]})
+    print(f"\n{p.name}: mixed batch, max abs logit error {error:.3g} (max |logit| {scale:.3g})")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_gguf_moe_as_llama_cpp_writes_it_matches_transformers(moe_dirs, tmp_path, family: str) -> None:
+    """Stacked expert tensors, llama.cpp's architecture names (Mixtral as a llama with experts, its Q/K rows
+    permuted), the shared expert's [hidden] gate: stored in float32, the file's model is the directory's."""
+    path = write_moe_gguf(moe_dirs[family], tmp_path / f"{family}.gguf", expert_type=Q.F32)
+    p = Parity(path, max_model_len=256, num_blocks=32, atol=TINY_ATOL, reference=moe_dirs[family])
+    assert p.runner.hf_config.model_type == family
+    chunked_prefill_then_decode(p, p.sequence(76, 0), split=29, prompt_len=70, blocks=[9, 0, 17, 4, 30])
+    mixed_batch(p, {"a": [11, 3], "b": [6, 25, 1], "c": [20]})
+
+
+def test_k_quant_experts_run_at_their_stored_size_and_match_transformers(moe_kquant) -> None:
+    directory, path = moe_kquant
+    p = Parity(path, max_model_len=256, num_blocks=32, atol=K_QUANT_ATOL, reference=directory,
+               quantization="auto", block_activations="int16")
+    model = p.runner.model
+    for block in model.moe_blocks().values():
+        for expert in block.experts:
+            for linear, method in ((expert.gate_up_proj, "q4_k"), (expert.down_proj, "q6_k")):
+                assert isinstance(linear, BlockQuantizedLinear) and linear.method == method
+                assert linear.kernel_only and linear.batched is None and linear.prompt_copy is None
+                # The file's 4.5 (Q4_K) or 6.5625 (Q6_K) bits a weight, in the int16 kernels' layout (a few percent
+                # more: its scales widened), and no float copy beside them.
+                stored = linear.out_features * linear.in_features * {"q4_k": 4.5, "q6_k": 6.5625}[method] / 8
+                assert stored <= linear.blocks.nbytes < 1.05 * stored
+    chunked_prefill_then_decode(p, p.sequence(76, 0), split=29, prompt_len=70, blocks=[9, 0, 17, 4, 30])
+    mixed_batch(p, {"a": [11, 3], "b": [6, 25, 1], "c": [20]})
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_a_tokens_result_does_not_depend_on_the_other_tokens_of_its_step(moe_kquant, activations: str) -> None:
+    """The same decode, alone and beside a prefill chunk and another decode (which route to other experts and give
+    its experts more rows): the same logits to the bit, with the engine's own settings (batched_weights auto: a
+    generated row takes the block kernels at any batch size) and its own logits rows."""
+    directory, path = moe_kquant
+    p = Parity(path, max_model_len=256, num_blocks=32, atol=1.0, reference=directory, quantization="auto",
+               block_activations=activations, batched_weights="auto")
+    seq_a, seq_b, seq_c = p.sequence(30, 1), p.sequence(40, 2), p.sequence(12, 3)
+
+    def logits_of_a(batch: list) -> torch.Tensor:
+        inputs = p.runner.prepare_inputs(batch)
+        logits = p.runner.forward(inputs)
+        return logits[[s.request_id for s in inputs.sampling].index("a")]
+
+    p.run([scheduled("a", seq_a, 0, 29, [1, 2])])
+    p.run([scheduled("c", seq_c, 0, 11, [5])])
+    alone = logits_of_a([scheduled("a", seq_a, 29, 30, [1, 2])])
+    crowded = logits_of_a([scheduled("b", seq_b, 0, 40, [8, 9, 10]), scheduled("a", seq_a, 29, 30, [1, 2]),
+                           scheduled("c", seq_c, 11, 12, [5])])
+    assert torch.equal(alone, crowded)
+
+
+def test_routing_counts_each_tokens_experts(moe_dirs) -> None:
+    """Tokens routed to each expert, per layer: every token of a step counted top_k times, and read once."""
+    p = Parity(moe_dirs["qwen3_moe"], max_model_len=256, num_blocks=32, atol=TINY_ATOL)
+    blocks = p.runner.model.moe_blocks()
+    for block in blocks.values():
+        block.routed_token_counts()
+    p.run([scheduled("a", p.sequence(20, 1), 0, 20, [1, 2])])
+    for block in blocks.values():
+        counts = block.routed_token_counts()
+        assert counts.shape == (block.num_experts,) and int(counts.sum()) == 20 * block.top_k
+        assert int(block.routed_token_counts().sum()) == 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_gguf_moe_config_routes_as_transformers_config(moe_dirs, tmp_path, family: str) -> None:
+    """The file's header gives the same routing (experts, top k, sizes, renormalisation) as the directory's config,
+    without transformers."""
+    path = write_moe_gguf(moe_dirs[family], tmp_path / f"{family}.gguf", expert_type=Q.F32)
+    source = resolve_model(str(path))
+    ours = load_model_config(source)
+    assert isinstance(ours, GGUFConfig) and ours.model_type == family
+    assert moe_shape(ours) == moe_shape(load_hf_config(resolve_model(str(moe_dirs[family])))) is not None
+    assert moe_shape(ours) == moe_shape(load_hf_config(source))
