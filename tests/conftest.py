@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from cpu_shares import remember_machine_cpus
+from moe_models import FAMILIES, MOE_K_SIZES, quantize_experts_k, save_tiny_moe, write_moe_gguf
 from tiny_sizes import TINY_SIZES
 
 from lmserve.model_tokenizer import load_tokenizer
@@ -611,3 +612,24 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_kquant) -> Path:
         return MIXED_TYPES[parts[2]] if parts[0] == "blk" else Q.Q5_0
 
     return write_gguf(directory, tmp_path_factory.mktemp("gguf") / "mixed.gguf", blocks=downs, type_for=type_for)
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> dict[str, Path]:
+    """A tiny random Hugging Face directory of each mixture-of-experts family (tests/moe_models.py), and a Qwen3-MoE
+    whose first layer is a dense MLP (mlp_only_layers), as some of its releases have."""
+    dirs = {family: save_tiny_moe(tmp_path_factory.mktemp(family), family, default_tokenizer) for family in FAMILIES}
+    dirs["qwen3_moe_dense_first"] = save_tiny_moe(tmp_path_factory.mktemp("qwen3-dense-first"), "qwen3_moe",
+                                                  default_tokenizer, mlp_only_layers=[0])
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def moe_kquant(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> tuple[Path, Path]:
+    """A Qwen3-MoE GGUF whose experts are random Q4_K (gate, up) and Q6_K (down) blocks, as Q4_K_M stores them, its
+    other matrices float16, in the Hugging Face directory that holds exactly the same weights (and the tokenizer)."""
+    directory = save_tiny_moe(tmp_path_factory.mktemp("qwen3-moe-k"), "qwen3_moe", default_tokenizer,
+                              sizes=MOE_K_SIZES, moe_intermediate_size=256)
+    blocks = quantize_experts_k(directory, np.random.default_rng(0), random_k_quant)
+    return directory, write_moe_gguf(directory, directory / "experts-q4_k_m.gguf", expert_blocks=blocks,
+                                     other_type=Q.F16)

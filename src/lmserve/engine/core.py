@@ -225,6 +225,7 @@ class EngineCore:
             num_steps=self.num_steps,
             **self._speculation_stats(),
             **self._transfer_stats(),
+            moe_expert_tokens=self.executor.expert_load(),
             request_positions=positions,
             request_status=status,
         )

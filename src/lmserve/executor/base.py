@@ -54,6 +54,12 @@ class Executor(ABC):
     def communication_stats(self) -> list[dict[str, int]]:
         """Bytes each rank has put on the wire so far (all-reduce, all-gather, pipeline sends), by rank."""
 
+    def expert_load(self) -> dict[str, list[int]]:
+        """Tokens routed to each expert so far, by mixture-of-experts layer (ModelRunner.expert_load), of the layers
+        the engine process's rank runs; empty where the ranks run elsewhere (not reported yet) or the model has no
+        experts."""
+        return {}
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stops every rank; leaves no process behind."""

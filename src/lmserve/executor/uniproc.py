@@ -50,6 +50,9 @@ class UniProcExecutor(Executor):
     def communication_stats(self) -> list[dict[str, int]]:
         return [self.worker.communication_stats()]
 
+    def expert_load(self) -> dict[str, list[int]]:
+        return self.worker.expert_load()
+
     def shutdown(self) -> None:
         if self._step_thread is not None:
             self._step_thread.shutdown(wait=True, cancel_futures=True)

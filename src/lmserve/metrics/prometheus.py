@@ -83,6 +83,17 @@ class EngineStatsCollector:
                 for position, count in enumerate(replica[name]):
                     metric.add_metric([self.model_name, str(replica.get("engine", "0")), str(position)], float(count))
             yield metric
+        present = [r for r in replicas if r.get("moe_expert_tokens")]
+        if present:
+            metric = CounterMetricFamily(
+                "lmserve:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer (a token "
+                "once for each of its top-k experts).", labels=["model_name", "engine", "layer", "expert"])
+            for replica in present:
+                for layer, counts in sorted(replica["moe_expert_tokens"].items(), key=lambda item: int(item[0])):
+                    for expert, count in enumerate(counts):
+                        metric.add_metric([self.model_name, str(replica.get("engine", "0")), layer, str(expert)],
+                                          float(count))
+            yield metric
 
 
 class PrometheusMetrics:

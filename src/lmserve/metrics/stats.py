@@ -172,6 +172,9 @@ class EngineStats(msgspec.Struct):
     # computing, and blocks a producer stored.
     kv_transfer_loaded_tokens: int = 0
     kv_transfer_saved_blocks: int = 0
+    # Mixtures of experts: tokens routed to each expert so far, by MoE layer index (each token once for each of its
+    # top-k experts): an expert-parallel layout's imbalance shows here.
+    moe_expert_tokens: dict[str, list[int]] = {}
     # Only for the request ids a GetStats asked about: positions computed so far, and status.
     request_positions: dict[str, int] = {}
     request_status: dict[str, str] = {}
@@ -190,6 +193,10 @@ def sum_engine_stats(replicas: list[EngineStats]) -> EngineStats:
     """One view of several replicas: the counts summed, each replica's own stats under `engines`."""
     total = EngineStats(**{name: sum(getattr(r, name) for r in replicas) for name in SUMMED_STATS})
     total.kv_cache_usage_perc = total.kv_blocks_used / total.kv_blocks_total if total.kv_blocks_total else 0.0
+    for replica in replicas:  # each replica's own experts' counts, added up
+        for layer, counts in replica.moe_expert_tokens.items():
+            so_far = total.moe_expert_tokens.setdefault(layer, [0] * len(counts))
+            total.moe_expert_tokens[layer] = [a + b for a, b in zip(so_far, counts, strict=True)]
     per_position = [r.spec_decode_num_accepted_tokens_per_pos for r in replicas]
     total.spec_decode_num_accepted_tokens_per_pos = [sum(c) for c in zip(*per_position, strict=True)] \
         if all(per_position) else []

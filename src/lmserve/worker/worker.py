@@ -62,6 +62,9 @@ class Worker:
     def communication_stats(self) -> dict[str, int]:
         return self.parallel.stats.as_dict()
 
+    def expert_load(self) -> dict[str, list[int]]:
+        return self.runner.expert_load()
+
     def shutdown(self) -> None:
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()

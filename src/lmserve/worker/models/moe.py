@@ -73,8 +73,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = (_expert(config, parallel, shape.shared_intermediate) if shape.shared_intermediate
                               else None)
         self.shared_expert_gate = RouterWeight(1, config.hidden_size) if shape.shared_intermediate else None
-        # Tokens routed to each expert since the last read (routed_token_counts): expert load, per layer. Made at the
-        # first forward pass (the module is built on the meta device).
+        # Tokens routed to each expert so far (expert load, per layer; made at the first forward pass: the module is
+        # built on the meta device).
         self.routed_tokens: torch.Tensor | None = None
 
     def is_local(self, expert: int) -> bool:
@@ -93,7 +93,7 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
         if self.routed_tokens is None:
             self.routed_tokens = torch.zeros_like(counts)
-        self.routed_tokens += counts
+        self.routed_tokens.add_(counts)
         out = self._experts(x, weights, chosen, counts)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
@@ -130,12 +130,11 @@ class SparseMoeBlock(nn.Module):
                 if hasattr(linear, "kernel_only"):
                     linear.kernel_only = True
 
-    def routed_token_counts(self) -> torch.Tensor:
-        """Tokens routed to each expert since the last call, and the count starts again."""
+    def routed_token_counts(self) -> list[int]:
+        """Tokens routed to each expert so far (each token counted once for each of its top-k experts)."""
         if self.routed_tokens is None:
-            return torch.zeros(self.num_experts, dtype=torch.int64)
-        counts, self.routed_tokens = self.routed_tokens, None  # made under inference mode: replaced, not zeroed
-        return counts.clone()
+            return [0] * self.num_experts
+        return self.routed_tokens.tolist()
 
 
 def _expert(config: PretrainedConfig, parallel: ParallelGroups, intermediate: int) -> MLP:
