@@ -118,3 +118,22 @@ def test_a_gguf_moe_config_routes_as_transformers_config(moe_dirs, tmp_path, fam
     assert isinstance(ours, GGUFConfig) and ours.model_type == family
     assert moe_shape(ours) == moe_shape(load_hf_config(resolve_model(str(moe_dirs[family])))) is not None
     assert moe_shape(ours) == moe_shape(load_hf_config(source))
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_dense_first"])
+def test_the_planner_counts_every_expert_for_memory_and_the_chosen_for_time(moe_dirs, family: str) -> None:
+    """`lmserve plan`'s parameters are the checkpoint's own count; its active ones drop exactly the experts a token
+    does not read."""
+    import transformers
+
+    from lmserve.plan.model_spec import load_spec
+
+    spec = load_spec(str(moe_dirs[family]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_dirs[family])
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.num_params == total
+    shape = spec.moe
+    config = model.config
+    unread = sum((shape.num_experts - shape.top_k) * 3 * config.hidden_size * shape.expert_intermediate
+                 for i in range(config.num_hidden_layers) if shape.is_moe_layer(i))
+    assert spec.active_params == total - unread < total

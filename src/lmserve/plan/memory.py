@@ -79,6 +79,7 @@ class Shortage:
 class Plan:
     model: str
     num_params: int
+    active_params: int  # what one token reads (a mixture of experts: its top-k experts, not all)
     dtype: str
     kv_dtype: str
     layout: Layout
@@ -128,7 +129,7 @@ def activation_bytes(spec: ModelSpec, tp: int, num_tokens: int, nbytes: int) -> 
     """
     q = spec.q_size // tp
     kv = kv_heads_per_rank(spec, tp) * spec.head_dim
-    inter = blocks_needed(spec.intermediate_size, tp)
+    inter = blocks_needed(max(spec.mlp_width(i, active=True) for i in range(spec.num_layers)), tp)
     per_token = nbytes * (3 * spec.hidden_size + (q + 2 * kv) + q + 3 * inter) + 4 * 2 * spec.hidden_size
     return num_tokens * per_token
 
@@ -199,6 +200,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     return Plan(
         model=spec.name,
         num_params=spec.num_params,
+        active_params=spec.active_params,
         dtype=settings.dtype,
         kv_dtype=kv_dtype,
         layout=layout,
@@ -347,7 +349,9 @@ def render_plan(plan: Plan, options: list[LayoutOption]) -> str:
     d = plan.binding
     lay = plan.layout
     lines = [
-        f"model        {plan.model}: {plan.num_params / 1e9:.3f} B parameters, weights {plan.dtype}, KV {plan.kv_dtype}",
+        f"model        {plan.model}: {plan.num_params / 1e9:.3f} B parameters"
+        + (f" ({plan.active_params / 1e9:.3f} B active a token)" if plan.active_params != plan.num_params else "")
+        + f", weights {plan.dtype}, KV {plan.kv_dtype}",
         (f"layout       TP {lay.tp} × PP {lay.pp} × {lay.replicas} replica(s) = {lay.gpus} device(s) of "
          f"{gib(plan.device_memory)}"),
         f"target       {plan.concurrency} request(s) × {plan.context} tokens (max_model_len {plan.max_model_len})",

@@ -10,13 +10,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lmserve.config import (
+    FULL_QK_NORM_MODEL_TYPES,
     GEMMA_MODEL_TYPES,
     QK_NORM_MODEL_TYPES,
+    QKV_BIAS_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     default_layer_types,
 )
 from lmserve.kv_groups import KVCacheGroups, kv_cache_groups
 from lmserve.kv_sizing import blocks_needed
+from lmserve.moe_shape import MoeShape, moe_shape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -66,6 +69,8 @@ class ModelSpec:
     # its window, not the whole context (lmserve.kv_groups, as the engine groups them).
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # A mixture of experts' routing (lmserve.moe_shape): memory counts every expert, time the ones a token reads.
+    moe: MoeShape | None = None
 
     def kv_groups(self, hybrid: bool = True) -> KVCacheGroups:
         return kv_cache_groups(self.layer_types or ("full_attention",) * self.num_layers, self.sliding_window, hybrid)
@@ -103,13 +108,14 @@ class ModelSpec:
             intermediate_size=int(cfg["intermediate_size"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # As the model code decides it (worker/models/llama.py): Qwen2 always has q/k/v biases.
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type in QKV_BIAS_MODEL_TYPES or bool(cfg.get("attention_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
             qk_norm=model_type in QK_NORM_MODEL_TYPES,
             norms_per_layer=4 if model_type in GEMMA_MODEL_TYPES else 2,
             layer_types=tuple(cfg.get("layer_types") or default_layer_types(
                 model_type, int(cfg["num_hidden_layers"]), cfg.get("sliding_window"))),
             sliding_window=cfg.get("sliding_window"),
+            moe=moe_shape(cfg),
         )
 
     @property
@@ -126,7 +132,26 @@ class ModelSpec:
         (worker/models/llama.decoder_linear_weights, from the same config)."""
         kv_size = self.num_kv_heads * self.head_dim
         attention = self.hidden_size * (2 * self.q_size + 2 * kv_size)
-        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+        return sum(attention + 3 * self.hidden_size * self.mlp_width(i, active=True) for i in range(self.num_layers))
+
+    def mlp_width(self, layer: int, active: bool = False) -> int:
+        """Layer `layer`'s MLP columns: a dense layer's; a MoE layer's every expert's (active: the top-k and the
+        shared expert's, what one token reads)."""
+        if self.moe is None:
+            return self.intermediate_size
+        if not self.moe.is_moe_layer(layer):
+            return self.moe.dense_intermediate
+        experts = self.moe.top_k if active else self.moe.num_experts
+        return experts * self.moe.expert_intermediate + self.moe.shared_intermediate
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token reads: all of a dense model's; a MoE's attention, top-k and shared experts,
+        routers, embedding and head (what a decode step's time scales with)."""
+        if self.moe is None:
+            return self.num_params
+        return self.num_params - 3 * self.hidden_size * sum(
+            self.mlp_width(i) - self.mlp_width(i, active=True) for i in range(self.num_layers))
 
 
 def load_spec(model: str | None = None, config_file: str | None = None) -> ModelSpec:
@@ -196,7 +221,9 @@ def check_layout(spec: ModelSpec, layout: Layout) -> None:
     if min(tp, pp, layout.replicas) < 1:
         raise ValueError(f"-tp, -pp and -dp must be >= 1, got {tp}, {pp} and {layout.replicas}")
     sizes = {"attention heads": spec.num_heads, "KV heads": spec.num_kv_heads,
-             "MLP intermediate size": spec.intermediate_size}
+             "MLP intermediate size": spec.intermediate_size if spec.moe is None else spec.moe.expert_intermediate}
+    if spec.moe is not None and spec.moe.shared_intermediate:
+        sizes["shared expert intermediate size"] = spec.moe.shared_intermediate
 
     def splits(size: int) -> list[str]:
         return [f"{n} {what}" if what.endswith("heads") else f"{what} {n}" for what, n in sizes.items()
@@ -227,16 +254,24 @@ def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> dict[str, int]:
     tp, h = layout.tp, spec.hidden_size
     q = spec.q_size // tp
     kv = kv_heads_per_rank(spec, tp) * spec.head_dim
-    inter = blocks_needed(spec.intermediate_size, tp)
     attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if spec.qkv_bias else 0)
     qk_norms = 2 * spec.head_dim if spec.qk_norm else 0  # replicated on every rank, as the other norms
-    per_layer = attention + 3 * h * inter + spec.norms_per_layer * h + qk_norms  # q/k/v/o, gate/up/down, norms
+    if spec.model_type in FULL_QK_NORM_MODEL_TYPES:  # OLMoE: one weight over all of q's heads and all of k's
+        qk_norms = q + kv
+    first_layer = sum(layers_in_stage(spec.num_layers, layout.pp, s) for s in range(stage))
+    layers = 0
+    for index in range(first_layer, first_layer + layers_in_stage(spec.num_layers, layout.pp, stage)):
+        # q/k/v/o, gate/up/down (every expert's, each split by columns), norms, a MoE layer's router and shared gate
+        mlp = 3 * h * blocks_needed(spec.mlp_width(index), tp)
+        if spec.moe is not None and spec.moe.is_moe_layer(index):
+            mlp += h * spec.moe.num_experts + (h if spec.moe.shared_intermediate else 0)
+        layers += attention + mlp + spec.norms_per_layer * h + qk_norms
     embedding = blocks_needed(spec.vocab_size, tp) * h  # vocabulary-parallel under TP
     first, last = stage == 0, stage == layout.pp - 1
     # Tied embeddings under PP: the last stage keeps its own copy of the embedding to serve as the head.
     head = embedding if last and (not spec.tie_word_embeddings or not first) else 0
     return {
         "embedding": embedding if first else 0,
-        "layers": layers_in_stage(spec.num_layers, layout.pp, stage) * per_layer,
+        "layers": layers,
         "final_norm_and_head": (h + head) if last else 0,
     }
