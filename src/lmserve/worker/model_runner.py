@@ -329,12 +329,12 @@ class ModelRunner:
             return None
         return out
 
-    @torch.inference_mode()
     def expert_load(self) -> dict[str, list[int]]:
         """Tokens routed to each expert so far, by the index of each mixture-of-experts layer this rank runs (as a
         string: the engine sends it on as JSON); empty for a model without experts."""
         return {str(index): block.routed_token_counts() for index, block in self.model.moe_blocks().items()}
 
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens on the driver rank (the only rank with one rank); None on the other ranks,
         which take their part in the same forward pass. A consumer's KV loads run beside it (worker/kv_transfer.py):
