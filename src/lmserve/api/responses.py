@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lmserve.api.errors import NotFoundError
 from lmserve.api.json_fields import JsonObject
@@ -67,6 +67,14 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     prompt: JsonObject | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _bounded_items(cls, value: Any) -> Any:
+        # Before the items are validated, and in words: the union's own error says only "should be a string".
+        if isinstance(value, list) and len(value) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"input has {len(value)} items; at most {MAX_CHAT_MESSAGES} are allowed")
+        return value
 
     def to_chat(self) -> dict[str, Any]:
         """The chat completion request this one means (validated by the chat path's own model)."""

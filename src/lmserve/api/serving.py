@@ -59,6 +59,7 @@ from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams, StructuredOutputsParams
+from lmserve.structured_output import GrammarError
 
 
 class OpenAIServing:
@@ -97,6 +98,8 @@ class OpenAIServing:
             await group.start()
         except RequestError:
             raise
+        except GrammarError as exc:  # the front-end's grammar check: response_format, structured_outputs, a tool
+            raise RequestError(str(exc), "structured_outputs") from exc
         except ValueError as exc:  # the engine client's input validation (PromptTooLongError included)
             raise RequestError.from_value_error(exc) from exc
 
