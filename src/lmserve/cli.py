@@ -16,6 +16,9 @@ from lmserve.config import (
     engine_kwargs,
 )
 
+# The API key from the environment, where other local users cannot read it (argv is in `ps` for all).
+API_KEY_VARIABLE = "LMSERVE_API_KEY"
+
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from lmserve import LLM, SamplingParams
@@ -91,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     code = asyncio.run(serve(
-        config, host=args.host, port=args.port, api_key=args.api_key,
+        config, host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
         served_model_name=args.served_model_name, log_level=args.log_level.lower(), request_log=args.request_log,
         api_cpus=api_cpus, max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -157,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=_port, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize, /debug, the dashboard's "
+                          f"data and the API docs; default: ${API_KEY_VARIABLE} (which `ps` does not show), as vLLM "
+                          "reads VLLM_API_KEY")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model's names in the API: requests may use any, responses and /metrics the first "
                           "(default: the model argument)")

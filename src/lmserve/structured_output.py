@@ -14,9 +14,13 @@ import json
 import re
 from typing import Any
 
+from lmserve.json_limits import loads_bounded
 from lmserve.sampling_params import StructuredOutputsParams
 
 MAX_SCHEMA_COUNT = 100_000
+# Properties of one object in a schema: xgrammar's compile against the vocabulary grows as their square when they
+# are optional (100: 0.17 s, 400: 1.6 s, 1,400: 30 s on one core).
+MAX_SCHEMA_PROPERTIES = 256
 _COUNT_KEYWORDS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"}
 # JSON schema keywords xgrammar 0.2.8 accepts but does not enforce (a violating value completes the grammar).
 _IGNORED_BY_XGRAMMAR = {"not", "if", "then", "else", "allOf", "uniqueItems", "contains", "minContains", "maxContains",
@@ -26,6 +30,12 @@ _SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
 _SUBSCHEMA_LISTS = {"anyOf", "oneOf", "prefixItems"}
 _SUBSCHEMAS = {"items", "additionalProperties", "propertyNames", "additionalItems", "unevaluatedProperties"}
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# A repetition's counts (`a{0,1000000000}` in a regex, a schema's pattern or an EBNF grammar): xgrammar expands
+# them, so its build time and memory grow with them (a pattern's {0,10000}: 16 s); no answer a context-bounded
+# model gives needs more.
+MAX_REPEAT_COUNT = 1000
+_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_EBNF_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 class GrammarError(ValueError):
@@ -52,7 +62,7 @@ def build_grammar(kind: str, text: str, json_whitespace: bool = False) -> Any:
     xgr = xgrammar()
     try:
         if kind == "json":
-            schema = json.loads(text)
+            schema = loads_bounded(text, "the JSON schema")
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
             _check_schema(schema)
@@ -63,10 +73,12 @@ def build_grammar(kind: str, text: str, json_whitespace: bool = False) -> Any:
         if kind == "regex":
             if _LOOKAROUND.search(text):  # xgrammar would warn and drop it
                 raise GrammarError("invalid regex for structured output: lookaround is not supported")
+            _check_repeats(text, "regex")
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(text.split("\x00")))
         if kind == "grammar":
+            _check_repeats(_EBNF_LITERAL.sub('""', text), "grammar")  # a quoted "{5}" is text, not a repeat
             return xgr.Grammar.from_ebnf(text)
     except GrammarError:
         raise
@@ -91,16 +103,33 @@ def _check_schema(root: Any) -> None:
                 raise GrammarError(f"unsupported JSON schema feature {key!r}: the grammar cannot enforce it")
             if key == "multipleOf" and schema.get("type") != "integer":
                 raise GrammarError("unsupported JSON schema feature 'multipleOf' outside an integer")
-            if key == "pattern" and isinstance(value, str) and _LOOKAROUND.search(value):
-                raise GrammarError("unsupported JSON schema feature: lookaround in a pattern")
+            if key == "pattern" and isinstance(value, str):
+                if _LOOKAROUND.search(value):
+                    raise GrammarError("unsupported JSON schema feature: lookaround in a pattern")
+                _check_repeats(value, "json")
+            if key == "patternProperties" and isinstance(value, dict):
+                for pattern in value:
+                    _check_repeats(pattern, "json")
             if key in _COUNT_KEYWORDS and isinstance(value, int | float) and value > MAX_SCHEMA_COUNT:
                 raise GrammarError(f"invalid json for structured output: {key}={value} is above {MAX_SCHEMA_COUNT}")
+            if key == "properties" and isinstance(value, dict) and len(value) > MAX_SCHEMA_PROPERTIES:
+                raise GrammarError(f"invalid json for structured output: an object has {len(value)} properties; at "
+                                   f"most {MAX_SCHEMA_PROPERTIES} are allowed")
             if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
                 stack.extend(value.values())
             elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
                 stack.extend(value)
             elif key in _SUBSCHEMAS:
                 stack.append(value)
+
+
+def _check_repeats(pattern: str, kind: str) -> None:
+    """Refuses a repetition `{m}`, `{m,}` or `{m,n}` whose counts pass MAX_REPEAT_COUNT."""
+    for match in _REPEAT.finditer(pattern):
+        for count in match.groups():
+            if count and (len(count) > 9 or int(count) > MAX_REPEAT_COUNT):
+                raise GrammarError(f"invalid {kind} for structured output: the repetition {match.group(0)[:40]} "
+                                   f"counts past {MAX_REPEAT_COUNT}, the most a repetition may count")
 
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:

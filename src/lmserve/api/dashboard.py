@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -179,6 +180,8 @@ async def event_stream(request: Request, interval: float) -> AsyncIterator[str]:
 
 @router.get("/dashboard/api/events")
 async def events(request: Request, interval: float = Query(DEFAULT_INTERVAL_S)) -> Response:
+    if not math.isfinite(interval):  # max(nan, 0.2) is nan: an unthrottled stream
+        return error_response(400, f"interval must be a finite number of seconds, got {interval}", "interval")
     interval = min(max(interval, MIN_INTERVAL_S), MAX_INTERVAL_S)
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(event_stream(request, interval), media_type="text/event-stream", headers=headers)

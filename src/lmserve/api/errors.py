@@ -13,7 +13,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from lmserve.api.body import BodyTooLargeError, InvalidBodyError
+from lmserve.api.body import BodyTimeoutError, BodyTooLargeError, InvalidBodyError
 from lmserve.api.protocol import ErrorInfo, ErrorResponse
 from lmserve.api.request_error import RequestError
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
@@ -31,6 +31,7 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -95,6 +96,10 @@ def exception_to_response(exc: Exception) -> Response:
         return error_response(400, *_validation_message(exc))
     if isinstance(exc, BodyTooLargeError):
         return error_response(413, str(exc))
+    if isinstance(exc, BodyTimeoutError):
+        response = error_response(408, str(exc))
+        response.headers["Connection"] = "close"  # the rest of the body is not worth waiting for
+        return response
     if isinstance(exc, QueueFullError):
         response = error_response(429, str(exc))
         response.headers["Retry-After"] = str(RETRY_AFTER_S)

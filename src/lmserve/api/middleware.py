@@ -1,22 +1,27 @@
-"""ASGI middleware: the API key check and the arrival stamp, both before anything else runs (body parsing included).
+"""ASGI middleware: the API key check and the arrival stamp, both before anything else runs (body parsing included),
+and the deadline of a request's body.
 
 Pure ASGI rather than BaseHTTPMiddleware, which would get in the way of streaming and disconnect detection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from fastapi import Request
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmserve.api.body import BodyTimeoutError
 from lmserve.api.errors import error_response
 from lmserve.metrics.clock import now
 
 # Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers,
-# and the dashboard page and its static files load without it (the page then asks for the key).
-PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize")
+# and the dashboard page and its static files load without it (the page then asks for the key). The API docs are
+# guarded: they list every route and schema, which tells an unauthenticated visitor what to try.
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize", "/docs", "/redoc",
+                      "/openapi.json")
 
 
 class ApiKeyMiddleware:
@@ -54,3 +59,38 @@ class ArrivalStampMiddleware:
 
 def arrival_time(request: Request) -> float:
     return getattr(request.state, "arrival_time", None) or now()
+
+
+# A body trickled one byte at a time held its connection and handler open without end; 8 MiB at 2 Mbit/s is 34 s.
+BODY_TIMEOUT_S = 60.0
+
+
+class BodyDeadlineMiddleware:
+    """Cuts off a request whose body has not all arrived BODY_TIMEOUT_S after its headers: the handler reading it
+    gets BodyTimeoutError (a 408, and the connection is closed). Once the body is complete, receive() is left alone:
+    it then waits for the client's disconnect, which may come at any time."""
+
+    def __init__(self, app: ASGIApp, timeout: float = BODY_TIMEOUT_S) -> None:
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = now() + self.timeout
+        body_done = False
+
+        async def receive_in_time() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - now(), 0.0))
+            except TimeoutError:
+                raise BodyTimeoutError(f"the request body did not arrive within {self.timeout:g} s") from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, receive_in_time, send)

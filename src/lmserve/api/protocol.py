@@ -8,16 +8,25 @@ Ranges are SamplingParams' (lmserve.sampling_params) and the front-end's, so the
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from lmserve.api.json_fields import JsonObject
 from lmserve.api.request_error import RequestError
 from lmserve.api.structured_request import ResponseFormat, StructuredOutputsRequest, structured_outputs_of
 from lmserve.api.tools import ToolChoice, Tools
+from lmserve.json_limits import MAX_JSON_DEPTH, JsonTooDeepError, check_json_depth, loads_bounded
 from lmserve.outputs import Logprobs
 from lmserve.sampling_params import MAX_TOKEN_ID_ENTRIES, SamplingParams
 
@@ -35,6 +44,14 @@ MAX_CHOICES_PER_REQUEST = 1024
 MAX_CACHE_SALT_CHARS = 256
 # A priority travels to the engine as a 64-bit integer.
 PRIORITY_RANGE = (-(2**63), 2**63 - 1)
+# OpenAI's bounds on `metadata` (chat and Responses): 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# Turns of one chat (and input items of one response): each is rendered by the chat template, in Python.
+MAX_CHAT_MESSAGES = 4096
+# Calls of one assistant turn in a chat's history (as many as a request may have tools).
+MAX_HISTORY_TOOL_CALLS = 128
 
 
 def _now() -> int:
@@ -50,6 +67,22 @@ class OpenAIRequestModel(BaseModel):
 
 
 # ------------------------------------------------------------------------------------------------ requests
+
+
+def _bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise ValueError(f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"metadata key {key[:20]!r}... is {len(key)} characters; at most "
+                             f"{MAX_METADATA_KEY_CHARS} are allowed")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata[{key!r}] is {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS} "
+                             "are allowed")
+    return metadata
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
 
 
 class StreamOptions(OpenAIRequestModel):
@@ -93,14 +126,14 @@ class _SamplingRequest(OpenAIRequestModel):
     # OpenAI's bookkeeping fields: accepted, no effect on the answer.
     user: str | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: JsonObject | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -302,6 +335,32 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's values
 
 
+def _history_tool_calls_problem(tool_calls: Any) -> str | None:
+    """What is wrong with an assistant turn's `tool_calls`, which chat templates index without checking; None when
+    they are in OpenAI's shape: `[{"id": str, "type": "function", "function": {"name": str, "arguments": str}}]`
+    (arguments may also be the object)."""
+    if not isinstance(tool_calls, list):
+        return "tool_calls must be a list of tool calls"
+    if len(tool_calls) > MAX_HISTORY_TOOL_CALLS:
+        return f"tool_calls has {len(tool_calls)} calls; at most {MAX_HISTORY_TOOL_CALLS} are allowed"
+    for index, call in enumerate(tool_calls):
+        where = f"tool_calls[{index}]"
+        if not isinstance(call, dict):
+            return f'{where} must be an object {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+        function = call.get("function")
+        if not isinstance(function, dict):
+            return f"{where}.function must be an object with a name and arguments"
+        if not isinstance(function.get("name"), str):
+            return f"{where}.function.name must be a string"
+        if not isinstance(function.get("arguments", ""), str | dict):
+            return f"{where}.function.arguments must be a JSON string (or an object)"
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            return f"{where}.id must be a string"
+        if call.get("type", "function") != "function":
+            return f"{where}.type must be 'function'"
+    return None
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, tool_call_id, ...) travel to the chat template untouched.
     model_config = ConfigDict(extra="allow", strict=True)
@@ -313,6 +372,13 @@ class ChatMessage(BaseModel):
         # As OpenAI: only an assistant turn that calls tools may come without content.
         if self.content is None and not (self.role == "assistant" and getattr(self, "tool_calls", None)):
             raise ValueError(f"a {self.role!r} message needs content")
+        extra = self.model_extra or {}
+        check_json_depth(extra, "a message", MAX_JSON_DEPTH)
+        for key in ("name", "tool_call_id"):
+            if extra.get(key) is not None and not isinstance(extra[key], str):
+                raise ValueError(f"{key} must be a string")
+        if extra.get("tool_calls") is not None and (problem := _history_tool_calls_problem(extra["tool_calls"])):
+            raise ValueError(problem)
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
@@ -321,10 +387,12 @@ class ChatMessage(BaseModel):
         # OpenAI sends a call's arguments as JSON text; chat templates (Qwen's, Llama's) render them with tojson and
         # expect the object, as vLLM hands them over.
         for call in message.get("tool_calls") or ():
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            function = call["function"]
+            if isinstance(function.get("arguments"), str):
                 try:
-                    function["arguments"] = json.loads(function["arguments"])
+                    function["arguments"] = loads_bounded(function["arguments"], "a tool call's arguments")
+                except JsonTooDeepError as exc:
+                    raise RequestError(str(exc), "messages") from None
                 except ValueError:
                     pass  # not JSON: the template gets the text as sent
         return message
@@ -345,7 +413,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
@@ -358,7 +426,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # The last message left open for the model to go on with (a prefilled assistant turn), as vLLM.
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False  # on top of the template's own (which hold BOS and turn markers)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     # vLLM's: the answer starts with the last message's text when that message is the assistant's (a prefill the
     # model continued), so the client gets the whole turn back.
     echo: bool | None = False
@@ -411,11 +479,11 @@ class TokenizeRequest(OpenAIRequestModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_CHAT_MESSAGES)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     tools: Tools | None = None  # in the template, as a chat request puts them: they count
     return_token_strs: bool | None = False  # each token's own text beside its id
 

@@ -17,13 +17,21 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lmserve.api.errors import NotFoundError
-from lmserve.api.protocol import ChatCompletionChoice, ChatCompletionStreamChoice, UsageInfo
+from lmserve.api.json_fields import JsonObject
+from lmserve.api.protocol import (
+    MAX_CHAT_MESSAGES,
+    ChatCompletionChoice,
+    ChatCompletionStreamChoice,
+    Metadata,
+    UsageInfo,
+)
 from lmserve.api.request_error import RequestError
+from lmserve.api.tool_parsers.common import json_text
 
 
 class ResponsesRequest(BaseModel):
@@ -32,33 +40,41 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[JsonObject], Field(max_length=MAX_CHAT_MESSAGES)]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = False
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # effort reaches the chat template as reasoning_effort; no summaries
+    text: JsonObject | None = None
+    reasoning: JsonObject | None = None  # effort reaches the chat template as reasoning_effort; no summaries
     # Bookkeeping: accepted, no effect on the answer (nothing is stored).
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: JsonObject | None = None
     # Refused unless absent or off: lmserve keeps no state and runs nothing in the background.
     previous_response_id: str | None = None
-    conversation: str | dict[str, Any] | None = None
+    conversation: str | JsonObject | None = None
     background: bool | None = None
-    prompt: dict[str, Any] | None = None
+    prompt: JsonObject | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _bounded_items(cls, value: Any) -> Any:
+        # Before the items are validated, and in words: the union's own error says only "should be a string".
+        if isinstance(value, list) and len(value) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"input has {len(value)} items; at most {MAX_CHAT_MESSAGES} are allowed")
+        return value
 
     def to_chat(self) -> dict[str, Any]:
         """The chat completion request this one means (validated by the chat path's own model)."""
@@ -101,7 +117,7 @@ class ResponsesRequest(BaseModel):
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "assistant", "system", "developer"):
-                    raise RequestError(f"input[{index}] has role {role!r}; use user, assistant, system or developer",
+                    raise RequestError(f"input[{index}] has role {_short(role)}; use user, assistant, system or developer",
                                        "input")
                 messages.append({"role": role, "content": _text(item.get("content"), index)})
             elif kind == "function_call":
@@ -120,9 +136,15 @@ class ResponsesRequest(BaseModel):
             elif kind == "reasoning":
                 continue  # an earlier turn's thinking: chat templates drop it too
             else:
-                raise RequestError(f"input[{index}] is of type {kind!r}; lmserve takes message, function_call, "
+                raise RequestError(f"input[{index}] is of type {_short(kind)}; lmserve takes message, function_call, "
                                    "function_call_output and reasoning items", "input")
         return messages
+
+
+def _short(value: Any) -> str:
+    """A client's value quoted in an error message, however large it is."""
+    text = repr(value) if isinstance(value, str | int | float | bool | None) else type(value).__name__
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def _string(item: dict[str, Any], key: str, index: int) -> str:
@@ -142,7 +164,7 @@ def _text(content: Any, index: int) -> str:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise RequestError(f"input[{index}] has a content part of type {kind!r}; only text parts are supported",
+            raise RequestError(f"input[{index}] has a content part of type {_short(kind)}; only text parts are supported",
                                "input")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -150,7 +172,7 @@ def _text(content: Any, index: int) -> str:
 
 def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function":
-        raise RequestError(f"tools of type {tool.get('type')!r} are not supported; lmserve runs function tools",
+        raise RequestError(f"tools of type {_short(tool.get('type'))} are not supported; lmserve runs function tools",
                            "tools")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
     return {"type": "function", "function": function}
@@ -161,20 +183,25 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestError(f"tool_choice {json.dumps(choice)[:200]} is not supported; use auto, none, required or "
+    raise RequestError(f"tool_choice {json.dumps(choice, ensure_ascii=False)[:200]} is not supported; use auto, none, required or "
                        '{"type": "function", "name": ...}', "tool_choice")
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
         return None
-    if fmt.get("type") == "json_object":
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise RequestError('text.format must be an object with a type: {"type": "text"}, {"type": "json_object"} or '
+                           '{"type": "json_schema", "name": ..., "schema": {...}}', "text")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
         return {"type": "json_object"}
-    if fmt.get("type") == "json_schema":
+    if fmt["type"] == "json_schema":
         schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
         return {"type": "json_schema", "json_schema": schema}
-    raise RequestError(f"text.format of type {fmt.get('type')!r} is not supported; use text, json_object or "
+    raise RequestError(f"text.format of type {fmt['type'][:100]!r} is not supported; use text, json_object or "
                        "json_schema", "text")
 
 
@@ -189,7 +216,7 @@ class ResponseBody(BaseModel):
 
 def typed_sse(event: dict[str, Any]) -> str:
     """One Responses stream event, named as OpenAI names them (`event:` then `data:`)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {json_text(event)}\n\n"
 
 
 def new_id(prefix: str) -> str:

@@ -97,12 +97,14 @@ async def serve(
     # API's schemas, ~1 s) overlap the engine's start-up instead of delaying it.
     import uvicorn
 
+    from lmserve.api.connections import MAX_CONNECTIONS, DeadlineH11Protocol
     from lmserve.api.server import build_app
 
     app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log,
                     max_request_body_bytes=max_request_body_bytes, tools=tools, allowed_origins=allowed_origins)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                       http=DeadlineH11Protocol, limit_concurrency=MAX_CONNECTIONS)
     )
     app.state.is_shutting_down = lambda: server.should_exit  # long-lived streams (the dashboard) end on it
     exit_code = 0

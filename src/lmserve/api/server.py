@@ -7,6 +7,7 @@ It reaches the engine only through the front-end's `EngineClient`; tokenizing, s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -21,7 +22,12 @@ from lmserve import __version__
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
 from lmserve.api.errors import ErrorMappingRoute, ModelNotFoundError, NotFoundError, exception_to_response
-from lmserve.api.middleware import ApiKeyMiddleware, ArrivalStampMiddleware
+from lmserve.api.middleware import (
+    BODY_TIMEOUT_S,
+    ApiKeyMiddleware,
+    ArrivalStampMiddleware,
+    BodyDeadlineMiddleware,
+)
 from lmserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,7 +91,8 @@ async def get_response(response_id: str) -> Response:
 async def tokenize(raw: Request) -> Response:
     require_engine_ready(raw)
     req = await parse_body(raw, TokenizeRequest, raw.app.state.max_request_body_bytes)
-    return json_response(_serving(raw).tokenize(req))
+    # Messages go through the chat template (Python): on a worker thread, as a chat request's do.
+    return json_response(await asyncio.to_thread(_serving(raw).tokenize, req))
 
 
 @plain.post("/detokenize")
@@ -160,6 +167,7 @@ def build_app(
     client: EngineClient, api_key: str | None = None, served_model_name: str | Sequence[str] | None = None,
     request_log: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tools: ToolConfig | None = None, allowed_origins: Sequence[str] | None = None,
+    body_timeout: float = BODY_TIMEOUT_S,
 ) -> FastAPI:
     app = FastAPI(title="lmserve", version=__version__)
     app.state.max_request_body_bytes = max_request_body_bytes
@@ -175,6 +183,7 @@ def build_app(
     app.include_router(dashboard_router)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(RequestValidationError, _http_exception)
+    app.add_middleware(BodyDeadlineMiddleware, timeout=body_timeout)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if allowed_origins:

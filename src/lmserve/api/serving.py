@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -57,7 +58,8 @@ from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.outputs import RequestOutput
-from lmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from lmserve.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams, StructuredOutputsParams
+from lmserve.structured_output import GrammarError
 
 
 class OpenAIServing:
@@ -96,6 +98,8 @@ class OpenAIServing:
             await group.start()
         except RequestError:
             raise
+        except GrammarError as exc:  # the front-end's grammar check: response_format, structured_outputs, a tool
+            raise RequestError(str(exc), "structured_outputs") from exc
         except ValueError as exc:  # the engine client's input validation (PromptTooLongError included)
             raise RequestError.from_value_error(exc) from exc
 
@@ -231,7 +235,13 @@ class OpenAIServing:
             raise RequestError("a forced tool call cannot be combined with response_format or structured_outputs",
                                "tool_choice")
         schema = constraint_schema(req.tools, choice, max_calls)
-        params.structured_outputs = StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))  # as MAX_TOOL_PARAMETERS_BYTES counts
+        try:
+            params.structured_outputs = StructuredOutputsParams(json=text)
+        except ValueError:
+            what = "the tools' schemas together" if choice == "required" else "the named tool's schema"
+            raise RequestError(f"a forced tool call constrains the output to {what}, {len(text)} characters of "
+                               f"JSON; a grammar may be at most {MAX_GRAMMAR_CHARS}", "tools") from None
         return ToolOutput(choice, max_calls=max_calls)
 
     def _reasoning_output(
@@ -263,7 +273,9 @@ class OpenAIServing:
         return ids[0] if len(ids) == 1 else None
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        group, choices, response_id = self._chat(req, raw)
+        # The chat template is Python over every message: on a worker thread, so that a long conversation never
+        # holds up the other clients' requests (its bytecode lets the event loop's thread in every few ms).
+        group, choices, response_id = await asyncio.to_thread(self._chat, req, raw)
         # OpenAI's first chunk of each choice carries the role; with echo, the next one the echoed text (as vLLM).
         prelude = [[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                    for i in range(choices.n)]
@@ -293,13 +305,18 @@ class OpenAIServing:
                               echoed, reasoning)
         return group, choices, response_id
 
-    async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
-        """/v1/responses: the chat request it means (api/responses.py), its one choice as Responses output."""
+    def _response_chat(
+        self, req: ResponsesRequest, raw: Request
+    ) -> tuple[ChatCompletionRequest, tuple[RequestGroup, ChatChoices, str]]:
         try:
             chat = ChatCompletionRequest.model_validate(req.to_chat())
         except ValidationError as exc:
             raise InvalidBodyError(exc) from None
-        group, choices, _ = self._chat(chat, raw)
+        return chat, self._chat(chat, raw)
+
+    async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
+        """/v1/responses: the chat request it means (api/responses.py), its one choice as Responses output."""
+        chat, (group, choices, _) = await asyncio.to_thread(self._response_chat, req, raw)
         shell = ResponseShell(req, self.model_name)
         if not chat.stream:
             await self._collect_into(group, choices, raw)

@@ -4,6 +4,7 @@ timelines once the last byte is written (or the client is gone)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 from starlette.types import Receive, Scope, Send
 
 from lmserve.api.choices import Choices
@@ -35,7 +37,13 @@ def dump_json(payload: BaseModel) -> str:
     choices = getattr(payload, "choices", None) or []
     if all(getattr(c, "prompt_logprobs", None) is None for c in choices):
         exclude["choices"] = {"__all__": {"prompt_logprobs"}}
-    return payload.model_dump_json(exclude=exclude or None)
+    try:
+        return payload.model_dump_json(exclude=exclude or None)
+    except PydanticSerializationError:
+        # A lone surrogate a parser let through (UTF-8 cannot carry it): ASCII JSON escapes it, and the answer
+        # still goes out rather than a 500 or a broken stream.
+        logger.warning("a response held text UTF-8 cannot carry; sent with it escaped")
+        return json.dumps(payload.model_dump(exclude=exclude or None))
 
 
 def sse(payload: BaseModel) -> str:

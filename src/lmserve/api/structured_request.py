@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lmserve.api.json_fields import JsonObject
 from lmserve.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 
 
@@ -18,7 +19,7 @@ class _Strict(BaseModel):
 class JsonSchemaFormat(_Strict):
     name: str = Field(default="response", max_length=256)
     description: str | None = Field(default=None, max_length=4096)
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None  # lmserve always follows the schema
 
 
@@ -34,7 +35,7 @@ class StructuredOutputsRequest(_Strict):
     so nothing falls back), and so is `disable_additional_properties` (xgrammar's strict mode already keeps objects
     to their schema's properties unless the schema allows more, as in vLLM's xgrammar backend)."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: JsonObject | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -90,7 +91,7 @@ def structured_outputs_of(
 
 
 def _schema_text(schema: dict[str, Any]) -> str:
-    text = json.dumps(schema, ensure_ascii=False)
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"invalid sampling parameter structured_outputs: the JSON schema is {len(text)} characters; "
                          f"at most {MAX_GRAMMAR_CHARS} are allowed")

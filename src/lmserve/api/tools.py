@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from lmserve.api.json_fields import JsonObject
 from lmserve.api.request_error import RequestError
 from lmserve.api.tool_parsers.common import (
     CALL_HEAD_WITHIN,
@@ -39,7 +40,7 @@ class _ToolModel(BaseModel):
 class FunctionDefinition(_ToolModel):
     name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = Field(default=None, max_length=MAX_TOOL_DESCRIPTION_CHARS)
-    parameters: dict[str, Any] | None = None  # a JSON schema; absent means "no parameters"
+    parameters: JsonObject | None = None  # a JSON schema; absent means "no parameters"
     strict: bool | None = None  # OpenAI's; lmserve always follows the schema when it constrains
 
     @field_validator("parameters")

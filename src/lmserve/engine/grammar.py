@@ -9,6 +9,7 @@ recomputed, the request keeps the matcher that accepted its output tokens, so no
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from lmserve.structured_output import build_grammar, xgrammar
 logger = logging.getLogger(__name__)
 
 MASK_THREADS = 1  # xgrammar's threads for one step's masks (the forward pass has the cores)
+# Grammars compiling at once: a slow one (a large schema) must not hold up the other constrained requests' grammars.
+COMPILE_THREADS = 4
 
 
 @dataclass
@@ -42,9 +45,10 @@ class GrammarManager:
         self.tokenizer_name = tokenizer_name
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._executor = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
         self._batch_matcher: Any = None
         self._compiler: Any = None  # built on the first constrained request: most servers never need one
+        self._compiler_lock = threading.Lock()
 
     def add(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs
@@ -56,12 +60,16 @@ class GrammarManager:
 
     def _compile(self, kind: str, text: str, json_whitespace: bool) -> Any:
         xgr = xgrammar()
+        with self._compiler_lock:  # built once, by the first of the threads
+            self._make_compiler(xgr)
+        return self._compiler.compile_grammar(build_grammar(kind, text, json_whitespace))
+
+    def _make_compiler(self, xgr: Any) -> None:
         if self._compiler is None:
             tokenizer = load_tokenizer(resolve_model(self.tokenizer_name))
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler.compile_grammar(build_grammar(kind, text, json_whitespace))
 
     def is_ready(self, request: Request) -> bool:
         """Whether the request may be scheduled (a constrained one once its grammar compiled, or failed)."""

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmserve.config import EngineConfig
@@ -37,7 +38,7 @@ from lmserve.models import resolve_model
 from lmserve.outputs import RequestOutput
 from lmserve.plan.layout import check_layout
 from lmserve.sampling_params import SamplingParams
-from lmserve.structured_output import check_structured_outputs
+from lmserve.structured_output import GrammarError, check_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,26 @@ def merge_into(pending: RequestOutput, delta: RequestOutput) -> None:
     pending.num_cached_tokens = delta.num_cached_tokens
     if delta.prompt_logprobs is not None:
         pending.prompt_logprobs = delta.prompt_logprobs
+
+
+# Grammars are checked on threads of their own, so that a slow one never takes a thread the API parses or renders
+# with; one that takes longer than GRAMMAR_CHECK_TIMEOUT_S is refused (its build goes on and is cached, so it
+# holds a thread until then: the request bounds of lmserve.structured_output keep any build well under a second).
+GRAMMAR_CHECK_THREADS = 4
+GRAMMAR_CHECK_TIMEOUT_S = 10.0
+_grammar_checks = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="grammar-check")
+
+
+async def check_grammar(params: SamplingParams, timeout: float = GRAMMAR_CHECK_TIMEOUT_S) -> None:
+    """A bad schema is the client's 400 here, not a failed request later; building it can take a while for a large
+    schema, so off the event loop (the grammar cache makes a repeated schema instant), and within `timeout`."""
+    check = asyncio.get_running_loop().run_in_executor(_grammar_checks, check_structured_outputs,
+                                                       params.structured_outputs)
+    try:
+        await asyncio.wait_for(asyncio.shield(check), timeout)
+    except TimeoutError:
+        raise GrammarError(f"invalid sampling parameter structured_outputs: its grammar took more than {timeout:g} "
+                           "s to build; simplify the schema, regex or grammar") from None
 
 
 class AsyncLLM:
@@ -193,9 +214,7 @@ class AsyncLLM:
         inputs.check_params(params, priority)  # before the tokenizer spends anything on the prompt
         self._check_queue_room(params.n)
         if params.structured_outputs is not None:
-            # A bad schema is the client's 400 here, not a failed request later; building it can take a while for
-            # a large schema, so off the event loop (the grammar cache makes a repeated schema instant).
-            await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
+            await check_grammar(params)
         processed = inputs.tokenize(prompt, truncate_to=params.truncate_prompt_tokens)
         requests = [inputs.make_request(request_id, processed, p, priority, arrival, cache_salt)
                     for p in child_params(params)]

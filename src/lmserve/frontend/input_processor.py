@@ -75,7 +75,9 @@ class InputProcessor:
             text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
             # The template already holds the special tokens (BOS and turn markers): more only when asked.
             return self.tokenize(text, add_special_tokens=add_special_tokens).token_ids
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError,
+                jinja2.TemplateError) as exc:
+            # A template indexes what the client sent without checking it: any of these is the messages' fault.
             raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:

@@ -17,6 +17,22 @@ _id_random = random.Random()
 JSON_WHITESPACE = " \t\n\r"
 
 
+# A model can write `"\ud800"` (a lone surrogate escape) in its JSON: json.loads turns it into a character that
+# UTF-8 cannot carry, so the response could not be written. What is re-serialised keeps it escaped.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(value: Any, **options: Any) -> str:
+    """json.dumps(value, ensure_ascii=False) with every lone surrogate written as its escape (`\\ud800`): the same
+    JSON value, in valid UTF-8 (a surrogate can only stand inside a string literal of JSON text)."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False, **options))
+
+
+def plain_text(text: str) -> str:
+    """A decoded string (a function name) with any lone surrogate replaced by U+FFFD, as a bad UTF-8 byte would be."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
 def make_tool_call_id() -> str:
     return "call_" + "".join(_id_random.choices(_ID_ALPHABET, k=24))
 
@@ -58,7 +74,7 @@ def call_from_object(obj: Any) -> ToolCall | None:
     arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(make_tool_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(make_tool_call_id(), plain_text(obj["name"]), json_text(arguments))
 
 
 def call_from_json(text: str) -> ToolCall | None:
@@ -192,7 +208,7 @@ class CanonicalJson:
         safe = self.pending if closed else whole_characters(self.pending)
         if safe:
             try:
-                out.append(json.dumps(json.loads(f'"{safe}"'), ensure_ascii=False)[1:-1])
+                out.append(json_text(json.loads(f'"{safe}"'))[1:-1])
             except ValueError:
                 self.failed = True
                 return
@@ -251,7 +267,7 @@ class StreamedCall:
         if head is None:
             return None, []
         try:
-            name = json.loads(f'"{head.group(1)}"')
+            name = plain_text(json.loads(f'"{head.group(1)}"'))
         except ValueError:
             return None, []
         if not name:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import json
 
 from lmserve.api.tool_parsers.common import (
     ExtractedToolCalls,
@@ -11,6 +10,7 @@ from lmserve.api.tool_parsers.common import (
     ToolCallStream,
     ToolParser,
     _CallsAtFinishStream,
+    json_text,
     make_tool_call_id,
 )
 
@@ -57,7 +57,7 @@ class PythonicToolParser(ToolParser):
                 except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                     return None
             try:
-                arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+                arguments_json = json_text(arguments, allow_nan=False)
             except (TypeError, ValueError):  # a set, bytes or a complex number: not JSON
                 return None
             calls.append(ToolCall(make_tool_call_id(), node.func.id, arguments_json))
