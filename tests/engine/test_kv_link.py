@@ -276,6 +276,29 @@ def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp
             process.wait()
 
 
+def test_orphans_are_matched_by_their_whole_name_not_a_piece_of_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host node1 shares a storage directory with host gpu-node1: gpu-node1's pins (`.pins-gpu-node1-p<pid>-<id>`)
+    end in "-node1-p<pid>", yet they are not node1's, whatever the pid: only a name that parses whole, with this
+    machine's name exactly, is a candidate. Names that only look alike (another prefix, a trailing part) stay."""
+    import subprocess
+    import sys
+
+    from lmserve.distributed import kv_storage
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(kv_storage.socket, "gethostname", lambda: "node1")
+    theirs = [f".pins-gpu-node1-p{gone.pid}-0123abcd", f".pins-node1-p{gone.pid}-0123abcd-x",
+              f"lmserve-kv-link-1-gpu-node1-p{gone.pid}-0123456789ab", f"x.pins-node1-p{gone.pid}-0123abcd"]
+    ours = [f".pins-node1-p{gone.pid}-0123abcd", f"lmserve-kv-link-14579-node1-p{gone.pid}-0123456789ab"]
+    for name in theirs + ours:
+        (tmp_path / name).mkdir()
+    assert kv_storage.owner(f".pins-gpu-node1-p{gone.pid}-0123abcd") == ("gpu-node1", gone.pid)
+    assert sorted(path.name for path in kv_storage.remove_orphans(tmp_path)) == sorted(ours)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(theirs)
+
+
 def test_a_consumers_rank_on_another_machine_than_its_engine_is_refused() -> None:
     """The consumer's engine pins blocks from the buffer of its own machine: a rank elsewhere (--nnodes, Ray) would
     fill a /dev/shm that engine never reads (every prompt computed again, the buffer left behind), so it refuses to

@@ -13,6 +13,7 @@ loads. The worker removes the pins it loaded.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -27,11 +28,20 @@ def block_file(directory: Path, name: str, rank: int) -> Path:
     return directory / f"{name}-r{rank}.kv"
 
 
-def _owner_pid(name: str, marker: str) -> int | None:
-    """The pid after `marker` in a directory name (`...<marker><pid>-<id>`), or None where the name holds none."""
-    head, found, rest = name.partition(marker)
-    pid = rest.split("-", 1)[0]
-    return int(pid) if found and head and pid.isdigit() else None
+# The names remove_orphans may remove, parsed whole: the machine is everything between the prefix and the last
+# "-p<pid>-<id>", compared with this machine's name exactly (host node1 must not take gpu-node1's for its own).
+_OWNED_NAMES = (re.compile(r"\.pins-(?P<host>.+)-p(?P<pid>[0-9]+)-[0-9a-f]{8}"),
+                re.compile(re.escape(BUFFER_PREFIX) + r"[0-9]+-(?P<host>.+)-p(?P<pid>[0-9]+)-[0-9a-f]{12}"))
+
+
+def owner(name: str) -> tuple[str, int] | None:
+    """(machine, pid) of the process that made a pin directory or a consumer buffer of this name; None for any
+    other name."""
+    for pattern in _OWNED_NAMES:
+        match = pattern.fullmatch(name)
+        if match is not None:
+            return match["host"], int(match["pid"])
+    return None
 
 
 def remove_orphans(base: Path) -> list[Path]:
@@ -41,16 +51,17 @@ def remove_orphans(base: Path) -> list[Path]:
     gone. Both name their machine: a storage directory may be shared between machines, and a buffer made by another
     node's ranks carries node 0's name and pid. Returns what it removed."""
     removed = []
-    marker = f"-{socket.gethostname()}-p"
+    host = socket.gethostname()
     try:
         entries = list(base.iterdir())
     except OSError:
         return removed
     for entry in entries:
-        if not entry.name.startswith((BUFFER_PREFIX, ".pins-")):
+        made_by = owner(entry.name)
+        if made_by is None or made_by[0] != host:
             continue
-        pid = _owner_pid(entry.name, marker)
-        if pid is not None and pid != os.getpid() and not process_alive(pid):
+        pid = made_by[1]
+        if pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
