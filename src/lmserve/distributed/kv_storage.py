@@ -12,6 +12,7 @@ loads. The worker removes the pins it loaded.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -22,6 +23,39 @@ from pathlib import Path
 
 from lmserve.kv_transfer_config import KV_LINK_BUFFER_PREFIX as BUFFER_PREFIX
 from lmserve.process_exit import process_alive
+
+SAMPLE_BYTES = 1 << 20  # read at the start, middle and end of each weight file for its fingerprint
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def model_fingerprint(path: Path) -> str:
+    """A short fingerprint of the model at `path` (a GGUF file or a Hugging Face directory): its configuration files
+    whole, and each weight file's name, size and bytes sampled at its start, middle and end. Two fine-tunes of one
+    base differ in their weights' bytes, so their blocks never mix; reading ~3 MiB a file keeps this cheap."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if file.suffix == ".json" and file.stat().st_size <= SAMPLE_BYTES:
+            digest.update(f"{file.name}\0".encode() + file.read_bytes())
+        elif file.suffix in WEIGHT_SUFFIXES:
+            size = file.stat().st_size
+            digest.update(f"{file.name}\0{size}\0".encode())
+            with open(file, "rb") as weights:
+                for offset in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
+                    weights.seek(offset)
+                    digest.update(weights.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:24]
+
+
+def make_private_directory(path: Path) -> None:
+    """Creates `path` and any missing parent with mode 0700 (mkdir's parents=True gives parents the default mode);
+    a directory that exists keeps its mode."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
 
 
 def block_file(directory: Path, name: str, rank: int) -> Path:
@@ -72,11 +106,11 @@ class SharedKVStorage:
 
     def __init__(self, root: str, world_size: int) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_directory(self.root)  # every stored prompt's KV: this user's only
         remove_orphans(self.root)
         self.world_size = world_size
         self.pins = self.root / f".pins-{socket.gethostname()}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.pins.mkdir()
+        self.pins.mkdir(mode=0o700)
 
     def has(self, block_hash: bytes) -> bool:
         """Whether the block was saved (by this or another producer): rank 0's file is written by the same step."""

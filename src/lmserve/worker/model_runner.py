@@ -344,12 +344,20 @@ class ModelRunner:
             [block for s in scheduled for block in s.block_ids] if self.kv_connector.loading else ())
         if scheduler_output.kv_loads:
             self.kv_connector.start_loads(scheduler_output.kv_loads)
-        finished = self.kv_connector.finished_loads()
+        finished, failed = self.kv_connector.finished_loads()
+        if failed and not self.layout.is_driver:
+            # Only the driver rank's report reaches the scheduler, which could not know that this rank's part of
+            # the blocks is missing: the engine must not compute with it.
+            raise RuntimeError(f"kv transfer: rank {self.layout.rank} could not load the stored blocks of "
+                               f"{len(failed)} request(s)")
         output = self._execute(scheduler_output)
-        if output is None and self.layout.is_driver and finished:
+        failed_saves, self.kv_connector.num_failed_saves = self.kv_connector.num_failed_saves, 0
+        if output is None and self.layout.is_driver and (finished or failed_saves):
             output = ModelRunnerOutput(sampled_token_ids={})
         if output is not None:
             output.finished_kv_loads = finished
+            output.failed_kv_loads = failed
+            output.failed_kv_saves = failed_saves
         return output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
