@@ -57,7 +57,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_router(args: argparse.Namespace) -> int:
     from lmserve.api.router import run_router
 
-    return run_router(args.prefill, args.decode, args.host, args.port, args.max_request_body_bytes, args.log_level)
+    return run_router(args.prefill, args.decode, args.host, args.port, args.max_request_body_bytes, args.log_level,
+                      args.api_key, args.instance_api_key, args.max_instance_connections)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -203,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the decode instances (kv_consumer), e.g. http://127.0.0.1:8200")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=_port, default=8000)
+    router.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on the router's /v1 routes (or set LMSERVE_API_KEY, "
+                             "which ps does not show)")
+    router.add_argument("--instance-api-key", default=None,
+                        help="the key the instances require, sent to them in the client's stead (or set "
+                             "LMSERVE_INSTANCE_API_KEY); without it the client's Authorization header is forwarded")
+    router.add_argument("--max-instance-connections", type=_positive_int, default=256, metavar="N",
+                        help="connections to the prefill instances, and as many to the decode ones (a stream holds "
+                             "one for its length); a call that finds none free within 10 s is answered 503 "
+                             "(default: %(default)s)")
     router.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
     _log_level(router, "info")

@@ -231,12 +231,26 @@ def _fused_held_bytes(types: list[str]) -> list[float]:
     return [2.0] * len(types)
 
 
-def gguf_held_bits(path: Path) -> float:
+# Row-parallel matrices: under tensor parallel each rank holds a slice of their columns (in_features / tp).
+_ROW_PARALLEL = ("attn_output", "ffn_down")
+
+
+def shard_fits_blocks(stored_type: str, in_features: int, tp: int) -> bool:
+    """Whether a row-parallel matrix's slice of in_features / tp columns still splits into whole blocks of the
+    kernel format its type is held in (a K-quant's 256): where not, the worker runs it as float16 weights."""
+    into = HELD_INTO.get(stored_type)
+    return not into or tp == 1 or (in_features % tp == 0 and in_features // tp % block_width(into[0]) == 0)
+
+
+@functools.lru_cache(maxsize=32)
+def gguf_held_bits(path: Path, tp: int = 1) -> float:
     """Bits a parameter the file's tensors take as the engine holds them where every kernel runs: a matrix in the
     kernel format its blocks convert into (IQ4_XS as iq4_nl, Q3_K beside Q6_K as q6_k; the parts of a fused q/k/v or
     gate/up as above), one that no format holds (floats) as float16; the token embedding in the file's
     blocks where they can be looked up, and when the output layer is the embedding (no output.weight), that layer in
-    its kernel format besides unless the two share the blocks; vectors in float32."""
+    its kernel format besides unless the two share the blocks; vectors in float32. Under `tp` ranks, a row-parallel
+    matrix whose slice of columns is no whole number of its format's blocks (Qwen2.5 0.5B's down_proj, 4864 / 2 =
+    2432 columns, under Q4_K's 256) is float16, as the worker loads it."""
     tensors = read_gguf_header(path).tensors
     tied = all(info.name != "output.weight" for info in tensors)
     fused: dict[tuple[str, str], list[GGUFTensorInfo]] = {}
@@ -253,6 +267,9 @@ def gguf_held_bits(path: Path) -> float:
             held += count // block_size * block_bytes if stored in STORED_BLOCK_TYPES else 2 * count
             if tied and HELD_INTO.get(stored, ("",))[0] != stored:
                 held += count * held_bytes_per_weight(stored)
+        elif parts[0] == "blk" and len(parts) > 2 and parts[2] in _ROW_PARALLEL and \
+                not shard_fits_blocks(stored, info.shape[-1], tp):
+            held += 2 * count
         elif parts[0] == "blk" and len(parts) > 2 and parts[2] in _FUSED_GROUPS:
             fused.setdefault((parts[1], _FUSED_GROUPS[parts[2]]), []).append(info)
         else:

@@ -15,7 +15,6 @@ its processes have all exited: 0 after node 0's shutdown, 1 after a failure.
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
 import subprocess
 import time
@@ -95,25 +94,30 @@ class NodeSupervisor:
 def rank_supervisor(config: EngineConfig, ctx: zmq.Context) -> NodeSupervisor:
     """This node's ranks of node 0's engine (--nnodes), on this machine's CPUs as this node's flags say: their exits
     reported on the engine's results socket."""
-    from lmserve.executor.multiproc import RankAddresses, start_rank
+    from lmserve.distributed.signed_frames import SignedFrames, curve_client
+    from lmserve.executor.multiproc import RankAddresses, engine_key, start_rank
 
     parallel = config.parallel
     addresses = RankAddresses.for_engine(parallel, None)
+    key = engine_key(parallel)  # the operator's secret (docs/security.md): node 0's engine derives the same
+    frames = SignedFrames(key)
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 1000)
     heartbeats(results)
+    curve_client(results, key)
 
     def report(name: str, message: str) -> None:
         rank = int(name.removeprefix("rank "))
         try:
-            results.send(pickle.dumps(("exited", rank, message)), zmq.NOBLOCK)
+            frames.send(results, ("exited", rank, message), zmq.NOBLOCK)
         except zmq.Again:
             pass  # node 0 is not connected: its engine learns it from the broken collective
 
     supervisor = NodeSupervisor(f"node {parallel.node_rank}", {}, results, report)
     results.connect(addresses.results)
     ranks = parallel.node_ranks(parallel.node_rank)
-    supervisor.procs = {f"rank {rank}": start_rank(addresses, config, rank, len(ranks), config.placement) for rank in ranks}
+    supervisor.procs = {f"rank {rank}": start_rank(addresses, config, rank, len(ranks), key, config.placement)
+                        for rank in ranks}
     logger.info("node %d of %d: ranks %d-%d started, engine at %s", parallel.node_rank, parallel.nnodes, ranks[0],
                 ranks[-1], addresses.init_method)
     return supervisor

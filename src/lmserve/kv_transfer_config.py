@@ -54,6 +54,15 @@ class KVTransferConfig:
     buffer_host: str = ""
     module_path: str = ""
     extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
+    # A fingerprint of the model's files (distributed/kv_storage.model_fingerprint), set by the engine before its
+    # ranks start: blocks are filed under it, so two models never read each other's blocks.
+    model_key: str = ""
+
+    @property
+    def storage_directory(self) -> str:
+        """Where this model's blocks lie: a directory of shared_storage_path named by the model's fingerprint."""
+        return os.path.join(self.shared_storage_path, f"model-{self.model_key}") if self.model_key \
+            else self.shared_storage_path
 
     @property
     def saves(self) -> bool:

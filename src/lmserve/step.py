@@ -114,6 +114,9 @@ class ModelRunnerOutput:
     accepted_draft_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # Requests whose KV loads (SchedulerOutput.kv_loads) this rank finished since its last report.
     finished_kv_loads: list[str] = field(default_factory=list)
+    # Of those, the requests whose load failed (a block file missing or short): they compute those positions.
+    failed_kv_loads: list[str] = field(default_factory=list)
+    failed_kv_saves: int = 0  # blocks this rank could not store since its last report (a full or failing disk)
 
 
 @dataclass(frozen=True)

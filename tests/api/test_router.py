@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_thread import ServerThread
 
-from lmserve.api.router import build_router_app, prefill_request
+from lmserve.api.router import build_router_app, prefill_request, router_keys
 
 SLOW = "slow"  # the instance answers only when the client has gone (and records that it saw it go)
 DIE = "die"  # a stream that breaks off after two events
@@ -32,6 +32,7 @@ class Instance:
     def __init__(self, name: str) -> None:
         self.name = name
         self.requests: list[dict] = []
+        self.authorizations: list[str | None] = []
         self.left: list[str] = []  # prompts whose client went away
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completions)
@@ -40,6 +41,7 @@ class Instance:
     async def completions(self, request: Request) -> Any:
         payload = await request.json()
         self.requests.append(payload)
+        self.authorizations.append(request.headers.get("authorization"))
         prompt = payload["prompt"]
         if payload.get("stream"):
             if prompt == SLOW + "-headers":  # the stream's headers never come before the client goes
@@ -162,3 +164,93 @@ def test_an_instance_that_is_gone_or_dies_is_named(cluster) -> None:
     health = httpx.get(f"{router.url}/health", timeout=10)
     assert health.status_code == 200
     assert health.json() == {role: {url: 200 for url in instances[role].urls} for role in ("prefill", "decode")}
+
+
+@pytest.fixture
+def one_of_each() -> Iterator[tuple[Instance, Instance, str, str]]:
+    prefill, decode = Instance("p0"), Instance("d0")
+    with ServerThread(prefill.app) as p0, ServerThread(decode.app) as d0:
+        yield prefill, decode, p0.url, d0.url
+
+
+def test_the_routers_own_key_guards_it_and_its_health_names_no_instance_to_strangers(one_of_each) -> None:
+    """--api-key (or LMSERVE_API_KEY) is the router's own: without it a client gets a 401 in OpenAI's shape; the
+    instances get --instance-api-key in its stead. /health says to everyone whether the instances are healthy, and
+    names them (their URLs map the deployment's inside) only to a client with the key."""
+    prefill, decode, p0, d0 = one_of_each
+    app = build_router_app([p0], [d0], max_body_bytes=1 << 20, api_key="router-key", instance_api_key="inner-key")
+    with ServerThread(app) as router:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "router-key"}):
+            refused = httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                                 headers=headers, timeout=10)
+            assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+            assert httpx.get(f"{router.url}/v1/models", headers=headers, timeout=10).status_code == 401
+        assert prefill.requests == [] and decode.requests == []
+        oai = openai.OpenAI(base_url=f"{router.url}/v1", api_key="router-key", max_retries=0, timeout=10)
+        assert oai.completions.with_raw_response.create(model="m", prompt="hi", max_tokens=2).http_response.json() \
+            == {"instance": "d0", "max_tokens": 2}
+        assert prefill.authorizations == decode.authorizations == ["Bearer inner-key"]
+        stranger = httpx.get(f"{router.url}/health", timeout=10)
+        assert stranger.status_code == 200 and stranger.json() == {"status": "healthy"}
+        assert p0 not in stranger.text and d0 not in stranger.text
+        insider = httpx.get(f"{router.url}/health", headers={"Authorization": "Bearer router-key"}, timeout=10)
+        assert insider.json() == {"prefill": {p0: 200}, "decode": {d0: 200}}
+
+
+def test_the_keys_come_from_the_environment_where_no_flag_gives_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMSERVE_API_KEY", "from-env")
+    monkeypatch.setenv("LMSERVE_INSTANCE_API_KEY", "inner-from-env")
+    assert router_keys(None, None) == ("from-env", "inner-from-env")
+    assert router_keys("flag", "inner-flag") == ("flag", "inner-flag")
+    monkeypatch.delenv("LMSERVE_API_KEY")
+    monkeypatch.delenv("LMSERVE_INSTANCE_API_KEY")
+    assert router_keys(None, None) == (None, None)
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 5000 + b"]" * 5000,
+    b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"model": "m", "prompt": "hi", "temperature": NaN}',
+    b'{"model": "m", "prompt": "hi", "temperature": Infinity}',
+    b'{"model": "m", "prompt": "hi", "temperature": -Infinity}',
+    b'{"model": "m", "prompt": "hi", "temperature": 1e999}',
+    b'{"model": "m", "prompt": "hi", "logit_bias": {"1": -1e999}}',
+    b'{"model": "m", "prompt": "\\ud800"}',
+    b'{"model": "m", "prompt": "\xed\xa0\x80"}',
+], ids=["nested-5000", "nested-field", "nan", "infinity", "minus-infinity", "1e999", "1e999-deep", "lone-surrogate",
+        "surrogate-bytes"])
+def test_hostile_bodies_get_a_json_400_and_reach_no_instance(one_of_each, body: bytes) -> None:
+    """What the instances refuse with a 400 the router refused with a plain-text 500 (json.loads took it, and
+    forwarding it failed): now a 400 in OpenAI's shape, and no instance sees it."""
+    prefill, decode, p0, d0 = one_of_each
+    with ServerThread(build_router_app([p0], [d0], max_body_bytes=1 << 20)) as router:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            answer = httpx.post(f"{router.url}{path}", content=body, timeout=10,
+                                headers={"content-type": "application/json"})
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "BadRequestError" and error["code"] == 400 and error["message"], error
+    assert prefill.requests == [] and decode.requests == []
+
+
+def test_streams_holding_every_decode_connection_starve_neither_prefill_nor_health(one_of_each) -> None:
+    """Prefill calls, decode calls and health checks have pools of their own, and a call waits a bounded time for
+    a connection: with the decode pool (one connection here) held by a stream, another stream gets a 503 naming the
+    cause within the wait (it waited up to 600 s), its prefill call still went through, and /health still reports
+    the healthy instances as healthy (it reported them down)."""
+    prefill, decode, p0, d0 = one_of_each
+    app = build_router_app([p0], [d0], max_body_bytes=1 << 20, max_connections=1, pool_wait_s=0.5)
+    with ServerThread(app) as router, httpx.stream(
+            "POST", f"{router.url}/v1/completions", timeout=10,
+            json={"model": "m", "prompt": SLOW, "max_tokens": 8, "stream": True}) as held:
+        lines = held.iter_lines()
+        assert json.loads(next(lines).removeprefix("data: "))["instance"] == "d0"
+        for _ in range(2):
+            health = httpx.get(f"{router.url}/health", timeout=10)
+            assert health.status_code == 200 and health.json() == {"prefill": {p0: 200}, "decode": {d0: 200}}
+        busy = httpx.post(f"{router.url}/v1/completions", timeout=30,
+                          json={"model": "m", "prompt": "another", "max_tokens": 8, "stream": True})
+        assert busy.status_code == 503
+        assert "every connection of this router to its decode instances is busy" in busy.json()["error"]["message"]
+        assert [r["prompt"] for r in prefill.requests] == [SLOW, "another"]  # the prefill pool was free
+        assert [r["prompt"] for r in decode.requests] == [SLOW]

@@ -99,6 +99,35 @@ def test_token_id_outside_vocabulary(llm: LLM, bad_id: int) -> None:
     assert_still_works(llm)
 
 
+def test_vllms_prompt_dicts_are_prompts(llm: LLM) -> None:
+    """vLLM's TextPrompt and TokensPrompt dicts ({"prompt": ...}, {"prompt_token_ids": [...]}), in a list or alone,
+    give what the plain string and the plain ids give (a dict was iterated as token ids: "prompt token id
+    'prompt_token_ids' is outside the vocabulary")."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (by_ids, by_text) = llm.generate([[1, 2, 3], "Hello there"], greedy)
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "Hello there"}], greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [by_ids.outputs[0].token_ids, by_text.outputs[0].token_ids]
+    assert outs[0].prompt_token_ids == [1, 2, 3]
+    (alone,) = llm.generate({"prompt": "Hello there"}, greedy)
+    assert alone.outputs[0].token_ids == by_text.outputs[0].token_ids
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize(("prompt", "words"), [
+    ({"prompt": "hi", "multi_modal_data": {}}, "'multi_modal_data' is not supported"),
+    ({"prompt": "hi", "prompt_token_ids": [1]}, "exactly one of"),
+    ({}, "exactly one of"),
+    ({"prompt": [1, 2]}, "'prompt' must be a string"),
+    ({"prompt_token_ids": "hello"}, "list of integer token ids"),
+    ({"prompt_token_ids": [1, "2"]}, "list of integer token ids"),
+    (5.5, "a prompt is a string"),
+], ids=["unknown-key", "both", "empty", "text-not-str", "ids-str", "ids-mixed", "number"])
+def test_other_prompt_shapes_are_refused_in_words(llm: LLM, prompt: object, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        llm.generate([prompt])
+    assert_still_works(llm)
+
+
 def test_empty_chat_messages(llm: LLM) -> None:
     with pytest.raises(ValueError, match="messages"):
         llm.chat([[]])

@@ -98,7 +98,7 @@ def test_a_consumer_started_first_loads_what_the_producer_sends(ports: int) -> N
         assert [o.num_cached_tokens for o in decoded] == [16 * n for n in blocks] and min(blocks) >= 1
         assert loaded_blocks(consumer) == sum(blocks)
         buffer = Path(consumer.engine.config.cache.kv_transfer_config.shared_storage_path)
-        assert len(list(buffer.glob("*-r0.kv"))) == sum(blocks)  # each block crossed once, though asked for twice
+        assert len(list(buffer.glob("model-*/*-r0.kv"))) == sum(blocks)  # each block crossed once, though asked for twice
         assert_idle(consumer)
         assert not any(consumer.engine.scheduler.kv_transfer.storage.pins.iterdir())
     finally:
@@ -213,6 +213,56 @@ def test_a_consumer_that_cannot_keep_what_it_received_keeps_the_link(ports: int)
         producer.close()
 
 
+def test_a_consumer_without_the_deployments_secret_is_not_linked(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever reaches the producer's port could join its TCPStore as the consumer and receive every prompt's KV:
+    a consumer whose LMSERVE_NODE_SECRET differs is refused (both sides say why) and gets no block, and one with the
+    producer's secret links and receives. The producer keeps serving throughout."""
+    from lmserve.distributed.signed_frames import NODE_SECRET_ENV
+
+    port = free_port_block("127.0.0.1", 1)
+    layout = {"model": "m", "block_bytes": 4}
+    kept: list[list[str]] = []
+    monkeypatch.setenv(NODE_SECRET_ENV, "the deployment's secret, 32 chars")
+    producer = KVLink(parse_kv_transfer_config(transfer("kv_producer", port)), 0, layout, torch.device("cpu"), 4)
+    monkeypatch.setenv(NODE_SECRET_ENV, "an impostor's guess at the secret")
+    impostor = KVLink(parse_kv_transfer_config(transfer("kv_consumer", port)), 0, layout, torch.device("cpu"), 4,
+                      lambda names, data: kept.append(names))
+    consumer = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmserve.distributed.kv_link"):
+            deadline = time.monotonic() + LINK_WAIT_S
+            while caplog.text.count("does not hold this deployment's secret") < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "refused a kv_consumer" in caplog.text and "refused a kv_producer" in caplog.text, caplog.text
+        assert not producer.up and not impostor.up
+        assert not producer.send(["ab" * 32], torch.arange(4, dtype=torch.uint8)) and kept == []
+        impostor.close()
+        monkeypatch.setenv(NODE_SECRET_ENV, "the deployment's secret, 32 chars")
+        consumer = KVLink(parse_kv_transfer_config(transfer("kv_consumer", port)), 0, layout, torch.device("cpu"), 4,
+                          lambda names, data: kept.append(names))
+        assert wait_linked(producer, LINK_WAIT_S) and wait_linked(consumer, LINK_WAIT_S)
+        assert producer.send(["ab" * 32], torch.arange(4, dtype=torch.uint8)) and kept == [["ab" * 32]]
+    finally:
+        for link in (consumer, impostor, producer):
+            if link is not None:
+                link.close()
+
+
+def test_a_link_over_the_network_needs_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the loopback the user's own key file stands in; a kv_ip that other machines reach needs the operator's
+    secret, and the error says which variable."""
+    from lmserve.distributed.signed_frames import NODE_SECRET_ENV
+
+    monkeypatch.delenv(NODE_SECRET_ENV, raising=False)
+    config = dataclasses.replace(parse_kv_transfer_config(transfer("kv_consumer", 65535)), kv_ip="192.0.2.1")
+    with pytest.raises(ValueError, match=f"opens ports on 192.0.2.1, which other machines reach: set {NODE_SECRET_ENV}"):
+        KVLink(config, 0, {}, torch.device("cpu"), 4)
+    monkeypatch.setenv(NODE_SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        KVLink(config, 0, {}, torch.device("cpu"), 4)
+
+
 def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp_path: Path) -> None:
     """A consumer killed before its clean-up (SIGKILL, the OOM killer) leaves its buffer in /dev/shm (up to
     kv_buffer_size bytes) and pin directories whose hard links keep block files' bytes alive: the next consumer on
@@ -274,6 +324,29 @@ def test_a_killed_consumers_buffer_and_pins_are_removed_by_the_next_consumer(tmp
         for process in (owner, alive):
             process.kill()
             process.wait()
+
+
+def test_orphans_are_matched_by_their_whole_name_not_a_piece_of_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host node1 shares a storage directory with host gpu-node1: gpu-node1's pins (`.pins-gpu-node1-p<pid>-<id>`)
+    end in "-node1-p<pid>", yet they are not node1's, whatever the pid: only a name that parses whole, with this
+    machine's name exactly, is a candidate. Names that only look alike (another prefix, a trailing part) stay."""
+    import subprocess
+    import sys
+
+    from lmserve.distributed import kv_storage
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(kv_storage.socket, "gethostname", lambda: "node1")
+    theirs = [f".pins-gpu-node1-p{gone.pid}-0123abcd", f".pins-node1-p{gone.pid}-0123abcd-x",
+              f"lmserve-kv-link-1-gpu-node1-p{gone.pid}-0123456789ab", f"x.pins-node1-p{gone.pid}-0123abcd"]
+    ours = [f".pins-node1-p{gone.pid}-0123abcd", f"lmserve-kv-link-14579-node1-p{gone.pid}-0123456789ab"]
+    for name in theirs + ours:
+        (tmp_path / name).mkdir()
+    assert kv_storage.owner(f".pins-gpu-node1-p{gone.pid}-0123abcd") == ("gpu-node1", gone.pid)
+    assert sorted(path.name for path in kv_storage.remove_orphans(tmp_path)) == sorted(ours)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(theirs)
 
 
 def test_a_consumers_rank_on_another_machine_than_its_engine_is_refused() -> None:

@@ -31,8 +31,14 @@ def transfer(role: str, path: Path, **extra: object) -> str:
                        "kv_connector_extra_config": {"shared_storage_path": str(path), **extra}})
 
 
+def model_storage(path: Path) -> Path:
+    """The directory of the one model whose blocks `path` holds (blocks are filed under the model's fingerprint)."""
+    (directory,) = path.glob("model-*")
+    return directory
+
+
 def stored_blocks(path: Path) -> list[Path]:
-    return sorted(path.glob("*.kv"))
+    return sorted(path.glob("model-*/*.kv"))
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +107,7 @@ def test_a_block_missing_from_the_storage_is_computed(producer: LLM, consumer: L
     chain = None
     for i in range(3):  # the third block's name: its prefix-cache hash, as every process computes it
         chain = hash_block_tokens(chain, tokens[16 * i : 16 * (i + 1)])
-    (storage / f"{chain.hex()}-r0.kv").unlink()
+    (model_storage(storage) / f"{chain.hex()}-r0.kv").unlink()
     again = consumer.generate(prompt, GREEDY)[0]
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
     assert again.num_cached_tokens == 32  # the run of stored blocks ends where one is missing
@@ -140,7 +146,7 @@ def test_a_consumer_of_another_kv_layout_refuses_to_start(producer: LLM, storage
 def test_the_producer_keeps_to_its_byte_cap(tmp_path: Path) -> None:
     """Oldest files first: with room for two blocks, three written leave the last two."""
     llm = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", tmp_path / "probe"))
-    block_bytes = json.loads((tmp_path / "probe" / "layout-r0.json").read_text())["block_bytes"]
+    block_bytes = json.loads((model_storage(tmp_path / "probe") / "layout-r0.json").read_text())["block_bytes"]
     llm.shutdown()
     llm = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", tmp_path / "kv",
                                                            max_storage_bytes=2 * block_bytes + 1))
@@ -155,6 +161,134 @@ def test_the_producer_keeps_to_its_byte_cap(tmp_path: Path) -> None:
     llm.shutdown()
 
 
+def test_a_producer_restarted_keeps_to_its_byte_cap_counting_what_is_on_disk(tmp_path: Path) -> None:
+    """The cap bounds the directory, not one process's writes: a producer started again over its predecessor's
+    files (two blocks, the cap) removes the oldest as it writes a third, where it used to let the store grow by a
+    cap's worth each start. The directories are this user's only (0700): they hold every stored prompt's KV."""
+    import stat
+
+    probe = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", tmp_path / "probe"))
+    block_bytes = json.loads((model_storage(tmp_path / "probe") / "layout-r0.json").read_text())["block_bytes"]
+    probe.shutdown()
+    config = transfer("kv_producer", tmp_path / "kv", max_storage_bytes=2 * block_bytes + 1)
+    first = LLM(num_blocks=200, kv_transfer_config=config)
+    first.generate(PROMPTS[0], ONE_TOKEN)  # two full blocks
+    before = stored_blocks(tmp_path / "kv")
+    first.shutdown()
+    assert len(before) == 2
+    for directory in (tmp_path / "kv", model_storage(tmp_path / "kv")):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    again = LLM(num_blocks=200, kv_transfer_config=config)
+    again.generate(PROMPTS[1], ONE_TOKEN)  # one more
+    after = stored_blocks(tmp_path / "kv")
+    assert len(after) == 2 and not set(before) <= set(after)
+    assert sum(f.stat().st_size for f in after) <= 2 * block_bytes
+    again.shutdown()
+
+
+def test_a_block_file_cut_short_or_gone_before_its_load_is_computed(plain: LLM, producer: LLM, consumer: LLM,
+                                                                     storage: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stored file truncated after the producer wrote it, or a pin removed before the load read it: the request
+    computes those positions itself and answers as one instance would; nothing fails, the blocks are not left in the
+    prefix cache, and the metric counts the failed loads."""
+    import os
+
+    from lmserve.distributed.kv_storage import SharedKVStorage
+
+    transfer_side = consumer.engine.scheduler.kv_transfer
+    failed_before, loaded_before = transfer_side.num_failed_loads, transfer_side.num_loaded_blocks
+    short = "A prompt about lighthouses and the people who kept them, long enough to fill several blocks. " * 3
+    gone = "A prompt about bridges of stone and iron, and the rivers they were built to cross, at length. " * 3
+    expected = [o.outputs[0].token_ids for o in plain.generate([short, gone], GREEDY)]
+    producer.generate(short, ONE_TOKEN)
+    newest = max(stored_blocks(storage), key=lambda path: path.stat().st_mtime_ns)
+    os.truncate(newest, 100)
+    assert consumer.generate(short, GREEDY)[0].outputs[0].token_ids == expected[0]
+    assert transfer_side.num_failed_loads == failed_before + 1
+
+    producer.generate(gone, ONE_TOKEN)
+    pin = SharedKVStorage.pin
+
+    def pin_then_lose(self, block_hashes):
+        names = pin(self, block_hashes)
+        for name in names[-1:]:
+            (self.pins / f"{name}-r0.kv").unlink()
+        return names
+
+    monkeypatch.setattr(SharedKVStorage, "pin", pin_then_lose)
+    decoded = consumer.generate(gone, GREEDY)[0]
+    monkeypatch.undo()
+    assert decoded.outputs[0].token_ids == expected[1]
+    assert transfer_side.num_failed_loads == failed_before + 2
+    assert transfer_side.num_loaded_blocks == loaded_before  # what failed does not count as loaded
+    assert consumer.engine.stats().kv_transfer_failed_loads == failed_before + 2
+    # Served again, the prompts hit the consumer's own prefix cache, now computed right.
+    assert [o.outputs[0].token_ids for o in consumer.generate([short, gone], GREEDY)] == expected
+    assert_idle(consumer)
+
+
+def test_a_full_disk_skips_the_save_and_counts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC or EIO while a producer stores a block: the block is not stored (no half-written file left), the
+    step's tokens come out as usual, and kv_transfer_failed_saves counts it; the next save that can write does."""
+    import errno
+    import os
+
+    llm = LLM(num_blocks=200, kv_transfer_config=transfer("kv_producer", tmp_path))
+    replace = os.replace
+    failures = [OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EIO, "Input/output error")]
+
+    def failing_replace(source, target):  # the block's bytes are written under a temporary name, then renamed
+        if failures and str(target).endswith(".kv"):
+            raise failures.pop(0)
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    try:
+        full_blocks = 0
+        for prompt in PROMPTS:  # the first one's saves meet ENOSPC, the second one's EIO
+            out = llm.generate(prompt, GREEDY)[0]
+            assert len(out.outputs[0].token_ids) > 0
+            full_blocks += len(out.prompt_token_ids) // 16  # every full prompt block is saved
+        assert llm.engine.stats().kv_transfer_failed_saves == full_blocks > 0 and stored_blocks(tmp_path) == []
+        llm.generate(PROMPTS, ONE_TOKEN)  # the disk has room again: the same blocks are stored now
+        assert len(stored_blocks(tmp_path)) == full_blocks
+        assert not [p for p in model_storage(tmp_path).iterdir() if p.name.startswith(".") and ".kv." in p.name]
+        assert_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_two_models_in_one_storage_never_read_each_others_blocks(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Two Hugging Face directories of one name and size (a fine-tune of the same base): the second model's
+    consumer must not load the first one's blocks (a directory's identity was its name and "size 0")."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copies = []
+    for index, scale in enumerate((1.0, 1.01)):
+        copy = tmp_path / f"m{index}" / "model"
+        shutil.copytree(tiny_llama_dir, copy)
+        for weights in copy.glob("*.safetensors"):
+            tensors = {name: (t * scale).to(t.dtype) if t.is_floating_point() else t
+                       for name, t in load_file(weights).items()}
+            save_file(tensors, weights, metadata={"format": "pt"})
+        copies.append(copy)
+    assert [p.stat().st_size for p in copies[0].iterdir()] == [p.stat().st_size for p in copies[1].iterdir()]
+    storage = tmp_path / "kv"
+    options = {"dtype": "float32", "quantization": "none", "num_blocks": 64, "max_model_len": 256}
+    prompt = list(range(200, 260))
+    with LLM(str(copies[0]), **options, kv_transfer_config=transfer("kv_producer", storage)) as producer:
+        producer.generate([prompt], ONE_TOKEN)
+    with LLM(str(copies[1]), **options, kv_transfer_config=transfer("kv_consumer", storage)) as consumer:
+        consumer.generate([prompt], ONE_TOKEN)
+        assert consumer.engine.scheduler.kv_transfer.num_loaded_blocks == 0
+    with LLM(str(copies[0]), **options, kv_transfer_config=transfer("kv_consumer", storage)) as same:
+        same.generate([prompt], ONE_TOKEN)
+        assert same.engine.scheduler.kv_transfer.num_loaded_blocks == (len(prompt) - 1) // 16
+
+
 @pytest.fixture
 def slow_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request's load takes 0.3 s longer: the steps in between are what the loading thread runs beside."""
@@ -164,7 +298,7 @@ def slow_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def slower(self, blocks):
         time.sleep(0.3)
-        load(self, blocks)
+        return load(self, blocks)
 
     monkeypatch.setattr(KVConnectorWorker, "_load_in_thread", slower)
 

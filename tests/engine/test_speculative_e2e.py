@@ -16,6 +16,7 @@ from lmserve.config import KV_BLOCK_SIZE
 from lmserve.metrics.prometheus import EngineStatsCollector
 from lmserve.worker.kernel_choice import int16_kernel_loads
 
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 CODE = '''def fibonacci(n):
     """Return the n-th Fibonacci number."""
@@ -107,6 +108,41 @@ def test_a_seeded_request_draws_the_same_alone_or_in_a_batch(spec: LLM) -> None:
     others = SamplingParams(temperature=1.0, max_tokens=24)
     outputs = spec.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, seeded, others])
     assert outputs[1].outputs[0].token_ids == alone
+
+
+def test_a_seeded_requests_tokens_do_not_depend_on_its_draft_count(plain: LLM,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """How many drafts a step verifies depends on the step's budget (so on the batch): alone, the seeded request
+    verifies 4 a step; beside a long prefill that takes 12 of the 16 positions, 3; without speculation, none. One
+    random draw per row, rejected drafts included, made its tokens differ between these; each token's draw now
+    depends on where the token is, so all three give the same tokens."""
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=32, ignore_eos=True)
+    expected = plain.generate(PROMPTS[0], seeded)[0].outputs[0].token_ids  # no drafts at all
+    long_prompt = "A long account of the rivers, mountains and cities of Europe, one after another, " * 40
+    with LLM(dtype="float32", num_blocks=400, max_num_seqs=64, speculative_config=SPEC, max_num_batched_tokens=16,
+             long_prefill_token_threshold=12) as narrow:
+        steps = []
+        schedule = narrow.engine.scheduler.schedule
+
+        def recording():
+            steps.append(schedule())
+            return steps[-1]
+
+        monkeypatch.setattr(narrow.engine.scheduler, "schedule", recording)
+
+        def drafts_of(request_id: str, since: int) -> list[int]:
+            return [len(s.draft_token_ids) for step in steps[since:] for s in step.scheduled
+                    if s.request_id == request_id and s.draft_token_ids]
+
+        alone = narrow.generate(PROMPTS[0], seeded)[0]
+        alone_drafts = drafts_of(alone.request_id, 0)
+        first = len(steps)
+        beside = narrow.generate([long_prompt, PROMPTS[0]], [SamplingParams(temperature=1.0, max_tokens=4), seeded])
+        beside_drafts = drafts_of(beside[1].request_id, first)
+        assert len(narrow.generate(long_prompt, ONE)[0].prompt_token_ids) > 400
+    assert max(alone_drafts) == 4 and max(beside_drafts) == 3, (alone_drafts, beside_drafts)
+    assert alone.outputs[0].token_ids == expected
+    assert beside[1].outputs[0].token_ids == expected
 
 
 def top5_distribution(llm: LLM, prompt_ids: list[int], temperature: float) -> dict[int, float]:

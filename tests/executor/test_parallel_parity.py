@@ -175,10 +175,17 @@ def test_phi3_and_gemma_split_across_tensor_parallel_ranks(request, model: str) 
             assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == one
 
 
+NODE_SECRET = "a secret every node of the test shares"
+
+
 @pytest.fixture
-def two_nodes(tiny_llama_dir: Path, tmp_path: Path):
+def two_nodes(tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Node 0's engine settings, and a function that starts node 1 (`lmserve serve --headless`) as another machine
-    would: the same model and flags, the rendezvous on this machine's network address, not the loopback."""
+    would: the same model, flags and secret (LMSERVE_NODE_SECRET), the rendezvous on this machine's network address,
+    not the loopback."""
+    from lmserve.distributed.signed_frames import NODE_SECRET_ENV
+
+    monkeypatch.setenv(NODE_SECRET_ENV, NODE_SECRET)
     host = non_loopback_address()
     port = free_port_block(host, 4)
     nodes: list[subprocess.Popen] = []
@@ -247,9 +254,12 @@ def test_a_node_stops_its_ranks_when_node_0_goes_away(two_nodes) -> None:
     lost); node 1 stops its rank and exits 1 rather than leave it waiting."""
     import zmq
 
+    from lmserve.distributed.signed_frames import curve_server, node_secret
+
     settings, start_node = two_nodes
     context = zmq.Context()
     results = context.socket(zmq.PULL)
+    curve_server(results, node_secret([settings["master_addr"]], "node 0"))
     results.bind(f"tcp://{settings['master_addr']}:{settings['master_port'] + 1}")
     node1 = start_node("-tp", "2", "--nnodes", "2")
     deadline = time.monotonic() + 60
@@ -262,3 +272,62 @@ def test_a_node_stops_its_ranks_when_node_0_goes_away(two_nodes) -> None:
     context.term()
     assert node1.wait(timeout=30) == 1
     assert not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
+
+
+@pytest.mark.slow  # several machines, simulated
+def test_a_process_without_the_secret_runs_no_code_in_node_0s_engine(tiny_llama_dir: Path, two_nodes,
+                                                                     tmp_path: Path) -> None:
+    """Node 0's results socket (master_port + 1) and its ranks' step sockets are reachable from the network: a
+    process that connects there without the deployment's secret and pushes a pickle that would run code (vLLM's
+    CVE-2025-30165) runs nothing, whether it speaks plain ZMQ or CurveZMQ with a guessed key, and the engine serves
+    node 1's rank as before."""
+    import threading
+
+    import zmq
+
+    from lmserve.distributed.signed_frames import curve_client
+
+    settings, start_node = two_nodes
+    marker = tmp_path / "code-ran"
+    payload = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()  # pickle protocol 0: os.system("touch ...")
+    context = zmq.Context()
+    host, port = settings["master_addr"], settings["master_port"]
+    attackers: list[zmq.Socket] = []
+    nodes: list[subprocess.Popen] = []
+
+    def attack_then_start_node_1() -> None:
+        """While node 0's engine waits for node 1's rank (the engine in this thread: a rank dies with the thread
+        that started it)."""
+        for curve_key in (None, b"a guessed key of 32 bytes length"):
+            for offset, kind in ((1, zmq.PUSH), (2, zmq.PULL)):
+                sock = context.socket(kind)
+                sock.setsockopt(zmq.LINGER, 0)
+                if curve_key is not None:
+                    curve_client(sock, curve_key)
+                sock.connect(f"tcp://{host}:{port + offset}")
+                attackers.append(sock)
+        time.sleep(2.0)  # connected, as far as they can
+        for sock in attackers:
+            if sock.socket_type == zmq.PUSH:
+                for frames in ([payload], [b"x" * 32, payload]):
+                    try:
+                        sock.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # no connection came up: nothing to send on
+        time.sleep(1.0)
+        nodes.append(start_node("-tp", "2", "--nnodes", "2"))
+
+    attacker = threading.Thread(target=attack_then_start_node_1)
+    attacker.start()
+    try:
+        with LLM(str(tiny_llama_dir), **TINY, tensor_parallel_size=2, **settings) as llm:
+            (out,) = llm.generate(["still serving"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            assert len(out.outputs[0].token_ids) == 4
+        attacker.join()
+        assert nodes[0].wait(timeout=30) == 0
+        # A rank's step socket gave the attackers' PULL sockets nothing either: the handshake never completed.
+        assert not any(sock.poll(0) for sock in attackers if sock.socket_type == zmq.PULL)
+        assert not marker.exists()
+    finally:
+        attacker.join(timeout=10)
+        context.destroy(linger=0)

@@ -194,3 +194,29 @@ def test_the_planner_and_the_engine_count_the_same_decoder_weights(request, fixt
     config = make_engine_config(model=model, device="cpu")
     assert engine_model_spec(config.model).decoder_linear_weights == decoder_linear_weights(load_hf_config(
         resolve_model(model)))
+
+
+def test_a_kquant_slice_that_is_no_whole_blocks_is_counted_as_float16_under_tp(tiny_kquant_gguf) -> None:
+    """Under -tp 2 a row-parallel K-quant matrix whose slice of columns is no multiple of 256 loads as float16
+    (the tiny file's o_proj: 256 columns, 128 a rank), and the plan counted it at its stored size: the check and
+    `lmserve plan` now count 2 bytes a weight for it, and only under the -tp that splits it so."""
+    import math
+
+    from lmserve.block_formats import held_bytes_per_weight
+    from lmserve.gguf_file import ggml_type_name, gguf_held_bits, read_gguf_header, shard_fits_blocks
+
+    assert not shard_fits_blocks("q4_k", 256, 2) and shard_fits_blocks("q4_k", 512, 2)
+    assert shard_fits_blocks("q4_k", 4864, 1) and not shard_fits_blocks("q4_k", 4864, 2)  # Qwen2.5 0.5B's down_proj
+    assert shard_fits_blocks("q8_0", 4864, 2)  # 2432 columns: whole blocks of 32
+    tensors = read_gguf_header(tiny_kquant_gguf).tensors
+    elements = sum(math.prod(t.shape) for t in tensors)
+    o_proj = [t for t in tensors if t.name.endswith("attn_output.weight")]
+    widened = sum(math.prod(t.shape) * (2 - held_bytes_per_weight(ggml_type_name(t.ggml_type).lower()))
+                  for t in o_proj)
+    assert len(o_proj) == 2 and widened > 0
+    one, two = gguf_held_bits(tiny_kquant_gguf, 1), gguf_held_bits(tiny_kquant_gguf, 2)
+    assert two - one == pytest.approx(8 * widened / elements)
+    config = make_engine_config(model=str(tiny_kquant_gguf), device="cpu", tensor_parallel_size=2)
+    spec = engine_model_spec(config.model)
+    assert spec.weight_bytes(spec.num_params, 4, tp=1) == int(spec.num_params * one / 8)
+    assert spec.weight_bytes(spec.num_params, 4, tp=2) == int(spec.num_params * two / 8)

@@ -211,3 +211,23 @@ def test_a_fused_layer_of_two_k_quants_runs_each_part_in_its_own_format(tiny_kqu
         expected = reference.layers[0].self_attn.qkv_proj(x)
     torch.testing.assert_close(qkv(x), expected, atol=2e-3, rtol=2e-3)
     assert torch.equal(qkv(x[2:3]), qkv(x)[2:3])  # each segment's rows batch-invariant
+
+
+def test_a_layer_whose_slice_fits_no_block_is_named_in_a_warning() -> None:
+    """A K-quant layer whose shape on this rank is no whole number of 256-column blocks stays a float (float16)
+    layer: that used to happen without a word; now each such layer is collected and the warning names them, by
+    kind and layer index, with the format and the rank's shape."""
+    from lmserve.worker.models.llama import unfit_layers_message
+    from lmserve.worker.quantization import pend_block_linears
+
+    with torch.device("meta"):
+        layers = torch.nn.ModuleDict({str(i): torch.nn.ModuleDict({"o_proj": torch.nn.Linear(128, 64, bias=False),
+                                                                   "down_proj": torch.nn.Linear(512, 64, bias=False)})
+                                      for i in range(2)})
+    unfit: list = []
+    assert pend_block_linears(layers, "q4_k", unfit=unfit) == 2  # the down_proj layers take the blocks
+    assert unfit == [("0.o_proj", "q4_k", 64, 128), ("1.o_proj", "q4_k", 64, 128)]
+    assert isinstance(layers["0"]["o_proj"], torch.nn.Linear)
+    message = unfit_layers_message(unfit, 2)
+    assert message.startswith("2 layer(s) do not split into whole blocks of their format under tensor parallel")
+    assert "o_proj of layer(s) 0, 1 (q4_k, [64, 128] on this rank)" in message and "float16" in message

@@ -9,16 +9,27 @@ The instances must serve the same model with the same settings; the router only 
 reach the client as they were sent; one that cannot be reached, or that fails, is a 502 naming it (mid-stream: an
 error event, then the end of the stream). A client that goes away cancels the request where it is: the prefill call,
 the decode call or the decode stream, each of which the instance aborts.
+
+Its own `--api-key` (or LMSERVE_API_KEY) guards its /v1 routes; the instances are reached with
+`--instance-api-key` (LMSERVE_INSTANCE_API_KEY) where given, else with the client's own Authorization header. /health
+tells everyone whether the instances are healthy, and only clients with the key which instances they are. Prefill
+calls, decode calls and health checks each have a connection pool of their own, and a call waits a bounded time for
+a connection (a 503 after that), so that streams holding every decode connection never starve the prefill calls or
+make /health report healthy instances as down. Bodies are parsed strictly (depth, NaN and Infinity, numbers out of
+range, lone surrogates): what the instances would refuse is refused here, as a JSON 400.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
+import math
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -28,6 +39,41 @@ from lmserve.api.sse import ClosingEventStream, until_disconnect
 
 FORWARDED_HEADERS = ("authorization",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it
+API_KEY_ENV = "LMSERVE_API_KEY"  # the router's own key, where it is not given as --api-key (`ps` shows argv)
+INSTANCE_API_KEY_ENV = "LMSERVE_INSTANCE_API_KEY"
+DEFAULT_MAX_CONNECTIONS = 256  # per role (prefill, decode): a decode stream holds one for its whole length
+POOL_WAIT_S = 10.0  # the longest a call waits for a free connection before it is answered 503
+HEALTH_TIMEOUT_S = 5.0
+
+
+class RejectedBody(ValueError):
+    """A body the router refuses before forwarding it (a 400 naming why)."""
+
+
+def parse_payload(body: bytes) -> object:
+    """The body as JSON, parsed strictly: nesting past 200 levels, NaN and Infinity, numbers that do not fit a
+    float (1e999) and lone surrogates are refused, as the instances refuse them (json.loads took them, and
+    forwarding them failed as a plain-text 500)."""
+    try:
+        payload = pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise RejectedBody(f"the request body is not valid JSON: {exc}") from None
+    pending = [payload]
+    while pending:  # the parser bounds the depth, so this walk is as long as the body, no deeper
+        value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RejectedBody("the request body holds a number out of range (it must fit a 64-bit float)")
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return payload
+
+
+def bearer_matches(request: Request, api_key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 def prefill_request(payload: dict, path: str = "/v1/completions") -> dict:
@@ -74,23 +120,53 @@ class Instances:
         self.in_flight[index] -= 1
 
 
+class PoolExhausted(Exception):
+    def __init__(self, role: str) -> None:
+        super().__init__(f"every connection of this router to its {role} instances is busy (waited "
+                         f"{POOL_WAIT_S:.0f} s): try again shortly, or start the router with more "
+                         "--max-instance-connections")
+
+
 def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_bytes: int,
-                     timeout_s: float = 600.0) -> FastAPI:
+                     timeout_s: float = 600.0, api_key: str | None = None, instance_api_key: str | None = None,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS, pool_wait_s: float = POOL_WAIT_S) -> FastAPI:
     prefill, decode = Instances("prefill", prefill_urls), Instances("decode", decode_urls)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    def pool(size: int, timeout: float) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0, pool=pool_wait_s),
+                                 limits=httpx.Limits(max_connections=size, max_keepalive_connections=size))
+
+    # One pool per role, and one for health checks: streams holding every decode connection must not hold up a
+    # prefill call or a health check.
+    clients = {"prefill": pool(max_connections, timeout_s), "decode": pool(max_connections, timeout_s),
+               "health": pool(max(4, len(prefill.urls) + len(decode.urls)), HEALTH_TIMEOUT_S)}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await client.aclose()
+        for client in clients.values():
+            await client.aclose()
 
-    app = FastAPI(title="lmserve router", lifespan=lifespan)
+    app = FastAPI(title="lmserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.instances = {"prefill": prefill, "decode": decode}
+    app.state.clients = clients
+
+    def unauthorized(request: Request) -> Response | None:
+        if api_key is None or bearer_matches(request, api_key):
+            return None
+        return error_response(401, "a valid API key is required: send 'Authorization: Bearer KEY'")
+
+    def instance_headers(request: Request) -> dict[str, str]:
+        if instance_api_key is not None:
+            return {"authorization": f"Bearer {instance_api_key}"}
+        return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
 
     async def post(role: Instances, path: str, payload: dict, headers: dict[str, str]) -> httpx.Response:
         index = role.acquire()
         try:
-            return await client.post(role.urls[index] + path, json=payload, headers=headers)
+            return await clients[role.role].post(role.urls[index] + path, json=payload, headers=headers)
+        except httpx.PoolTimeout as exc:
+            raise PoolExhausted(role.role) from exc
         except httpx.HTTPError as exc:
             raise InstanceFailed(role.role, role.urls[index], exc) from exc
         finally:
@@ -99,11 +175,14 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
     async def open_stream(path: str, payload: dict, headers: dict[str, str]) -> Response:
         index = decode.acquire()
         url = decode.urls[index]
+        client = clients["decode"]
         try:
             upstream = await client.send(client.build_request("POST", url + path, json=payload, headers=headers),
                                          stream=True)
         except BaseException as exc:  # a failure, or the client gone while the instance had not answered yet
             decode.release(index)
+            if isinstance(exc, httpx.PoolTimeout):
+                raise PoolExhausted("decode") from exc
             if isinstance(exc, httpx.HTTPError):
                 raise InstanceFailed("decode", url, exc) from exc
             raise
@@ -147,19 +226,23 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
         return Response(decoded.content, decoded.status_code, media_type="application/json")
 
     async def forward(request: Request, path: str) -> Response:
+        if (refused := unauthorized(request)) is not None:
+            return refused
         try:
-            payload = json.loads(await read_body(request, max_body_bytes))
+            payload = parse_payload(await read_body(request, max_body_bytes))
         except BodyTooLargeError as exc:
             return error_response(413, str(exc))
-        except ValueError as exc:
-            return error_response(400, f"the request body is not valid JSON: {exc}")
+        except RejectedBody as exc:
+            return error_response(400, str(exc))
         if not isinstance(payload, dict):
             return error_response(400, "the request body must be a JSON object")
-        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        headers = instance_headers(request)
         try:
             return await until_disconnect(answer(path, payload, headers), request)
         except InstanceFailed as exc:
             return error_response(502, str(exc))
+        except PoolExhausted as exc:
+            return error_response(503, str(exc))
         except ClientDisconnected:  # the call in flight was cancelled: its instance aborts the request
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -178,11 +261,13 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """The first decode instance that answers (they all serve the same model)."""
-        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        if (refused := unauthorized(request)) is not None:
+            return refused
+        headers = instance_headers(request)
         failure = None
         for url in decode.urls:
             try:
-                listed = await client.get(url + "/v1/models", headers=headers)
+                listed = await clients["health"].get(url + "/v1/models", headers=headers)
             except httpx.HTTPError as exc:
                 failure = InstanceFailed("decode", url, exc)
                 continue
@@ -191,28 +276,43 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
 
     async def status(url: str) -> int | None:
         try:
-            return (await client.get(url + "/health", timeout=5.0)).status_code
+            return (await clients["health"].get(url + "/health")).status_code
         except httpx.HTTPError:
             return None
 
     @app.get("/health")
-    async def health() -> Response:
-        """200 when every instance answers 200; the status of each (null: not reachable), asked all at once."""
+    async def health(request: Request) -> Response:
+        """200 when every instance answers 200, asked all at once. To a client with the key (or to everyone where
+        the router has none), the status of each instance by URL (null: not reachable); to others only whether
+        all are healthy: the URLs map the deployment's inside."""
         urls = [(role.role, url) for role in (prefill, decode) for url in role.urls]
         codes = await asyncio.gather(*(status(url) for _, url in urls))
+        healthy = all(code == 200 for code in codes)
+        if unauthorized(request) is not None:
+            return JSONResponse({"status": "healthy" if healthy else "unhealthy"}, 200 if healthy else 503)
         states: dict[str, dict[str, int | None]] = {"prefill": {}, "decode": {}}
         for (role, url), code in zip(urls, codes, strict=True):
             states[role][url] = code
-        healthy = all(code == 200 for code in codes)
         return JSONResponse(states, 200 if healthy else 503)
 
     return app
 
 
+def router_keys(api_key: str | None, instance_api_key: str | None) -> tuple[str | None, str | None]:
+    """The router's key and the instances' key: the flags', else the environment's."""
+    return (api_key or os.environ.get(API_KEY_ENV) or None,
+            instance_api_key or os.environ.get(INSTANCE_API_KEY_ENV) or None)
+
+
 def run_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, max_body_bytes: int,
-               log_level: str) -> int:
+               log_level: str, api_key: str | None = None, instance_api_key: str | None = None,
+               max_connections: int = DEFAULT_MAX_CONNECTIONS) -> int:
+    """`api_key`, `instance_api_key`: the flags', else the environment's (LMSERVE_API_KEY,
+    LMSERVE_INSTANCE_API_KEY)."""
     import uvicorn
 
-    uvicorn.run(build_router_app(prefill_urls, decode_urls, max_body_bytes), host=host, port=port,
-                log_level=log_level.lower())
+    api_key, instance_api_key = router_keys(api_key, instance_api_key)
+    app = build_router_app(prefill_urls, decode_urls, max_body_bytes, api_key=api_key,
+                           instance_api_key=instance_api_key, max_connections=max_connections)
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
     return 0

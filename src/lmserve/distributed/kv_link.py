@@ -8,6 +8,11 @@ may start first, and either may go away and come back: every joining is a new ge
 the store. Until a link is up the producer sends nothing and the consumer computes what it cannot load: the tokens
 stay right, only the transfer is missed.
 
+Only an instance that holds the deployment's secret links (distributed/signed_frames.node_secret: the operator's
+LMSERVE_NODE_SECRET, or on the loopback this user's key file): before either joins the group, each side writes a
+fresh nonce to the store and answers the other's with an HMAC under the secret, so a process that reached the
+producer's port without it receives no prompt's KV, and no process without it can hand a consumer blocks.
+
 One message per batch of blocks: a header (block count, bytes), the blocks' names (their 32-byte hashes), their
 bytes, then the consumer's acknowledgement once the blocks are in its buffer. The producer's step waits for it, so a
 prefill response leaves after its blocks can be found on the decode side (the order `lmserve router` relies on).
@@ -15,8 +20,10 @@ prefill response leaves after its blocks can be found on the decode side (the or
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -27,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lmserve.distributed.signed_frames import NODE_SECRET_ENV, node_secret
 from lmserve.kv_transfer_config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -50,6 +58,18 @@ class LinkRefused(Exception):
     """The two instances cannot exchange blocks (another model or KV layout): no retry helps."""
 
 
+class LinkUnauthenticated(RuntimeError):
+    """The process at the other end did not prove that it holds the deployment's secret (it is let go, and the next
+    joining tried)."""
+
+
+def link_proof(key: bytes, generation_prefix: str, rank: int, their_nonce: str, our_nonce: str) -> str:
+    """What side `rank` writes to prove it holds `key`: an HMAC over the other side's fresh nonce (and its own, the
+    link's generation and its role, so no answer serves twice)."""
+    message = f"{generation_prefix}|{rank}|{their_nonce}|{our_nonce}".encode()
+    return hmac.digest(key, message, "sha256").hex()
+
+
 class KVLink:
     """This rank's end of the link. The producer calls `send` from its step; the consumer's thread hands what it
     receives to `on_blocks` (which must keep the blocks before it returns)."""
@@ -70,6 +90,7 @@ class KVLink:
         self._lost = threading.Event()
         self._closed = threading.Event()
         self._store: dist.TCPStore | None = None
+        self._key = node_secret([self.address], f"kv transfer's link (kv_ip {self.address})")
         if self.port > 65535:
             raise ValueError(f"kv transfer: rank {rank}'s link would use port {self.port} (kv_port + rank), past "
                              "65535: choose a lower kv_port")
@@ -127,6 +148,10 @@ class KVLink:
                 logger.error("kv transfer: rank %d's link refused: %s", self.rank, refused)
                 self._closed.wait(REFUSED_RETRY_S)
                 continue
+            except LinkUnauthenticated as impostor:
+                logger.warning("kv transfer: rank %d refused a %s: %s", self.rank, self._peer, impostor)
+                self._closed.wait(1.0)
+                continue
             except (RuntimeError, OSError, ValueError) as exc:  # nobody there yet, or the other side went away
                 unlinked_s = time.monotonic() - unlinked_since
                 if unlinked_s >= next_warning_s:  # a wrong kv_ip or a firewall must not stay silent
@@ -161,6 +186,7 @@ class KVLink:
             rank, timeout = 1, CONSUMER_JOIN_TIMEOUT
             generation = int(store.get("generation"))
         prefix = f"link{generation}"
+        self._authenticate(store, prefix, rank)
         store.set(f"{prefix}/layout{rank}", self.layout)
         local = self.address if self.producer else _address_towards(self.address, self.port)
         control = _gloo(dist.PrefixStore(f"{prefix}/control", store), rank, local, timeout)
@@ -175,6 +201,18 @@ class KVLink:
             raise LinkRefused(f"the other instance runs another KV layout ({_differences(theirs, self.layout)}): "
                               "give both the same model, --kv-cache-dtype, -tp/-pp and CPU kind")
         return (control, data), generation
+
+    def _authenticate(self, store: dist.Store, prefix: str, rank: int) -> None:
+        """Both sides prove that they hold the secret before either joins the group (challenge and answer over
+        the store); raises LinkUnauthenticated when the other side's answer is wrong."""
+        ours = secrets.token_hex(16)
+        store.set(f"{prefix}/nonce{rank}", ours)
+        theirs = store.get(f"{prefix}/nonce{1 - rank}").decode()
+        store.set(f"{prefix}/proof{rank}", link_proof(self._key, prefix, rank, theirs, ours))
+        answer = store.get(f"{prefix}/proof{1 - rank}").decode()
+        if not hmac.compare_digest(answer, link_proof(self._key, prefix, 1 - rank, ours, theirs)):
+            raise LinkUnauthenticated(f"the process at the other end of {self.address}:{self.port} does not hold "
+                                      f"this deployment's secret: give both instances the same {NODE_SECRET_ENV}")
 
     def _receive(self, groups: tuple[Any, Any]) -> None:
         control, data_group = groups

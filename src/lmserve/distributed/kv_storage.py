@@ -12,7 +12,9 @@ loads. The worker removes the pins it loaded.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -22,16 +24,58 @@ from pathlib import Path
 from lmserve.kv_transfer_config import KV_LINK_BUFFER_PREFIX as BUFFER_PREFIX
 from lmserve.process_exit import process_alive
 
+SAMPLE_BYTES = 1 << 20  # read at the start, middle and end of each weight file for its fingerprint
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def model_fingerprint(path: Path) -> str:
+    """A short fingerprint of the model at `path` (a GGUF file or a Hugging Face directory): its configuration files
+    whole, and each weight file's name, size and bytes sampled at its start, middle and end. Two fine-tunes of one
+    base differ in their weights' bytes, so their blocks never mix; reading ~3 MiB a file keeps this cheap."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if file.suffix == ".json" and file.stat().st_size <= SAMPLE_BYTES:
+            digest.update(f"{file.name}\0".encode() + file.read_bytes())
+        elif file.suffix in WEIGHT_SUFFIXES:
+            size = file.stat().st_size
+            digest.update(f"{file.name}\0{size}\0".encode())
+            with open(file, "rb") as weights:
+                for offset in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
+                    weights.seek(offset)
+                    digest.update(weights.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:24]
+
+
+def make_private_directory(path: Path) -> None:
+    """Creates `path` and any missing parent with mode 0700 (mkdir's parents=True gives parents the default mode);
+    a directory that exists keeps its mode."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
 
 def block_file(directory: Path, name: str, rank: int) -> Path:
     return directory / f"{name}-r{rank}.kv"
 
 
-def _owner_pid(name: str, marker: str) -> int | None:
-    """The pid after `marker` in a directory name (`...<marker><pid>-<id>`), or None where the name holds none."""
-    head, found, rest = name.partition(marker)
-    pid = rest.split("-", 1)[0]
-    return int(pid) if found and head and pid.isdigit() else None
+# The names remove_orphans may remove, parsed whole: the machine is everything between the prefix and the last
+# "-p<pid>-<id>", compared with this machine's name exactly (host node1 must not take gpu-node1's for its own).
+_OWNED_NAMES = (re.compile(r"\.pins-(?P<host>.+)-p(?P<pid>[0-9]+)-[0-9a-f]{8}"),
+                re.compile(re.escape(BUFFER_PREFIX) + r"[0-9]+-(?P<host>.+)-p(?P<pid>[0-9]+)-[0-9a-f]{12}"))
+
+
+def owner(name: str) -> tuple[str, int] | None:
+    """(machine, pid) of the process that made a pin directory or a consumer buffer of this name; None for any
+    other name."""
+    for pattern in _OWNED_NAMES:
+        match = pattern.fullmatch(name)
+        if match is not None:
+            return match["host"], int(match["pid"])
+    return None
 
 
 def remove_orphans(base: Path) -> list[Path]:
@@ -41,16 +85,17 @@ def remove_orphans(base: Path) -> list[Path]:
     gone. Both name their machine: a storage directory may be shared between machines, and a buffer made by another
     node's ranks carries node 0's name and pid. Returns what it removed."""
     removed = []
-    marker = f"-{socket.gethostname()}-p"
+    host = socket.gethostname()
     try:
         entries = list(base.iterdir())
     except OSError:
         return removed
     for entry in entries:
-        if not entry.name.startswith((BUFFER_PREFIX, ".pins-")):
+        made_by = owner(entry.name)
+        if made_by is None or made_by[0] != host:
             continue
-        pid = _owner_pid(entry.name, marker)
-        if pid is not None and pid != os.getpid() and not process_alive(pid):
+        pid = made_by[1]
+        if pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
@@ -61,11 +106,11 @@ class SharedKVStorage:
 
     def __init__(self, root: str, world_size: int) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_directory(self.root)  # every stored prompt's KV: this user's only
         remove_orphans(self.root)
         self.world_size = world_size
         self.pins = self.root / f".pins-{socket.gethostname()}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.pins.mkdir()
+        self.pins.mkdir(mode=0o700)
 
     def has(self, block_hash: bytes) -> bool:
         """Whether the block was saved (by this or another producer): rank 0's file is written by the same step."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from lmserve.config import EngineConfig
 from lmserve.engine.grammar import GrammarManager
+from lmserve.engine.kv_transfer import keyed_to_model
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
@@ -38,6 +39,7 @@ GRAMMAR_WAIT_S = 0.002
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        config = keyed_to_model(config)  # before the ranks start: they file blocks where the scheduler looks
         self.config = config
         self.executor: Executor = make_executor(config)
         info = self.executor.info
@@ -200,7 +202,9 @@ class EngineCore:
         if transfer is None:
             return {}
         return {"kv_transfer_loaded_tokens": transfer.num_loaded_blocks * self.scheduler.kv_cache_manager.block_size,
-                "kv_transfer_saved_blocks": transfer.num_saved_blocks}
+                "kv_transfer_saved_blocks": transfer.num_saved_blocks,
+                "kv_transfer_failed_loads": transfer.num_failed_loads,
+                "kv_transfer_failed_saves": transfer.num_failed_saves}
 
     def stats(self, request_ids: Iterable[str] = ()) -> EngineStats:
         kv = self.scheduler.kv_cache_manager

@@ -415,6 +415,18 @@ class KVCacheManager:
                     cached[group] = max(cached[group], num_full)
         return True
 
+    def uncache_from(self, request: Request, first_block: int) -> None:
+        """Takes the request's blocks from `first_block` on out of the prefix cache (blocks being loaded from a
+        producer: nobody may hit them before their bytes are in, and a failed load leaves them holding nothing).
+        The request's next allocate_slots caches them again, once its step is about to write them."""
+        for table in self.tables.get(request.request_id, ()):
+            for block in table[first_block:]:
+                if block is not None:
+                    self.pool.uncache(block)
+        cached = self._num_cached_blocks.get(request.request_id)
+        if cached is not None:
+            cached[:] = [min(count, first_block) for count in cached]
+
     def free_beyond(self, request: Request, num_tokens: int) -> None:
         """Gives back the blocks of the request's tables past the first num_tokens positions (drafts a step
         rejected). They hold no known token, so none of them is in the prefix cache."""

@@ -15,14 +15,27 @@ user's comes from kv_connector_module_path.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from lmserve.distributed.kv_storage import SharedKVStorage, remove_orphans
+from lmserve.config import EngineConfig
+from lmserve.distributed.kv_storage import SharedKVStorage, model_fingerprint, remove_orphans
 from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.request import Request
 from lmserve.kv_transfer_config import KVTransferConfig, plugged_connector
+from lmserve.models import resolve_model
+
+
+def keyed_to_model(config: EngineConfig) -> EngineConfig:
+    """The configuration with its kv_transfer_config keyed to the model's files (model_key), so that the scheduler
+    and every rank file and find blocks under this model's own directory: two models never read each other's."""
+    transfer = config.cache.kv_transfer_config
+    if transfer is None or transfer.model_key:
+        return config
+    keyed = dataclasses.replace(transfer, model_key=model_fingerprint(resolve_model(config.model.model).path))
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_transfer_config=keyed))
 
 
 class KVConnectorScheduler:
@@ -40,6 +53,9 @@ class KVConnectorScheduler:
         self._saved: dict[str, int] = {}  # request id -> its prompt blocks already named for saving
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
+        self.num_failed_loads = 0  # requests whose stored blocks could not be read: they computed them
+        self.num_failed_saves = 0  # blocks the driver rank could not store (a full or failing disk)
+        self._loading: dict[str, int] = {}  # request id -> blocks of its load in flight
 
     def pin_stored(self, block_hashes: list[bytes]) -> list[str]:
         """Pins the longest run of these blocks (prefix-cache hashes, in order) that is stored: a handle each."""
@@ -67,6 +83,7 @@ class KVConnectorScheduler:
         """(request id, block id, handle) of the pinned blocks, now allocated after the local hit."""
         table = self.kv.block_ids(request.request_id)
         self.num_loaded_blocks += len(pinned)
+        self._loading[request.request_id] = len(pinned)
         return [(request.request_id, table[first_block + i], handle) for i, handle in enumerate(pinned)]
 
     def saves(self, requests: Iterable[Request]) -> list[tuple[int, str]]:
@@ -88,9 +105,15 @@ class KVConnectorScheduler:
         self.num_saved_blocks += len(out)
         return out
 
+    def load_failed(self, request: Request) -> None:
+        """The ranks could not read the request's stored blocks: they count as computed no more."""
+        self.num_failed_loads += 1
+        self.num_loaded_blocks -= self._loading.pop(request.request_id, 0)
+
     def drop(self, request_id: str) -> None:
         """The request left the engine (finished, aborted)."""
         self._saved.pop(request_id, None)
+        self._loading.pop(request_id, None)
 
 
 class SharedStorageScheduler(KVConnectorScheduler):
@@ -98,7 +121,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
 
     def __init__(self, config: KVTransferConfig, world_size: int, kv: KVCacheManager) -> None:
         super().__init__(config, world_size, kv)
-        self.storage = SharedKVStorage(config.shared_storage_path, world_size)
+        self.storage = SharedKVStorage(config.storage_directory, world_size)
 
     def pin_stored(self, block_hashes: list[bytes]) -> list[str]:
         return [str(self.storage.pins / name) for name in self.storage.pin(block_hashes)]

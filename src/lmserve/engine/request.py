@@ -40,6 +40,7 @@ class Request:
     # Prompt tokens served from the prefix cache the first time this request was scheduled.
     num_cached_tokens: int = -1
     kv_loading: bool = False  # its stored blocks are being read in (--kv-transfer-config): not scheduled until done
+    kv_load_start: int = 0  # positions it held before its loaded blocks: where it resumes if the load fails
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cache_salt: str | None = None

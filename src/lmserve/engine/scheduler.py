@@ -379,7 +379,9 @@ class Scheduler:
                 break
             if pinned:
                 kv_loads += self.kv_transfer.loads(request, len(hits), pinned)
+                kv.uncache_from(request, len(hits))  # hittable once loaded and run, not while their bytes arrive
                 request.kv_loading = True
+                request.kv_load_start = num_hit
             kv.record_prefix_lookup(request.num_tokens, num_hit)
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
@@ -419,10 +421,18 @@ class Scheduler:
         token. Requests that ended while the step ran (aborts, stop strings, or, with async scheduling, a stop in
         the batch before) are skipped. A request preempted while its batch was in flight keeps its token."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        failed_loads = set(runner_output.failed_kv_loads)
         for request_id in runner_output.finished_kv_loads:
             loaded = self.requests.get(request_id)
-            if loaded is not None:  # gone meanwhile: aborted, or preempted and requeued (it will load again)
-                loaded.kv_loading = False
+            if loaded is None or not loaded.kv_loading:
+                continue  # gone meanwhile: aborted, or preempted and requeued (it will load again)
+            loaded.kv_loading = False
+            if request_id in failed_loads:  # its blocks hold nothing usable: it computes those positions itself
+                self.kv_transfer.load_failed(loaded)
+                loaded.num_computed_tokens = loaded.kv_load_start
+                loaded.num_cached_tokens = min(loaded.num_cached_tokens, loaded.kv_load_start)
+        if self.kv_transfer is not None:
+            self.kv_transfer.num_failed_saves += runner_output.failed_kv_saves
         for planned in scheduler_output.scheduled:
             rid = planned.request_id
             if self._in_flight[rid] > 1:

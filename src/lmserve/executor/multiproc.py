@@ -4,7 +4,9 @@ The engine process spawns one process per rank of its node (lmserve.executor.ran
 over ZMQ (ipc sockets on one machine, TCP on node 0's --master-addr over several; the other nodes' ranks are started
 by `lmserve serve --headless` there, lmserve/headless.py): each rank first gets the configuration, then each step's
 plan (pickled once, each request's lists as what changed since the last step: executor/step_messages.py), and the
-driver rank sends back its output; the ranks talk among themselves through torch.distributed (gloo on CPU, NCCL on
+driver rank sends back its output. Every message is signed with the engine's key and checked before it is unpickled,
+and over TCP the sockets are CurveZMQ's (distributed/signed_frames.py): a process that does not hold the key can
+neither run code in the engine nor join it; the ranks talk among themselves through torch.distributed (gloo on CPU, NCCL on
 CUDA). Outputs come back in the order the steps were submitted, so several steps may be in flight (pipeline parallel).
 
 A rank that dies or raises fails the engine with the reason (RankFailedError; another node reports its ranks' exits);
@@ -17,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import pickle
 import shutil
 import socket
 import subprocess
@@ -33,6 +34,13 @@ import zmq
 
 from lmserve.config import EngineConfig, ParallelConfig, PlacementConfig
 from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.signed_frames import (
+    RANK_KEY_ENV,
+    SignedFrames,
+    curve_server,
+    new_engine_key,
+    node_secret,
+)
 from lmserve.executor.base import Executor, RankFailedError, batches_in_flight, reconciled_info
 from lmserve.executor.rank_starter import RankProcess, start_rank_process
 from lmserve.executor.step_messages import StepEncoder
@@ -75,7 +83,15 @@ class RankAddresses:
                    f"tcp://{host}:{port + 1}", f"tcp://{host}:{port}")
 
 
-def start_rank(addresses: RankAddresses, config: EngineConfig, rank: int, ranks_here: int,
+def engine_key(parallel: ParallelConfig) -> bytes:
+    """The key an engine's messages are signed with: a fresh one on one machine (only the ranks it starts hold it);
+    over several, the operator's secret, which every node derives the same key from."""
+    if parallel.nnodes == 1:
+        return new_engine_key()
+    return node_secret([parallel.master_addr], f"--nnodes {parallel.nnodes} --master-addr {parallel.master_addr}")
+
+
+def start_rank(addresses: RankAddresses, config: EngineConfig, rank: int, ranks_here: int, key: bytes,
                placement: PlacementConfig | None = None) -> RankProcess:
     """One rank process (lmserve.executor.rank_process, forked where it can be: executor/rank_starter.py); it logs at
     the engine's level unless told otherwise. `placement`: this machine's CPUs and threads where they are not the
@@ -86,7 +102,8 @@ def start_rank(addresses: RankAddresses, config: EngineConfig, rank: int, ranks_
                  f"{parallel.world_size}/{parallel.nnodes}", *machine]
     hf_model = resolve_model(config.model.model).kind == "hf"
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    return start_rank_process(arguments, log_level, hf_model, fork=ranks_here > 1)
+    return start_rank_process(arguments, log_level, hf_model, fork=ranks_here > 1,
+                              environment={RANK_KEY_ENV: key.hex()})
 
 
 class PendingOutput(Future):
@@ -116,25 +133,31 @@ class MultiprocExecutor(Executor):
         self.nnodes = parallel.nnodes
         self._dir = Path(tempfile.mkdtemp(prefix="lmserve-ranks-"))
         addresses = RankAddresses.for_engine(parallel, self._dir)
+        key = engine_key(parallel)
+        self._frames = SignedFrames(key)
         self._ctx = zmq.Context()
         self._inputs = []
         for rank in range(self.world_size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.nnodes > 1:
+                curve_server(sock, key)
             sock.bind(addresses.rank_inputs[rank])
             self._inputs.append(sock)
         self._results = self._ctx.socket(zmq.PULL)
+        if self.nnodes > 1:
+            curve_server(self._results, key)
         self._results.bind(addresses.results)
         self._pending: deque[PendingOutput] = deque()
         self._steps = StepEncoder()  # what the ranks hold of each request: each step sends what changed
         self._stats: dict[int, dict[str, int]] = {}
         self._ready: dict[int, Any] = {}
         # A rank takes its configuration from its step socket, first: the ranks of other nodes read no file here.
-        self._unconfigured = {rank: pickle.dumps(("config", config)) for rank in range(self.world_size)}
+        self._unconfigured = {rank: self._frames.seal(("config", config)) for rank in range(self.world_size)}
         self._remote_exits: dict[int, str] = {}  # ranks on other nodes whose exit their node reported
         here = parallel.node_ranks(0)
-        self.procs = [start_rank(addresses, config, rank, len(here)) for rank in here]
+        self.procs = [start_rank(addresses, config, rank, len(here), key) for rank in here]
         if self.nnodes > 1:
             logger.info("waiting for ranks %d-%d of nodes 1-%d (lmserve serve ... --node-rank N --headless; "
                         "rendezvous %s)", len(self.procs), self.world_size - 1, self.nnodes - 1,
@@ -152,7 +175,7 @@ class MultiprocExecutor(Executor):
         yet takes no message)."""
         for rank, message in list(self._unconfigured.items()):
             try:
-                self._inputs[rank].send(message, zmq.NOBLOCK)
+                self._inputs[rank].send_multipart(message, zmq.NOBLOCK)
             except zmq.Again:
                 continue
             del self._unconfigured[rank]
@@ -160,10 +183,10 @@ class MultiprocExecutor(Executor):
     def _broadcast(self, message: tuple) -> None:
         """Never blocks: a PUSH socket whose rank is gone would wait for it forever; that rank's death is
         reported by check_health instead."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frames = self._frames.seal(message)
         for sock in self._inputs:
             try:
-                sock.send(data, zmq.NOBLOCK, copy=False)
+                self._frames.send_sealed(sock, frames, zmq.NOBLOCK)
             except zmq.Again:
                 pass
 
@@ -176,8 +199,7 @@ class MultiprocExecutor(Executor):
 
     def send_grammar_masks(self, mask: Any) -> None:
         try:
-            self._inputs[self.driver_rank].send(pickle.dumps(("grammar", mask), protocol=pickle.HIGHEST_PROTOCOL),
-                                                zmq.NOBLOCK, copy=False)
+            self._frames.send(self._inputs[self.driver_rank], ("grammar", mask), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the driver rank is gone: check_health reports it
 
@@ -189,7 +211,10 @@ class MultiprocExecutor(Executor):
             if not self._results.poll(POLL_MS):
                 self.check_health()
                 continue
-            kind, rank, payload = pickle.loads(self._results.recv())
+            message = self._frames.recv(self._results)
+            if message is None:
+                continue  # forged: dropped unread
+            kind, rank, payload = message
             if kind == "output":
                 self._pending.popleft().set_result(payload)
             elif kind == "ready":
@@ -227,7 +252,8 @@ class MultiprocExecutor(Executor):
         if self.nnodes == 1:
             time.sleep(wait_s)
         elif self._results.poll(int(wait_s * 1000)):
-            kind, rank, payload = pickle.loads(self._results.recv())
+            message = self._frames.recv(self._results)
+            kind, rank, payload = message if message is not None else ("forged", None, None)
             if kind == "exited":
                 self._remote_exits[rank] = payload
 

@@ -10,13 +10,13 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import signal
 import sys
 
 import zmq
 
 from lmserve.config import EngineConfig, PlacementConfig
+from lmserve.distributed.signed_frames import SignedFrames, curve_client, key_from_environment
 from lmserve.process_exit import exit_closed, process_alive
 
 logger = logging.getLogger(__name__)
@@ -43,18 +43,23 @@ def die_with_parent() -> None:
         pass
 
 
-def next_message(inputs: zmq.Socket, parent: int, engine_pid: int | None = None) -> tuple[str, object] | None:
-    """The engine's next message; None once the process that started this rank, or the engine, is gone."""
-    while not inputs.poll(PARENT_CHECK_MS):
-        if os.getppid() != parent or (engine_pid is not None and not process_alive(engine_pid)):
-            return None
-    return pickle.loads(inputs.recv())
+def next_message(inputs: zmq.Socket, frames: SignedFrames, parent: int,
+                 engine_pid: int | None = None) -> tuple[str, object] | None:
+    """The engine's next message (one that is not signed with the engine's key is dropped unread); None once the
+    process that started this rank, or the engine, is gone."""
+    while True:
+        while not inputs.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent or (engine_pid is not None and not process_alive(engine_pid)):
+                return None
+        message = frames.recv(inputs)
+        if message is not None:
+            return message  # type: ignore[return-value]
 
 
-def grammar_masks(inputs: zmq.Socket, parent: int, engine_pid: int | None) -> object:
+def grammar_masks(inputs: zmq.Socket, frames: SignedFrames, parent: int, engine_pid: int | None) -> object:
     """A constrained step's masks (lmserve.step.GrammarMasks), which the engine sends right after the step: the next
     message on this rank's socket when the step samples."""
-    message = next_message(inputs, parent, engine_pid)
+    message = next_message(inputs, frames, parent, engine_pid)
     if message is None or message[0] != "grammar":
         raise RuntimeError("the engine sent no grammar masks for this step (it sent "
                            f"{repr(message[0]) if message else 'nothing: it is gone'})")
@@ -109,21 +114,25 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=os.environ.get("LMSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
+    key = key_from_environment()
+    frames = SignedFrames(key)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
-    inputs.connect(input_address)
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.SNDHWM, 0)
-    results.connect(results_address)
+    for sock, address in ((inputs, input_address), (results, results_address)):
+        if address.startswith("tcp://"):  # another machine's engine: CurveZMQ, as it binds
+            curve_client(sock, key)
+        sock.connect(address)
 
     def send(kind: str, payload: object) -> None:
-        results.send(pickle.dumps((kind, rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        frames.send(results, (kind, rank, payload))
 
     from lmserve.executor.step_messages import StepDecoder
     from lmserve.step import GrammarMasks
     from lmserve.worker.worker import Worker  # after the sockets: a failed import is still reported
 
-    first = next_message(inputs, parent, engine_pid)
+    first = next_message(inputs, frames, parent, engine_pid)
     if first is None or first[0] != "config":  # the engine stopped before this rank started
         ctx.destroy(linger=0)
         return 0
@@ -141,13 +150,13 @@ def main(input_address: str, results_address: str, rank: int, init_method: str, 
     send("ready", worker.info)
     steps = StepDecoder()
     code = 0
-    while (message := next_message(inputs, parent, engine_pid)) is not None:
+    while (message := next_message(inputs, frames, parent, engine_pid)) is not None:
         kind, payload = message
         if kind == "execute":
             try:
                 step = steps.decode(payload)
                 if isinstance(step.grammar, GrammarMasks) and step.grammar.mask is None:
-                    step.grammar.receive = lambda: grammar_masks(inputs, parent, engine_pid)
+                    step.grammar.receive = lambda: grammar_masks(inputs, frames, parent, engine_pid)
                 output = worker.execute_model(step)
             except Exception as exc:
                 logger.exception("step failed")

@@ -131,18 +131,20 @@ def _forking_context(hf_model: bool) -> multiprocessing.context.BaseContext | No
     return context
 
 
-def start_rank_process(arguments: list[str], log_level: str, hf_model: bool, fork: bool) -> RankProcess:
+def start_rank_process(arguments: list[str], log_level: str, hf_model: bool, fork: bool,
+                       environment: Mapping[str, str] | None = None) -> RankProcess:
     """One rank running lmserve.executor.rank_process.main(*arguments), logging at `log_level`; forked where `fork`
     (this process starts several ranks: for one, the server's start-up would only come before the rank's own) or
-    where an earlier engine of this process started the server already (an in-process LLM's second engine)."""
+    where an earlier engine of this process started the server already (an in-process LLM's second engine).
+    `environment`: variables for this rank only (its engine's key), on top of this process's."""
     context = _forking_context(hf_model) if fork or _server_environment is not None else None
     if context is None:
-        env = {"LMSERVE_LOG_LEVEL": log_level, **os.environ}
+        env = {"LMSERVE_LOG_LEVEL": log_level, **os.environ, **(environment or {})}
         return subprocess.Popen([sys.executable, "-m", "lmserve.executor.rank_process", *arguments], env=env)
     from lmserve.executor import rank_process
 
     process = _RankProcessObject(target=rank_process.forked_main,
-                                 args=(os.getpid(), dict(os.environ), log_level, *arguments),
+                                 args=(os.getpid(), {**os.environ, **(environment or {})}, log_level, *arguments),
                                  name="lmserve-rank", daemon=False)
     process.start()
     return ForkedRank(process)

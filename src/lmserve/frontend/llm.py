@@ -18,6 +18,39 @@ from lmserve.plan.layout import check_layout
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import check_structured_outputs
 
+# vLLM's prompt dicts (TextPrompt, TokensPrompt): the one key each that this engine reads.
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def plain_prompt(prompt: object) -> Prompt:
+    """A prompt as text or token ids, from any shape vLLM's LLM.generate takes: a string, a list of ids, or a
+    TextPrompt ({"prompt": str}) / TokensPrompt ({"prompt_token_ids": [int, ...]}) dict. Anything else is refused
+    in words (a dict must not be read as a sequence of token ids: its keys are no ids)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        unknown = sorted(map(str, keys - set(PROMPT_DICT_KEYS)))
+        if unknown:
+            raise ValueError(f"a prompt dict takes 'prompt' (vLLM's TextPrompt) or 'prompt_token_ids' (TokensPrompt); "
+                             f"{', '.join(repr(k) for k in unknown)} is not supported here")
+        if len(keys) != 1:
+            raise ValueError("a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids)")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"a TextPrompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+            return prompt["prompt"]
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, Sequence) or isinstance(ids, str | bytes) or \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError("a TokensPrompt's 'prompt_token_ids' must be a list of integer token ids")
+        return list(ids)
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes) and \
+            all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'; "
+                     f"got {type(prompt).__name__}")
+
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
@@ -45,14 +78,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | dict | Sequence[Prompt | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion in one continuous batch; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = [plain_prompt(p) for p in prompts]  # type: ignore[union-attr]
         params = self._per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
         try:
@@ -83,9 +117,9 @@ class LLM:
         ]
         return self.generate(ids, sampling_params)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields text deltas of one request as the engine produces them."""
-        request_id = self._add(prompt, sampling_params or self.get_default_sampling_params(), 0)
+        request_id = self._add(plain_prompt(prompt), sampling_params or self.get_default_sampling_params(), 0)
         while self.engine.has_unfinished_requests():
             processed = self._step()
             yield from (d for d in processed if d.request_id == request_id)

@@ -33,6 +33,8 @@ ENGINE_COUNTERS = {
     "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
     "kv_transfer_loaded_tokens": "Disaggregation: prompt tokens whose KV was loaded from a prefill instance.",
     "kv_transfer_saved_blocks": "Disaggregation: KV blocks stored for a decode instance.",
+    "kv_transfer_failed_loads": "Disaggregation: requests whose stored KV blocks could not be read (computed instead).",
+    "kv_transfer_failed_saves": "Disaggregation: KV blocks that could not be stored (a full or failing disk).",
 }
 PER_POSITION_COUNTER = ("spec_decode_num_accepted_tokens_per_pos",
                         "Speculative decoding: draft tokens accepted, by their position among a step's drafts.")

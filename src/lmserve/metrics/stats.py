@@ -172,6 +172,10 @@ class EngineStats(msgspec.Struct):
     # computing, and blocks a producer stored.
     kv_transfer_loaded_tokens: int = 0
     kv_transfer_saved_blocks: int = 0
+    # ... and what went wrong without ending the engine: requests whose stored blocks could not be read (they
+    # computed them), blocks that could not be stored (a full or failing disk).
+    kv_transfer_failed_loads: int = 0
+    kv_transfer_failed_saves: int = 0
     # Mixtures of experts: tokens routed to each expert so far, by MoE layer index (each token once for each of its
     # top-k experts): an expert-parallel layout's imbalance shows here.
     moe_expert_tokens: dict[str, list[int]] = {}
@@ -186,7 +190,8 @@ class EngineStats(msgspec.Struct):
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
                 "kv_blocks_cached_free", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                 "num_requests_aborted", "num_steps", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens", "kv_transfer_loaded_tokens", "kv_transfer_saved_blocks")
+                "spec_decode_num_accepted_tokens", "kv_transfer_loaded_tokens", "kv_transfer_saved_blocks",
+                "kv_transfer_failed_loads", "kv_transfer_failed_saves")
 
 
 def sum_engine_stats(replicas: list[EngineStats]) -> EngineStats:

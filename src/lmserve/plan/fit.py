@@ -136,7 +136,7 @@ def stage_weight_bytes(spec: ModelSpec, layout: Layout, stage: int, nbytes: int,
     """One rank's weights: a GGUF's at their stored size plus the prompt copy of its layers where the engine may
     build one (takes_prompt_copy), a float checkpoint's in the compute dtype."""
     parts = stage_params(spec, layout, stage)
-    weights = spec.weight_bytes(sum(parts.values()), nbytes)
+    weights = spec.weight_bytes(sum(parts.values()), nbytes, layout.tp)
     if spec.stored_bits and takes_prompt_copy(spec, batched_weights, block_activations):
         weights += parts["layers"] * PROMPT_COPY_BYTES
     return weights

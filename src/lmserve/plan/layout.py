@@ -32,7 +32,7 @@ def engine_model_spec(model_config: ModelConfig) -> ModelSpec:
     # the engine dequantizes them.
     keeps_blocks = (model_config.quantization or "auto") == "auto" and model_config.dtype in ("auto", "float32")
     if source.kind == "gguf" and keeps_blocks:
-        spec = replace(spec, stored_bits=gguf_held_bits(source.path))
+        spec = replace(spec, stored_bits=gguf_held_bits(source.path), gguf_path=str(source.path))
     return spec
 
 

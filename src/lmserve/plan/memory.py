@@ -180,7 +180,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         layers = layers_in_stage(spec.num_layers, layout.pp, stage)
         block_layers = groups.slots if groups.is_hybrid else layers  # a hybrid block holds `slots` layers
         heads = kv_heads_per_rank(spec, layout.tp)
-        weights = spec.weight_bytes(sum(stage_params(spec, layout, stage).values()), nbytes)
+        weights = spec.weight_bytes(sum(stage_params(spec, layout, stage).values()), nbytes, layout.tp)
         activations = activation_bytes(spec, layout.tp, settings.max_num_batched_tokens, nbytes)
         logits = logits_bytes(spec, settings) if stage == layout.pp - 1 else 0
         kv_bytes = memory - weights - activations - logits - settings.overhead

@@ -77,11 +77,21 @@ class ModelSpec:
     # Bits a parameter as the engine holds a GGUF's weights (a Q4_K_M file: ~5, its stored size; an IQ4_NL file more:
     # q8_0 blocks, gguf_file.gguf_held_bits); None for float checkpoints, whose weights take the plan's dtype.
     stored_bits: float | None = None
+    # The GGUF file itself, where stored_bits came from one: under tensor parallel some matrices' slices no longer
+    # split into whole blocks and load as float16, so the bits a parameter depend on -tp (gguf_held_bits(path, tp)).
+    gguf_path: str | None = None
 
-    def weight_bytes(self, params: int, dtype_bytes: int) -> int:
+    def weight_bytes(self, params: int, dtype_bytes: int, tp: int = 1) -> int:
         """What `params` of this model's parameters take in memory with weights of `dtype_bytes` (a file's stored
-        size where it has one)."""
-        return int(params * self.stored_bits / 8) if self.stored_bits else params * dtype_bytes
+        size where it has one, as `tp` ranks hold it)."""
+        if not self.stored_bits:
+            return params * dtype_bytes
+        bits = self.stored_bits
+        if tp > 1 and self.gguf_path is not None:
+            from lmserve.gguf_file import gguf_held_bits
+
+            bits = gguf_held_bits(Path(self.gguf_path), tp)
+        return int(params * bits / 8)
 
     @classmethod
     def from_hf_dict(cls, name: str, cfg: dict) -> ModelSpec:
@@ -180,7 +190,8 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
 
         source = resolve_model(model)
         spec = ModelSpec.from_hf_dict(model, read_config_dict(source))
-        return replace(spec, stored_bits=gguf_held_bits(source.path)) if source.kind == "gguf" else spec
+        return replace(spec, stored_bits=gguf_held_bits(source.path), gguf_path=str(source.path)) \
+            if source.kind == "gguf" else spec
     names = sorted({*SHIPPED_CONFIGS, *REGISTERED_MODELS})
     raise ValueError(
         f"unknown model {model!r}: not a shipped config ({', '.join(names)}), and no such path "

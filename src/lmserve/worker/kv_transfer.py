@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from lmserve.distributed.kv_link import MAX_BLOCKS_PER_MESSAGE, KVLink
-from lmserve.distributed.kv_storage import block_file
+from lmserve.distributed.kv_storage import block_file, make_private_directory
 from lmserve.kv_transfer_config import KVTransferConfig, plugged_connector
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class KVConnectorWorker:
         self.block_bytes = sum(p.numel() * p.element_size() for p in self.parts)
         self._loader: ThreadPoolExecutor | None = None  # started by the first load
         self._loading: dict[str, tuple[Future, frozenset[int]]] = {}  # request id -> its load and its blocks
+        self._failed_loads: list[str] = []  # requests whose load failed since the last finished_loads()
+        self.num_failed_saves = 0  # blocks a save could not write (a full or failing disk): counted, not fatal
 
     def save(self, blocks: list[tuple[int, str]]) -> None:
         """Saves each (block id, hash hex) the scheduler side named; called after the step's forward pass."""
@@ -100,7 +102,9 @@ class KVConnectorWorker:
             future = self._loader.submit(self._load_in_thread, blocks)
             self._loading[request_id] = (future, frozenset(block_id for block_id, _ in blocks))
 
-    def _load_in_thread(self, blocks: list[tuple[int, str]]) -> None:
+    def _load_in_thread(self, blocks: list[tuple[int, str]]) -> bool:
+        """True once the blocks are in; False where a block's file was missing, short or unreadable (the request
+        then computes those positions itself: one bad file must not end the engine)."""
         # One OpenMP thread for the copies: a second team of the compute threads' size would fight them for the
         # cores. OpenMP's count is per thread (the forward passes keep theirs), but torch also keeps the last one set
         # for threads that start later: it is put back after the load.
@@ -110,8 +114,13 @@ class KVConnectorWorker:
             with torch.inference_mode():  # the cache's tensors are inference tensors
                 if blocks:
                     self.load(blocks)
+        except (OSError, ValueError) as exc:
+            logger.warning("kv transfer: rank %d could not load %d stored block(s) (%s): the request computes them",
+                           self.rank, len(blocks), exc)
+            return False
         finally:
             torch.set_num_threads(previous)
+        return True
 
     def wait_for(self, request_ids: Iterable[str], block_ids: Iterable[int] = ()) -> None:
         """Waits for the loads of these requests, and for any load into these blocks (a load's error is raised)."""
@@ -124,12 +133,15 @@ class KVConnectorWorker:
         for request_id in wanted:
             self._loading[request_id][0].result()
 
-    def finished_loads(self) -> list[str]:
-        """The requests whose loads ended since the last call (a load's error is raised)."""
+    def finished_loads(self) -> tuple[list[str], list[str]]:
+        """The requests whose loads ended since the last call, and of those the ones whose load failed (their
+        blocks hold nothing usable; an unexpected error is raised)."""
         done = [request_id for request_id, (future, _) in self._loading.items() if future.done()]
         for request_id in done:
-            self._loading.pop(request_id)[0].result()
-        return done
+            if self._loading.pop(request_id)[0].result() is False:
+                self._failed_loads.append(request_id)
+        failed, self._failed_loads = self._failed_loads, []
+        return done, failed
 
 
 class SharedStorageWorker(KVConnectorWorker):
@@ -138,12 +150,27 @@ class SharedStorageWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rank: int,
                  model_name: str) -> None:
         super().__init__(config, kv_caches, rank, model_name)
-        self.root = Path(config.shared_storage_path)
-        self.written: deque[tuple[Path, int]] = deque()  # this producer's files, oldest first, for its byte cap
+        self.root = Path(config.storage_directory)
+        self.written: deque[tuple[Path, int]] = deque()  # this rank's files on disk, oldest first, for the byte cap
         self.bytes_written = 0
         if self.keeps_files:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_private_directory(self.root)
+            self._count_files_on_disk()
         self._check_layout()
+        self._keep_to_cap()
+
+    def _count_files_on_disk(self) -> None:
+        """The cap bounds what is on disk, not only what this process wrote: a restarted producer finds its
+        predecessors' files, oldest first."""
+        found = []
+        for path in self.root.glob(f"*-r{self.rank}.kv"):
+            try:
+                found.append((path.stat().st_mtime_ns, path, path.stat().st_size))
+            except OSError:  # removed meanwhile
+                continue
+        for _, path, size in sorted(found):
+            self.written.append((path, size))
+            self.bytes_written += size
 
     @property
     def keeps_files(self) -> bool:
@@ -176,14 +203,24 @@ class SharedStorageWorker(KVConnectorWorker):
                    if not (path := block_file(self.root, name, self.rank)).exists()]
         if missing:
             data = self.gather([block_id for block_id, _ in missing]).cpu()
-            for row, (_, path) in zip(data, missing, strict=True):
-                self._write(path, row)
+            for written, (row, (_, path)) in enumerate(zip(data, missing, strict=True)):
+                try:
+                    self._write(path, row)
+                except OSError as exc:  # ENOSPC, EIO: these blocks are not stored; the decode side computes them
+                    self.num_failed_saves += len(missing) - written
+                    logger.warning("kv transfer: rank %d could not store %d block(s) in %s (%s); skipped",
+                                   self.rank, len(missing) - written, self.root, exc)
+                    break
         self._keep_to_cap()
 
     def _write(self, path: Path, data: torch.Tensor) -> None:
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        data.numpy().tofile(temporary)
-        os.replace(temporary, path)
+        try:
+            data.numpy().tofile(temporary)
+            os.replace(temporary, path)
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
         self.written.append((path, self.block_bytes))
         self.bytes_written += self.block_bytes
 

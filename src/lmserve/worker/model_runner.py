@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -125,7 +126,6 @@ class ModelRunner:
         logger.info("decoder layers: %s", self.layer_program)
         self.kv_connector = self._kv_connector(cache_config, source, model_config)
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
         # Each request's token from the last step that sampled it, for a step planned before that token was known
         # (async scheduling: ScheduledRequest.uses_previous_token). Ints: the step already waits for its tokens
         # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
@@ -349,20 +349,25 @@ class ModelRunner:
             [block for s in scheduled for block in s.block_ids] if self.kv_connector.loading else ())
         if scheduler_output.kv_loads:
             self.kv_connector.start_loads(scheduler_output.kv_loads)
-        finished = self.kv_connector.finished_loads()
+        finished, failed = self.kv_connector.finished_loads()
+        if failed and not self.layout.is_driver:
+            # Only the driver rank's report reaches the scheduler, which could not know that this rank's part of
+            # the blocks is missing: the engine must not compute with it.
+            raise RuntimeError(f"kv transfer: rank {self.layout.rank} could not load the stored blocks of "
+                               f"{len(failed)} request(s)")
         output = self._execute(scheduler_output)
-        if output is None and self.layout.is_driver and finished:
+        failed_saves, self.kv_connector.num_failed_saves = self.kv_connector.num_failed_saves, 0
+        if output is None and self.layout.is_driver and (finished or failed_saves):
             output = ModelRunnerOutput(sampled_token_ids={})
         if output is not None:
             output.finished_kv_loads = finished
+            output.failed_kv_loads = failed
+            output.failed_kv_saves = failed_saves
         return output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        # A preempted request keeps its generator: resumed, it must draw what it would have drawn unpreempted.
         for request_id in scheduler_output.finished_request_ids:
             self.last_sampled.pop(request_id, None)
-            if request_id not in scheduler_output.preempted_request_ids:
-                self.generators.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
         if self.drafter is not None:
@@ -407,12 +412,25 @@ class ModelRunner:
         self.last_sampled.update(output.sampled_token_ids)
         return output
 
-    def _metadata(self, rows: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+    @staticmethod
+    def _row_offsets(rows: list[ScheduledRequest]) -> list[int]:
+        """Each sampling row's place among its request's rows (0 for a request without drafts; a drafted request's
+        rows follow each other)."""
+        offsets: list[int] = []
+        for i, r in enumerate(rows):
+            offsets.append(offsets[-1] + 1 if i and rows[i - 1].request_id == r.request_id else 0)
+        return offsets
+
+    def _metadata(self, rows: list[ScheduledRequest], vocab_size: int, offsets: list[int] | None = None,
+                  attempt: int = 0) -> SamplingMetadata:
+        """`offsets`: each row's place among its request's rows (_row_offsets of the step's rows); `attempt`: 1 for
+        a row drawn again under its grammar's mask."""
+        offsets = self._row_offsets(rows) if offsets is None else offsets
         return SamplingMetadata.build(
             params=[r.sampling_params for r in rows],
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[self._output_token_ids(r) for r in rows],
-            generators=[self._generator(r) for r in rows],
+            generators=[self._generator(r, offset, attempt) for r, offset in zip(rows, offsets, strict=True)],
             eos_token_ids=[r.eos_token_ids for r in rows],
             vocab_size=vocab_size,
             device=self.device,
@@ -424,7 +442,8 @@ class ModelRunner:
         """One token per row. Constrained rows (engine.grammar.GrammarBatch) draw without their mask first and again
         with it only when the grammar refuses the token, which gives the masked distribution exactly for the rows
         the grammar lets do so; the others are masked before the first draw."""
-        metadata = self._metadata(rows, logits.shape[-1])
+        offsets = self._row_offsets(rows)
+        metadata = self._metadata(rows, logits.shape[-1], offsets)
         row_of = {r.request_id: i for i, r in enumerate(rows)}
         # Constrained requests with drafts: their first row, handled row by row below.
         drafted = {} if grammar is None else {
@@ -446,7 +465,7 @@ class ModelRunner:
                    if rid not in first and rid not in drafted and not grammar.allows(rid, token_ids[row_of[rid]])]
         if refused:
             redo = [row_of[rid] for rid in refused]
-            metadata = self._metadata([rows[i] for i in redo], logits.shape[-1])
+            metadata = self._metadata([rows[i] for i in redo], logits.shape[-1], [offsets[i] for i in redo], 1)
             self._mask(metadata, grammar, list(range(len(redo))), refused, len(redo))
             again = self.sampler(logits[redo], metadata)
             for k, (i, token) in enumerate(zip(redo, again.token_ids.tolist(), strict=True)):
@@ -464,7 +483,7 @@ class ModelRunner:
         for i in range(len(drafts) + 1):
             row = first_row + i
             if not grammar.allows(rid, token_ids[row]):
-                metadata = self._metadata([rows[row]], logits.shape[-1])
+                metadata = self._metadata([rows[row]], logits.shape[-1], [i], 1)
                 self._mask(metadata, grammar, [0], [rid], 1)
                 again = self.sampler(logits[[row]], metadata)
                 token_ids[row], logprobs[row] = again.token_ids.tolist()[0], again.logprobs[0]
@@ -490,13 +509,17 @@ class ModelRunner:
         known = r.start_position - len(r.prompt_token_ids)
         return [*r.output_token_ids[:known], self.last_sampled[r.request_id]]
 
-    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+    def _generator(self, r: ScheduledRequest, offset: int = 0, attempt: int = 0) -> torch.Generator | None:
+        """A seeded row's generator, seeded from (seed, the index of the token the row samples, attempt): a token's
+        draw depends on where it is in the sequence, never on how many draws came before it. One generator a
+        request consumed one number a row, so the drafts a step verified (which depend on the step's budget and free
+        blocks, so on the batch), rejected ones included, moved every later draw; now a seeded request gives the
+        same tokens alone or beside a prefill, with any number of drafts, and after a preemption."""
         seed = r.sampling_params.seed
         if seed is None or r.sampling_params.greedy:
             return None
-        gen = self.generators.get(r.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self.generators[r.request_id] = gen
+        token_index = r.start_position + r.num_tokens - len(r.draft_token_ids) + offset
+        derived = hashlib.blake2b(f"{seed}:{token_index}:{attempt}".encode(), digest_size=8).digest()
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int.from_bytes(derived, "little") & (2**63 - 1))
         return gen

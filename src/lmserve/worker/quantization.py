@@ -382,23 +382,30 @@ class PendingBlockLinear(PendingLayer):
 
 
 def pend_block_linears(
-    module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "", activations: str = "float32"
+    module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "", activations: str = "float32",
+    unfit: list[tuple[str, str, int, int]] | None = None,
 ) -> int:
     """Replaces every nn.Linear under module (on the meta device: shapes only) with a PendingBlockLinear of
     `method`, in place; returns how many were replaced. `method` may be a function of the layer's name under module
-    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one. activations: the finished layers' kernel."""
+    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one. activations: the finished layers' kernel.
+    unfit: where given, gets (name, method, out_features, in_features) of each layer that has a format but whose
+    shape (this rank's slice, under tensor parallel) does not fit it, so it stays a float layer."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             layer_method = method(prefix + name) if callable(method) else method
-            if layer_method is None or not layer_fits(layer_method, child.out_features, child.in_features):
+            if layer_method is None:
+                continue
+            if not layer_fits(layer_method, child.out_features, child.in_features):
+                if unfit is not None:
+                    unfit.append((prefix + name, layer_method, child.out_features, child.in_features))
                 continue
             bias = child.bias is not None
             setattr(module, name, PendingBlockLinear(layer_method, child.in_features, child.out_features, bias,
                                                      activations))
             count += 1
         else:
-            count += pend_block_linears(child, method, f"{prefix}{name}.", activations)
+            count += pend_block_linears(child, method, f"{prefix}{name}.", activations, unfit)
     return count
 
 

@@ -20,6 +20,7 @@ rank every split is the whole and every collective a no-op.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -71,6 +72,8 @@ from lmserve.worker.stored_formats import (
     convert_blocks,
     exact_kernel_format,
 )
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
@@ -284,7 +287,10 @@ class LlamaForCausalLM(nn.Module):
             parts = self._SOURCES.get(path[-1], (path[-1],))
             return stored_format([f"model.layers.{index}.{'.'.join([*path[:-1], p])}.weight" for p in parts])
 
-        pend_block_linears(self.layers, layer_format, activations=activations)
+        unfit: list[tuple[str, str, int, int]] = []
+        pend_block_linears(self.layers, layer_format, activations=activations, unfit=unfit)
+        if unfit:
+            logger.warning("%s", unfit_layers_message(unfit, self.parallel.tp_size))
         if self.parallel.layout.is_last_stage:
             rows = -(-self.vocab_size // self.parallel.tp_size)
             if stored_types is None:
@@ -540,6 +546,21 @@ class LlamaForCausalLM(nn.Module):
         else:
             sizes = [owner.intermediate] * 2
         return sum(sizes[:shard]), sizes[shard]
+
+
+def unfit_layers_message(unfit: list[tuple[str, str, int, int]], tp: int) -> str:
+    """The warning for layers that have a block format but whose shape on this rank does not fit it (a K-quant's
+    slice of columns under -tp is no multiple of 256): by kind of layer, the layers' indices, the format and shape."""
+    kinds: dict[tuple[str, str, int, int], list[str]] = {}
+    for name, method, rows, columns in unfit:
+        index, _, kind = name.partition(".")
+        kinds.setdefault((kind, method, rows, columns), []).append(index)
+    named = "; ".join(f"{kind} of layer(s) {', '.join(indices)} ({method}, [{rows}, {columns}] on this rank)"
+                      for (kind, method, rows, columns), indices in kinds.items())
+    where = f" under tensor parallel ({tp} ranks: each holds a slice of the matrix)" if tp > 1 else ""
+    return (f"{len(unfit)} layer(s) do not split into whole blocks of their format{where} and run as float16 weights "
+            f"(2 bytes a weight, not their stored size): {named}. A -tp that leaves every slice whole blocks (a "
+            "K-quant: columns a multiple of 256) keeps them at their stored size")
 
 
 def _rows(tensor: torch.Tensor | StoredBlocks, select) -> torch.Tensor | StoredBlocks:
