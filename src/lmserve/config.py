@@ -275,6 +275,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = setting(1, "stages that each run consecutive layers", short="-pp")
     data_parallel_size: int = setting(1, "engine replicas behind one front-end, each with its own KV cache",
                                       short="-dp")
+    enable_expert_parallel: bool = setting(
+        False, "a mixture of experts' tensor ranks hold whole experts (expert e on rank e mod tp) instead of a share "
+        "of every expert's columns")
     # Which replica this engine is (set per replica by the front-end, never a flag): its ranks' GPUs follow the
     # other replicas' (cuda_device_index).
     data_parallel_rank: int = setting(0, "this engine's index among the data-parallel replicas (set by the front-end)",

@@ -331,3 +331,30 @@ def test_a_process_without_the_secret_runs_no_code_in_node_0s_engine(tiny_llama_
     finally:
         attacker.join(timeout=10)
         context.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("model", "layouts"), [
+    ("qwen2_moe", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}]),
+    ("mixtral", [{"tensor_parallel_size": 2, "enable_expert_parallel": True}]),
+    ("kquant", [{"tensor_parallel_size": 2, "enable_expert_parallel": True}]),
+], ids=["qwen2-moe-tp-and-ep", "mixtral-ep", "q4_k_m-experts-ep"])
+def test_mixtures_of_experts_split_by_columns_or_by_experts_give_one_ranks_tokens(
+        moe_dirs, moe_kquant, model: str, layouts: list[dict]) -> None:
+    """Each expert's columns on every rank (Megatron, as the dense MLP), or whole experts on ranks (expert parallel),
+    a shared expert and its gate split by columns too: one rank's greedy tokens. The K-quant experts keep their
+    file's blocks whole on the rank that holds them."""
+    path = str(moe_kquant[1] if model == "kquant" else moe_dirs[model])
+    prompts = [list(range(100 + 9 * i, 140 + 13 * i)) for i in range(3)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = {"dtype": "float32", "max_model_len": 256, "num_blocks": 32}
+    with LLM(path, **options) as llm:
+        one = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    for layout in layouts:
+        with LLM(path, **options, **layout) as llm:
+            assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] == one, layout
+
+
+def test_olmoe_refuses_tensor_parallel_in_words(moe_dirs) -> None:
+    """OLMoE normalizes q and k over all heads: a split by heads would need a norm across ranks."""
+    with pytest.raises(Exception, match="normalizes q and k across all heads"):
+        LLM(str(moe_dirs["olmoe"]), dtype="float32", max_model_len=256, num_blocks=32, tensor_parallel_size=2)

@@ -137,3 +137,27 @@ def test_the_planner_counts_every_expert_for_memory_and_the_chosen_for_time(moe_
     unread = sum((shape.num_experts - shape.top_k) * 3 * config.hidden_size * shape.expert_intermediate
                  for i in range(config.num_hidden_layers) if shape.is_moe_layer(i))
     assert spec.active_params == total - unread < total
+
+
+def test_expert_parallel_ranks_hold_and_read_whole_experts(moe_dirs) -> None:
+    """With expert parallel each of two ranks holds every other expert whole (and the loader skips the others'
+    weights unread); without it, each rank holds half of every expert's columns."""
+    from lmserve.distributed.layout import RankLayout
+    from lmserve.distributed.parallel_state import ParallelGroups
+    from lmserve.worker.models.llama import LlamaForCausalLM
+
+    config = load_hf_config(resolve_model(str(moe_dirs["qwen3_moe"])))
+    columns = config.moe_intermediate_size
+    for rank in (0, 1):
+        with torch.device("meta"):
+            whole = LlamaForCausalLM(config, 256, ParallelGroups(RankLayout(rank, 2)), expert_parallel=True)
+            split = LlamaForCausalLM(config, 256, ParallelGroups(RankLayout(rank, 2)))
+        block = whole.layers[0].mlp
+        assert block.local_experts == [e for e in range(config.num_experts) if e % 2 == rank]
+        assert block.experts[rank].gate_up_proj.out_features == 2 * columns
+        assert whole.wants(f"model.layers.0.mlp.experts.{rank}.down_proj.weight")
+        assert not whole.wants(f"model.layers.0.mlp.experts.{1 - rank}.down_proj.weight")
+        assert whole.checkpoint_part(f"model.layers.0.mlp.experts.{rank}.down_proj.weight", (64, columns)) is None
+        assert len(split.layers[0].mlp.local_experts) == config.num_experts
+        assert split.layers[0].mlp.experts[0].gate_up_proj.out_features == columns
+        assert split.wants(f"model.layers.0.mlp.experts.{1 - rank}.down_proj.weight")

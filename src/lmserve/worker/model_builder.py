@@ -33,6 +33,7 @@ def build_model(
     parallel: ParallelGroups | None = None, block_method: str | None = None,
     stored_types: Mapping[str, str] | None = None, formats: Sequence[str] = KERNEL_FORMATS,
     activations: str = "float32", float16_layers: bool = False, embedding_dtype: torch.dtype | None = None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """The model's modules on `device` in `dtype`, parameters uninitialised (load its weights next). The RoPE
     tables are real float32 values on `device`: they are plain attributes, computed from the config, not loaded.
@@ -42,7 +43,7 @@ def build_model(
     linear layers that remain load straight into float16 weights (LlamaForCausalLM.pend_float16_layers; the table
     in embedding_dtype where given)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_position, parallel, rope_device=device)
+        model = LlamaForCausalLM(config, max_position, parallel, rope_device=device, expert_parallel=expert_parallel)
         if block_method is not None:
             model.pend_block_layers(block_method, stored_types, formats, activations)
         model = model.to(dtype)  # before the float16 layers: it would widen their staged rows

@@ -101,8 +101,11 @@ class ModelRunner:
         self, model_config: ModelConfig, cache_config: CacheConfig, placement: PlacementConfig | None = None,
         parallel: ParallelGroups | None = None,
         scheduler_config: SchedulerConfig | None = None,  # its step size sizes the CUDA profiling step
+        expert_parallel: bool = False,
     ) -> None:
-        """`parallel`: this rank's place among the engine's ranks (default: the only rank)."""
+        """`parallel`: this rank's place among the engine's ranks (default: the only rank). expert_parallel: a
+        mixture of experts' tensor ranks hold whole experts (worker/models/moe.py)."""
+        self.expert_parallel = expert_parallel
         self.parallel = parallel or ParallelGroups(RankLayout(0))
         self.layout = self.parallel.layout
         self.device = resolve_device(model_config.device)
@@ -175,7 +178,8 @@ class ModelRunner:
         stored_table = hf_tensor_dtype(source, "model.embed_tokens.weight") if self.quantization == "fp16" else None
         embedding_dtype = stored_table if stored_table in (torch.bfloat16, torch.float16) else None
         model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method,
-                            per_layer, formats, activations, float16_layers, embedding_dtype)
+                            per_layer, formats, activations, float16_layers, embedding_dtype,
+                            expert_parallel=self.expert_parallel)
         model.load_weights(load_weights(source, None if float16_layers else self.dtype,
                                         blocks=STORED_BLOCK_TYPES if block_method else (), wanted=model.wants,
                                         part=model.checkpoint_part))

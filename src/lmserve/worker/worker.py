@@ -47,7 +47,8 @@ class Worker:
                 logger.warning(shared)
         self.parallel = init_parallel_groups(self.layout, init_method, device)
         self.runner = ModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
-                                  scheduler_config=config.scheduler)
+                                  scheduler_config=config.scheduler,
+                                  expert_parallel=parallel_config.enable_expert_parallel)
 
     @property
     def info(self) -> WorkerInfo:
