@@ -14,6 +14,7 @@ Prompts are the same token ids for both (the file's own tokenizer, seed 0). llam
 --ready-only: the start-up alone (ready and RSS), for A/B runs of loading. --first-start: before each lmserve start, the file's converted tokenizer is removed from lmserve's cache, so that
 every start is a first start of that file (the kernels stay built, as after any earlier run of lmserve).
 --one-stream-only: ready, RSS and the one-stream workload, not the 8-concurrent one.
+--prefill: also a 2,000-token prompt's prefill (TTFT p50 of three, one at a time): the mixture-of-experts targets.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ WORKLOADS = {
                    "--max-concurrency", "1"],
     "8 concurrent": ["--random-input-len", "256", "--random-output-len", "64", "--num-prompts", "32",
                      "--max-concurrency", "8"],
+    # --prefill: a 2,000-token prompt alone, three times: its time to the first token is the prompt's prefill.
+    "prefill 2000": ["--random-input-len", "2000", "--random-output-len", "1", "--num-prompts", "3",
+                     "--max-concurrency", "1"],
 }
 
 # lmserve as it runs by default, and with its decoder layers from Python (the layer program off) for an A/B in one run.
@@ -110,7 +114,7 @@ def forget_tokenizer(model: str) -> None:
 
 
 def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool = False,
-             ready_only: bool = False, one_stream_only: bool = False) -> dict:
+             ready_only: bool = False, one_stream_only: bool = False, prefill: bool = False) -> dict:
     if server.startswith("lmserve") and first_start:
         forget_tokenizer(model)
     port = free_port()
@@ -124,6 +128,8 @@ def run_once(server: str, model: str, lmserve_args: list[str], first_start: bool
         result["tpot_ms"] = bench(model, port, WORKLOADS["one stream"])["median_tpot_ms"]
         if not one_stream_only:
             result["tok_s_8"] = bench(model, port, WORKLOADS["8 concurrent"])["output_throughput"]
+        if prefill:
+            result["prefill_2000_ms"] = bench(model, port, WORKLOADS["prefill 2000"])["median_ttft_ms"]
         result["rss_after_mib"] = tree_rss_mib(proc.pid)
         return result
     finally:
@@ -149,17 +155,20 @@ def main() -> None:
     parser.add_argument("--ready-only", action="store_true", help="start, read ready and RSS, stop: no workloads")
     parser.add_argument("--one-stream-only", action="store_true",
                         help="no 8-concurrent workload (a 7B model's takes minutes a server on 2 cores)")
+    parser.add_argument("--prefill", action="store_true", help="also a 2,000-token prompt's time to first token")
     args = parser.parse_args()
     servers = args.servers.split(",")
     results: dict[str, list[dict]] = {s: [] for s in servers}
     for _ in range(args.rounds):
         for server in servers:
             results[server].append(run_once(server, args.model, args.lmserve_args.split(), args.first_start,
-                                            args.ready_only, args.one_stream_only))
+                                            args.ready_only, args.one_stream_only, args.prefill))
             print(server, json.dumps(results[server][-1]), flush=True)
     keys = ("ready_s", "rss_mib") if args.ready_only else ("ready_s", "rss_mib", "rss_after_mib", "tpot_ms", "tok_s_8")
     if args.one_stream_only and not args.ready_only:
         keys = keys[:-1]
+    if args.prefill and not args.ready_only:
+        keys = (*keys, "prefill_2000_ms")
     medians = {s: {k: statistics.median(r[k] for r in results[s]) for k in keys} for s in servers}
     print(f"\n{'':<14}" + "".join(f"{k:>15}" for k in keys))
     for server in servers:
