@@ -211,7 +211,8 @@ class EngineStats(msgspec.Struct):
     # Mixtures of experts: tokens routed to each expert so far, by MoE layer index (each token once for each of its
     # top-k experts): an expert-parallel layout's imbalance shows here.
     moe_expert_tokens: dict[str, list[int]] = {}
-    # Only for the request ids a GetStats asked about: positions computed so far, and status.
+    # Only for the request ids a GetStats asked about: positions handed to the model so far (computed, or in a step
+    # under way), and status; once a request is "gone" its positions no longer change.
     request_positions: dict[str, int] = {}
     request_status: dict[str, str] = {}
     # Under data parallel, each replica's own (the fields above are then their sums); empty for one engine.
