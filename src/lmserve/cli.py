@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
 import urllib.parse
 
 from lmserve.config import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     add_engine_args,
     add_model_argument,
@@ -100,11 +104,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_cpus=api_cpus, max_queued_requests=args.max_queued_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser),
-        allowed_origins=args.allowed_origins, engine_death_grace=engine_death_grace,
+        allowed_origins=args.allowed_origins, engine_death_grace=engine_death_grace, **http_limits(args),
     ))
     from lmserve.process_exit import exit_closed
 
     exit_closed(code)  # serve() stopped the engine and closed the sockets: the interpreter's teardown adds nothing
+
+
+def http_limits(args: argparse.Namespace) -> dict[str, float | int]:
+    """serve()'s keywords for the slow-client deadlines and the connection cap."""
+    return {"header_timeout": args.header_timeout, "body_timeout": args.body_timeout,
+            "limit_concurrency": args.limit_concurrency}
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -180,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: no limit)")
     srv.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                      metavar="BYTES", help="answer 413 to larger request bodies (default: %(default)s)")
+    srv.add_argument("--header-timeout", type=_positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                     help="close a connection whose request headers are not complete this long after it opened or "
+                          "its last response ended: slow or silent clients (default: %(default)s)")
+    srv.add_argument("--body-timeout", type=_positive_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                     help="answer 408 and close the connection when a request body is not complete this long after "
+                          "its headers (default: %(default)s)")
+    srv.add_argument("--limit-concurrency", type=_positive_int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                     help="as uvicorn's: answer 503 to requests beyond N open connections or requests in flight; "
+                          "each holds a file descriptor (default: %(default)s)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide to call tools (tool_choice "auto"), parsed by --tool-call-parser')
     srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral", "pythonic"),

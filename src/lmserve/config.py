@@ -68,6 +68,13 @@ def model_layer_types(config: Any) -> list[str]:
 
 # `lmserve serve --max-request-body-bytes`: a larger HTTP body gets 413 before it is read.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+# `lmserve serve --header-timeout`: a request's headers must be complete this long after its connection opens or its
+# last response ends (a connection trickling them, or silent, is closed). `--body-timeout`: its body this long after
+# its headers (else 408); 8 MiB at 2 Mbit/s is 34 s. `--limit-concurrency` (uvicorn's name): connections and requests
+# in flight past this are answered 503; each holds a file descriptor.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_LIMIT_CONCURRENCY = 1024
 # `--async-scheduling` (vLLM's): plan step N+1 while step N computes. Off until measured on these machines.
 DEFAULT_ASYNC_SCHEDULING = False
 

@@ -4,6 +4,7 @@ json.loads makes a character UTF-8 cannot carry, served whole and streamed on ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -17,9 +18,10 @@ import uvicorn
 from test_api_fake_engine import MODEL
 from test_responses import RenderingEngine
 
-from lmserve.api.connections import DeadlineH11Protocol
+from lmserve.api.connections import DeadlineH11Protocol, uvicorn_config
 from lmserve.api.server import build_app
 from lmserve.api.serving import ToolConfig
+from lmserve.cli import build_parser, http_limits
 
 HEADER_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 1.0
@@ -141,3 +143,60 @@ def test_a_tool_call_with_a_lone_surrogate_is_served_on_responses(server: str, s
         output = response.json()["output"]
     calls = [item for item in output if item["type"] == "function_call"]
     assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Pa\ud800ris"}]
+
+
+# ---- the flags: --header-timeout, --body-timeout, --limit-concurrency ------------------------------------------
+
+
+@contextlib.contextmanager
+def served_with(*flags: str) -> Iterator[str]:
+    """The fake engine's app under the deadlines and cap that `lmserve serve FLAGS` passes to serve()."""
+    limits = http_limits(build_parser().parse_args(["serve", *flags]))
+    app = build_app(RenderingEngine(), body_timeout=limits["body_timeout"])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn_config(app, header_timeout=limits["header_timeout"],
+                                       limit_concurrency=limits["limit_concurrency"], log_level="warning",
+                                       lifespan="off"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(5)
+
+
+def test_the_deadline_flags_change_when_slow_clients_are_cut_off() -> None:
+    assert http_limits(build_parser().parse_args(["serve"])) == {
+        "header_timeout": 10.0, "body_timeout": 60.0, "limit_concurrency": 1024}
+    with served_with("--header-timeout", "0.5", "--body-timeout", "1") as url:
+        closed, _ = closed_within(connect(url), 3.0)  # silent: the default 10 s would keep it open
+        assert closed, "--header-timeout 0.5 did not close a silent connection"
+        conn = connect(url)
+        body = json.dumps({"messages": [{"role": "user", "content": "hi " * 100}]}).encode()
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        closed, received = closed_within(conn, 6.0, body)  # trickled over ~30 s
+        assert received.startswith(b"HTTP/1.1 408") and b"within 1 s" in received, received[:200]
+    with served_with("--header-timeout", "30") as url:
+        closed, _ = closed_within(connect(url), 1.0)
+        assert not closed, "--header-timeout 30 closed a connection within a second"
+
+
+def test_limit_concurrency_flag_caps_open_connections() -> None:
+    with served_with("--limit-concurrency", "2") as url:
+        held = connect(url)  # an open connection counts, requests or not
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.get("/health").status_code == 503
+            held.close()
+            deadline = time.monotonic() + 10
+            while (status := client.get("/health").status_code) == 503 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert status == 200
+    with served_with() as url:  # the default cap, 1,024
+        held = connect(url)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        held.close()

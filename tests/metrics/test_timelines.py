@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,6 +12,7 @@ from lmserve.engine.messages import StepOutputs
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.frontend.timelines import KEPT_FINISHED, TimelineTracker
 from lmserve.metrics.prometheus import PrometheusMetrics
+from lmserve.metrics.recorder import KEPT_SPANS, StatsRecorder
 from lmserve.metrics.stats import RequestTimeline, StepRecord, StepSpan
 
 
@@ -138,3 +141,49 @@ def test_request_size_histograms_count_each_request_once() -> None:
     assert samples["lmserve:request_generation_tokens_sum"] == 8
     assert samples["lmserve:request_generation_tokens_count"] == 2
     assert samples["lmserve:request_inference_time_seconds_sum"] == pytest.approx(0.7)
+
+
+def test_kept_timelines_hold_a_bounded_number_of_spans(tmp_path) -> None:
+    """A 32k-step request once kept 32k spans in the dashboard's window (512 of them: ~2 GB). The kept copy holds its
+    first and last KEPT_SPANS spans and merges the rest; Prometheus and the request log still see every step."""
+    decode_steps = 32_000
+    t = RequestTimeline("long", "long", arrival=0.0, input_processed=0.0, queued=0.0, scheduled=0.0, first_token=0.2,
+                        first_chunk=0.2, finished=decode_steps * 0.01 + 0.3, num_prompt_tokens=300,
+                        num_output_tokens=decode_steps + 1, finish_reason="length")
+    t.steps = [StepSpan(0, 0.0, 0.1, 256, True, 0), StepSpan(1, 0.1, 0.2, 44, True, 1)]
+    t.steps += [StepSpan(2 + i, 0.2 + i * 0.01, 0.21 + i * 0.01, 1, False, 1) for i in range(decode_steps)]
+    full = t.to_dict()
+    recorder = StatsRecorder("m", request_log=str(tmp_path / "log.jsonl"))
+    recorder.record([t])
+    [kept] = recorder.recent_requests
+    assert len(kept.steps) <= 2 * KEPT_SPANS + 1
+    d = kept.to_dict()
+    assert d["steps"][:KEPT_SPANS] == full["steps"][:KEPT_SPANS]
+    assert d["steps"][-KEPT_SPANS:] == full["steps"][-KEPT_SPANS:]
+    [merged] = [s for s in d["steps"] if len(s) == 7]
+    assert merged[6] == len(full["steps"]) - 2 * KEPT_SPANS and merged[4] == 0
+    assert sum(s[3] for s in d["steps"]) == sum(s[3] for s in full["steps"])  # positions
+    assert sum(s[5] for s in d["steps"]) == sum(s[5] for s in full["steps"])  # tokens
+    assert d["intervals"] == full["intervals"] and d["stamps"] == full["stamps"]
+    assert len(t.steps) == decode_steps + 2  # the original is untouched
+    recorder.close()
+    [line] = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert json.loads(line)["steps"] == full["steps"]
+    itl = {s.name: s.value for f in text_string_to_metric_families(generate_latest(recorder.prometheus.registry)
+                                                                   .decode()) for s in f.samples}
+    assert itl["lmserve:inter_token_latency_seconds_count"] == decode_steps
+
+
+def test_compaction_merges_runs_of_each_kind() -> None:
+    """Preempted mid-way: the merged middle keeps one span per run, so the waterfall still shows the recompute."""
+    t = RequestTimeline("p", "p", arrival=0.0)
+    t.steps = [StepSpan(i, i, i + 1, 1, False, 1) for i in range(10)]
+    t.steps += [StepSpan(10, 10, 11, 30, True, 1)]  # recomputed after a preemption
+    t.steps += [StepSpan(11 + i, 11 + i, 12 + i, 1, False, 1) for i in range(10)]
+    ends = [(False, 1, 1)] * 3
+    assert [(s.prefill, s.merged, s.positions) for s in t.compacted(3).steps] == [
+        *ends, (False, 7, 7), (True, 1, 30), (False, 7, 7), *ends]
+    # More runs than kept spans (preempted over and over): the middle becomes one span.
+    assert [(s.prefill, s.merged, s.positions) for s in t.compacted(2).steps] == [
+        (False, 1, 1), (False, 1, 1), (False, 17, 46), (False, 1, 1), (False, 1, 1)]
+    assert t.compacted(20) is t  # short timelines are kept as they are

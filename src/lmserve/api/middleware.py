@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmserve.api.body import BodyTimeoutError
 from lmserve.api.errors import error_response
+from lmserve.config import DEFAULT_BODY_TIMEOUT_S
 from lmserve.metrics.clock import now
 
 # Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers,
@@ -61,12 +62,12 @@ def arrival_time(request: Request) -> float:
     return getattr(request.state, "arrival_time", None) or now()
 
 
-# A body trickled one byte at a time held its connection and handler open without end; 8 MiB at 2 Mbit/s is 34 s.
-BODY_TIMEOUT_S = 60.0
+# A body trickled one byte at a time held its connection and handler open without end (--body-timeout).
+BODY_TIMEOUT_S = DEFAULT_BODY_TIMEOUT_S
 
 
 class BodyDeadlineMiddleware:
-    """Cuts off a request whose body has not all arrived BODY_TIMEOUT_S after its headers: the handler reading it
+    """Cuts off a request whose body has not all arrived `timeout` seconds after its headers: the handler reading it
     gets BodyTimeoutError (a 408, and the connection is closed). Once the body is complete, receive() is left alone:
     it then waits for the client's disconnect, which may come at any time."""
 
@@ -88,7 +89,7 @@ class BodyDeadlineMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - now(), 0.0))
             except TimeoutError:
-                raise BodyTimeoutError(f"the request body did not arrive within {self.timeout:g} s") from None
+                raise BodyTimeoutError(f"the request body did not arrive within {self.timeout:g} s (--body-timeout)") from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message

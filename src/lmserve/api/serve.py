@@ -8,7 +8,13 @@ import os
 import socket
 
 from lmserve.api.tool_parsers import ToolConfig
-from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineConfig
+from lmserve.config import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    EngineConfig,
+)
 from lmserve.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -78,6 +84,9 @@ async def serve(
     tools: ToolConfig | None = None,
     allowed_origins: list[str] | None = None,
     engine_death_grace: float = DEFAULT_ENGINE_DEATH_GRACE_S,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY,
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1, `engine_death_grace` seconds
     later) or the address cannot be bound (exit code 1)."""
@@ -97,14 +106,15 @@ async def serve(
     # API's schemas, ~1 s) overlap the engine's start-up instead of delaying it.
     import uvicorn
 
-    from lmserve.api.connections import MAX_CONNECTIONS, DeadlineH11Protocol
+    from lmserve.api.connections import uvicorn_config
     from lmserve.api.server import build_app
 
     app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log,
-                    max_request_body_bytes=max_request_body_bytes, tools=tools, allowed_origins=allowed_origins)
+                    max_request_body_bytes=max_request_body_bytes, tools=tools, allowed_origins=allowed_origins,
+                    body_timeout=body_timeout)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
-                       http=DeadlineH11Protocol, limit_concurrency=MAX_CONNECTIONS)
+        uvicorn_config(app, header_timeout=header_timeout, limit_concurrency=limit_concurrency, host=host, port=port,
+                       log_level=log_level, timeout_graceful_shutdown=3)
     )
     app.state.is_shutting_down = lambda: server.should_exit  # long-lived streams (the dashboard) end on it
     exit_code = 0

@@ -99,7 +99,19 @@ class EngineCore:
         if self.scheduler.kv_transfer is not None:
             self.scheduler.kv_transfer.close()
 
+    def _count_positions(self, scheduler_output: SchedulerOutput) -> None:
+        """Counted when the step is handed to the ranks, not when its output comes back: an abort that arrives while
+        a step computes (after_execute, or a batch in flight) makes the request "gone" at once, and a count that
+        grew after that looked like computing after the abort. No step handed over later holds an aborted request,
+        so from "gone" on its count is final."""
+        for scheduled in scheduler_output.scheduled:
+            rid = scheduled.request_id
+            self.positions_computed[rid] = self.positions_computed.pop(rid, 0) + scheduled.num_tokens
+        while len(self.positions_computed) > TRACKED_REQUESTS:
+            self.positions_computed.popitem(last=False)
+
     def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        self._count_positions(scheduler_output)
         grammar = scheduler_output.grammar
         if self.executor.in_process or grammar is None:
             return self.executor.submit(scheduler_output)
@@ -163,11 +175,6 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.num_preemptions += len(scheduler_output.preempted_request_ids)
-        for scheduled in scheduler_output.scheduled:
-            rid = scheduled.request_id
-            self.positions_computed[rid] = self.positions_computed.pop(rid, 0) + scheduled.num_tokens
-        while len(self.positions_computed) > TRACKED_REQUESTS:
-            self.positions_computed.popitem(last=False)
         self.last_step = self._step_record(scheduler_output, started, forward_s)
         self.last_step.num_sampled = len(runner_output.sampled_token_ids)
         self.last_step.draft_tokens = sum(len(s.draft_token_ids) for s in scheduler_output.scheduled)

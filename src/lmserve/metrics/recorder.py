@@ -10,6 +10,9 @@ from lmserve.metrics.request_log import RequestLog
 from lmserve.metrics.stats import RequestTimeline, StepRecord
 
 RECENT_REQUESTS = 512
+# Spans kept at each end of a recent request's timeline: 512 requests of 32k steps each held ~2 GB of spans; compacted
+# they hold ~130 spans each. Prometheus and the request log see the whole timeline first.
+KEPT_SPANS = 64
 RECENT_STEPS = 2048
 
 
@@ -31,7 +34,7 @@ class StatsRecorder:
             self.prometheus.observe_request(timeline)
             if self.request_log is not None:
                 self.request_log.write(timeline)
-            self.recent_requests.append(timeline)
+            self.recent_requests.append(timeline.compacted(KEPT_SPANS))
             self.num_recorded += 1
 
     def close(self) -> None:

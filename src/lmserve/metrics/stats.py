@@ -10,11 +10,13 @@ Stamps are `lmserve.metrics.clock.now()` readings, taken where the event happens
   finished         front-end: its final output was processed (or it was aborted)
   last_byte        API: the response's last byte was written (absent for aborted requests)
 `steps` holds every engine step that computed positions for it; `preemptions` the start of each step that
-preempted it.
+preempted it. A timeline kept after its request is done (the dashboard's window of recent requests) is `compacted`:
+its first and last spans stay as they were, the steps between are merged into one span per run of the same kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,22 @@ class StepSpan:
     positions: int
     prefill: bool
     new_tokens: int = 0  # tokens this step sampled for the request (0 for a non-final prefill chunk)
+    merged: int = 1  # engine steps this span stands for (> 1 only in a compacted timeline): their sums, first to last
+
+
+def merge_runs(spans: list[StepSpan]) -> list[StepSpan]:
+    """One span per run of consecutive spans of the same kind (prefill or decode): positions and tokens summed."""
+    runs: list[StepSpan] = []
+    for span in spans:
+        last = runs[-1] if runs else None
+        if last is not None and last.prefill == span.prefill:
+            last.end = span.end
+            last.positions += span.positions
+            last.new_tokens += span.new_tokens
+            last.merged += span.merged
+        else:
+            runs.append(dataclasses.replace(span))
+    return runs
 
 
 @dataclass
@@ -112,9 +130,26 @@ class RequestTimeline:
         ends = [s.end for s in self.steps if s.new_tokens]
         return [b - a for a, b in itertools.pairwise(ends)]
 
+    # ---- memory -----------------------------------------------------------------------------------------------
+    def compacted(self, kept_spans: int) -> RequestTimeline:
+        """This timeline with at most about 2 * kept_spans + runs spans: a request of 32k decode steps holds 32k spans
+        while it runs; kept afterwards (hundreds of them), it holds its first and last `kept_spans` spans and the
+        steps between merged into one span per run of the same kind (at most `kept_spans` runs, else one). Positions
+        and tokens keep their totals, so the waterfall's stages and the intervals read the same."""
+        if len(self.steps) <= 2 * kept_spans + 1:
+            return self
+        middle = merge_runs(self.steps[kept_spans:-kept_spans])
+        if len(middle) > kept_spans:  # preempted over and over: one span for all of it
+            first, last = middle[0], middle[-1]
+            middle = [StepSpan(first.index, first.start, last.end, sum(s.positions for s in middle), False,
+                               sum(s.new_tokens for s in middle), sum(s.merged for s in middle))]
+        steps = self.steps[:kept_spans] + middle + self.steps[-kept_spans:]
+        return dataclasses.replace(self, steps=steps, preemptions=list(self.preemptions))
+
     # ---- export --------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: stamps in seconds since arrival, steps as [index, start, end, positions, prefill, tokens]."""
+        """JSON-ready: stamps in seconds since arrival, steps as [index, start, end, positions, prefill, tokens]
+        (and a seventh, the number of engine steps, for a span that merges several: see `compacted`)."""
 
         def offset(stamp: float | None) -> float | None:
             return None if stamp is None else round(stamp - self.arrival, 6)
@@ -126,6 +161,7 @@ class RequestTimeline:
             "stamps": {name: offset(getattr(self, name)) for name in STAMPS},
             "steps": [
                 [s.index, offset(s.start), offset(s.end), s.positions, int(s.prefill), s.new_tokens]
+                + ([s.merged] if s.merged > 1 else [])
                 for s in self.steps
             ],
             "preemptions": [offset(t) for t in self.preemptions],
@@ -179,7 +215,8 @@ class EngineStats(msgspec.Struct):
     # Mixtures of experts: tokens routed to each expert so far, by MoE layer index (each token once for each of its
     # top-k experts): an expert-parallel layout's imbalance shows here.
     moe_expert_tokens: dict[str, list[int]] = {}
-    # Only for the request ids a GetStats asked about: positions computed so far, and status.
+    # Only for the request ids a GetStats asked about: positions handed to the model so far (computed, or in a step
+    # under way), and status; once a request is "gone" its positions no longer change.
     request_positions: dict[str, int] = {}
     request_status: dict[str, str] = {}
     # Under data parallel, each replica's own (the fields above are then their sums); empty for one engine.

@@ -31,7 +31,8 @@ function html(tag, attrs = {}, text) {
   return node;
 }
 
-// Stages (seconds since arrival), in order of start. Steps are [index, start, end, positions, prefill, tokens].
+// Stages (seconds since arrival), in order of start. Steps are [index, start, end, positions, prefill, tokens] and,
+// for a span that merges several engine steps (a long request's kept timeline), a seventh: how many.
 // Prefill chunks are one stage each; consecutive decode steps form one stage (a preemption splits them).
 export function stagesOf(timeline) {
   const s = timeline.stamps;
@@ -45,18 +46,20 @@ export function stagesOf(timeline) {
   add("queue", "queue", s.queued, s.scheduled);
   let chunks = 0;
   let run = null;
-  for (const [, start, end, positions, prefill, tokens] of timeline.steps) {
+  for (const [, start, end, positions, prefill, tokens, merged = 1] of timeline.steps) {
     if (prefill) {
       run = null;
-      chunks += 1;
-      add("prefill", `prefill chunk ${chunks}`, start, end, `${positions} positions${tokens ? ", first token" : ""}`);
+      chunks += merged;
+      const label = merged > 1 ? `prefill chunks ${chunks - merged + 1}-${chunks}` : `prefill chunk ${chunks}`;
+      const sampled = !tokens ? "" : merged > 1 ? `, ${tokens} tokens` : ", first token";
+      add("prefill", label, start, end, `${positions} positions${sampled}`);
     } else if (run) {
       run.end = end;
-      run.steps += 1;
+      run.steps += merged;
       run.tokens += tokens;
       run.bars.push([start, end]);
     } else {
-      run = { stage: "decode", label: "decode", start, end, steps: 1, tokens, bars: [[start, end]] };
+      run = { stage: "decode", label: "decode", start, end, steps: merged, tokens, bars: [[start, end]] };
       stages.push(run);
     }
   }
