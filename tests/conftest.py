@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from cpu_shares import remember_machine_cpus
-from moe_models import FAMILIES, MOE_K_SIZES, quantize_experts_k, save_tiny_moe, write_moe_gguf
+from moe_models import FAMILIES, MOE_K_SIZES, add_sizes, quantize_experts_k, save_tiny_moe, write_moe_gguf
 from tiny_sizes import TINY_SIZES
 
 from lmserve.model_tokenizer import load_tokenizer
@@ -302,16 +302,8 @@ def write_gguf(
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(hf_dir.name)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_sizes(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     if arch == "phi3":  # llama.cpp's Phi3MiniModel: rotary dimensions, and LongRoPE's factors as tensors
         rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))

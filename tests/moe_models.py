@@ -81,16 +81,8 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:  # convert_hf_to_gguf.p
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_moe_gguf(hf_dir: Path, path: Path, expert_type: Q = Q.Q8_0, other_type: Q = Q.F32,
-                   expert_blocks: dict[str, tuple[np.ndarray, Q]] | None = None) -> Path:
-    """The directory's model as llama.cpp's converter writes it. expert_blocks: a stacked expert tensor's raw blocks
-    and their type by GGUF name, stored as given instead of quantizing the directory's weights."""
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    family, arch = config.model_type, GGUF_ARCHS[config.model_type]
-    # The checkpoint's own tensors (one per expert), as the converter reads them.
-    with safe_open(hf_dir / "model.safetensors", "pt") as f:
-        state = {name: f.get_tensor(name).float() for name in f.keys()}  # noqa: SIM118 (not a dict)
-    writer = gguf.GGUFWriter(path, arch)
+def add_sizes(writer: gguf.GGUFWriter, config: transformers.PretrainedConfig) -> None:
+    """The decoder's sizes as llama.cpp's converter writes them (shared by the tests' GGUF writers)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -101,6 +93,19 @@ def write_moe_gguf(hf_dir: Path, path: Path, expert_type: Q = Q.Q8_0, other_type
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def write_moe_gguf(hf_dir: Path, path: Path, expert_type: Q = Q.Q8_0, other_type: Q = Q.F32,
+                   expert_blocks: dict[str, tuple[np.ndarray, Q]] | None = None) -> Path:
+    """The directory's model as llama.cpp's converter writes it. expert_blocks: a stacked expert tensor's raw blocks
+    and their type by GGUF name, stored as given instead of quantizing the directory's weights."""
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    family, arch = config.model_type, GGUF_ARCHS[config.model_type]
+    # The checkpoint's own tensors (one per expert), as the converter reads them.
+    with safe_open(hf_dir / "model.safetensors", "pt") as f:
+        state = {name: f.get_tensor(name).float() for name in f.keys()}  # noqa: SIM118 (not a dict)
+    writer = gguf.GGUFWriter(path, arch)
+    add_sizes(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
