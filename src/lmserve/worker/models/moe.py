@@ -104,6 +104,14 @@ class SparseMoeBlock(nn.Module):
                  ) -> torch.Tensor:
         """sum over j of weights[t, j] * expert[chosen[t, j]](x[t]), each active expert run once over its tokens."""
         tokens, k = chosen.shape
+        scale = weights.to(x.dtype)
+        if tokens == 1 and not self.expert_parallel:
+            # One decode: its experts in turn, no grouping to do; the same products and sums as below, to the bit.
+            experts = chosen[0].tolist()
+            out = self.experts[experts[0]](x) * scale[:, :1]
+            for j in range(1, k):
+                out.addcmul_(self.experts[experts[j]](x), scale[:, j : j + 1])
+            return out
         # Slot s = t * k + j: token t's j-th choice. Grouped by expert (stable: tokens in order within an expert).
         order = torch.argsort(chosen.flatten(), stable=True)
         slot_out = x.new_zeros(tokens * k, x.shape[1]) if self.expert_parallel else x.new_empty(tokens * k, x.shape[1])
@@ -116,7 +124,6 @@ class SparseMoeBlock(nn.Module):
             if self.is_local(expert):
                 slot_out[slots] = self.experts[expert](x[slots // k])
         slot_out = slot_out.view(tokens, k, -1)
-        scale = weights.to(x.dtype)
         out = slot_out[:, 0] * scale[:, :1]
         for j in range(1, k):  # one token's experts in its own top-k order, whatever the batch
             out.addcmul_(slot_out[:, j], scale[:, j : j + 1])
