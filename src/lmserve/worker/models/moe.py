@@ -46,9 +46,14 @@ class RouterWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, hidden_size), requires_grad=False)
         self._weight64: torch.Tensor | None = None
 
+    def keep_in_float64(self) -> None:
+        """Once loaded: the weight in float64 only (the float32 copy freed)."""
+        self._weight64 = self.weight.detach().double()
+        self.weight = nn.Parameter(torch.empty(0, device=self._weight64.device), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._weight64 is None or self._weight64.device != x.device:
-            self._weight64 = self.weight.detach().double()
+        if self._weight64 is None:
+            self.keep_in_float64()
         return (x.double() @ self._weight64.t()).float()
 
 
@@ -130,12 +135,15 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def keep_experts_on_kernels(self) -> None:
-        """Every expert's block layers run their kernel on every row and never build a float copy (the module's
-        docstring says why)."""
+        """Once loaded: every expert's block layers run their kernel on every row and never build a float copy (the
+        module's docstring says why); the routers keep only their float64 weights."""
         for expert in self.experts:
             for linear in (getattr(expert, "gate_up_proj", None), getattr(expert, "down_proj", None)):
                 if hasattr(linear, "kernel_only"):
                     linear.kernel_only = True
+        for router in (self.gate, self.shared_expert_gate):
+            if router is not None and router._weight64 is None:
+                router.keep_in_float64()
 
     def routed_token_counts(self) -> list[int]:
         """Tokens routed to each expert so far (each token counted once for each of its top-k experts)."""
