@@ -12,6 +12,16 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from lmserve.api.anthropic import (
+    CountTokensRequest,
+    MessageBody,
+    MessageEvents,
+    MessageShell,
+    MessagesRequest,
+    message_body,
+    sse_error_event,
+    typed_event,
+)
 from lmserve.api.choices import ChatChoices, Choices, CompletionChoices, ReasoningOutput
 from lmserve.api.errors import InvalidBodyError, ModelNotFoundError
 from lmserve.api.middleware import arrival_time
@@ -340,6 +350,59 @@ class OpenAIServing:
                     yield typed_sse(event)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
                 yield sse_error(exc)
+            finally:
+                await group.close()
+
+        return EventStreamResponse(events(), group)
+
+    def _message_chat(
+        self, req: CountTokensRequest, raw: Request | None
+    ) -> tuple[ChatCompletionRequest, tuple[RequestGroup, ChatChoices, str] | None]:
+        try:
+            chat = ChatCompletionRequest.model_validate(req.to_chat())
+        except ValidationError as exc:
+            raise InvalidBodyError(exc) from None
+        return chat, (self._chat(chat, raw) if raw is not None else None)
+
+    def count_message_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        """/v1/messages/count_tokens: the prompt the chat template renders for these messages, tools included."""
+        chat, _ = self._message_chat(req, None)
+        self.check_model(chat.model)
+        try:
+            tokens = self.client.render_chat(chat.template_messages(), True, chat.template_kwargs(), False)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        return {"input_tokens": len(tokens)}
+
+    async def create_message(self, req: MessagesRequest, raw: Request) -> Response:
+        """/v1/messages: the chat request it means (api/anthropic.py), its one choice as an Anthropic Message."""
+        chat, started = await asyncio.to_thread(self._message_chat, req, raw)
+        assert started is not None
+        group, choices, _ = started
+        shell = MessageShell(self.model_name, req)
+        if not chat.stream:
+            await self._collect_into(group, choices, raw)
+            body = message_body(shell, choices.final_choices()[0], choices.usage())
+            return RecordedJSONResponse(MessageBody(**body), group)
+        await self._start_streaming(group, raw)
+        translate = MessageEvents(shell)
+        input_tokens = len(group.prompts[0])
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for event in translate.start(input_tokens):
+                    yield typed_event(event)
+                finish_reason = stop_reason = None
+                async for prompt_index, out in group.outputs():
+                    for choice in choices.stream_choices(prompt_index, out):
+                        if choice.finish_reason is not None:
+                            finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
+                        for event in translate.delta(choice):
+                            yield typed_event(event)
+                for event in translate.finish(finish_reason, stop_reason, choices.usage()):
+                    yield typed_event(event)
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (errors.py logs the unexpected)
+                yield sse_error_event(exc)
             finally:
                 await group.close()
 
