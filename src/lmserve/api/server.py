@@ -23,6 +23,7 @@ from lmserve.api.anthropic import AnthropicErrorRoute, CountTokensRequest, Messa
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
 from lmserve.api.errors import ErrorMappingRoute, ModelNotFoundError, NotFoundError, exception_to_response
+from lmserve.api.fim import InfillRequest
 from lmserve.api.middleware import (
     BODY_TIMEOUT_S,
     ApiKeyMiddleware,
@@ -100,6 +101,14 @@ async def messages(raw: Request) -> Response:
 async def count_message_tokens(raw: Request) -> Response:
     req = await parse_body(raw, CountTokensRequest, raw.app.state.max_request_body_bytes)
     return JSONResponse(await asyncio.to_thread(_serving(raw).count_message_tokens, req))
+
+
+@plain.post("/infill")
+async def infill(raw: Request) -> Response:
+    """llama.cpp's fill-in-the-middle endpoint (llama.vscode, llama.vim): api/fim.py."""
+    require_engine_ready(raw)
+    req = await parse_body(raw, InfillRequest, raw.app.state.max_request_body_bytes)
+    return await _serving(raw).create_infill(req, raw)
 
 
 @plain.post("/tokenize")
