@@ -160,3 +160,17 @@ def test_a_model_without_fim_tokens_says_so(tmp_path: Path) -> None:
             assert answer.status_code == 400 and "no fill-in-the-middle tokens" in answer.json()["error"]["message"]
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_keystroke_later_the_prefix_cache_serves_the_unchanged_start(fim_server: Server) -> None:
+    """An editor resends the file at every keystroke: the headers and the prefix lead the prompt, so the blocks before
+    the cursor are found in the prefix cache."""
+    url, code = fim_server.base_url, "import os\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))
+    stats = httpx.get(f"{url}/debug/engine").json()
+    before = stats["prefix_cache_hits"]
+    for typed in ("def g(", "def g(y"):
+        answer = httpx.post(f"{url}/infill", timeout=60, json={"input_prefix": code + typed, "input_suffix": "\n",
+                                                                "n_predict": 2, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+    hits = httpx.get(f"{url}/debug/engine").json()["prefix_cache_hits"] - before
+    assert hits >= answer.json()["tokens_evaluated"] // 2, hits
