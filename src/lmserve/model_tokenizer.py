@@ -9,8 +9,9 @@ import logging
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lmserve import tokenizer_cache
 from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
@@ -89,6 +90,62 @@ def end_of_generation_ids(source: ModelSource, tokenizer: transformers.PreTraine
         found = (vocabulary.token_to_id(text) for text in GGUF_END_OF_GENERATION_TEXTS)
         ids += [token_id for token_id in found if token_id is not None and token_id not in ids]
     return ids
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A model's fill-in-the-middle tokens (ids): the prompt is `prefix PRE_TEXT suffix SUF_TEXT middle`, after
+    optional repository and file headers; generation stops at the end, pad, repository or file-separator token."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    repo: int | None = None  # <|repo_name|>: a project's header
+    file_sep: int | None = None  # <|file_sep|>: each file's header (its name)
+    pad: int | None = None
+    end: int | None = None  # CodeLlama's ▁<EOT>
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return [token for token in (self.end, self.pad, self.repo, self.file_sep) if token is not None]
+
+
+# The GGUF keys llama.cpp writes and reads (llama-arch.cpp), by FimTokens field.
+_GGUF_FIM_KEYS = {"prefix": "fim_pre", "suffix": "fim_suf", "middle": "fim_mid", "pad": "fim_pad",
+                  "repo": "fim_rep", "file_sep": "fim_sep"}
+# The token texts of the conventions llama.cpp recognises when a file's metadata names none (llama-vocab.cpp), in its
+# order: Qwen2.5-Coder, StarCoder/StarCoder2/Granite, CodeLlama, DeepSeek-Coder.
+_FIM_TEXTS: dict[str, tuple[str, ...]] = {
+    "prefix": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "▁<PRE>", "<｜fim▁begin｜>", "<PRE>"),
+    "suffix": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "▁<SUF>", "<｜fim▁hole｜>", "<SUF>"),
+    "middle": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "▁<MID>", "<｜fim▁end｜>", "<MID>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "repo": ("<|repo_name|>", "<repo-name>", "<reponame>"),
+    "file_sep": ("<|file_sep|>", "<file_sep>", "<filename>"),
+    "end": ("▁<EOT>", "<EOT>"),
+}
+
+
+def fim_tokens(metadata: dict[str, Any], token_to_id: Any) -> FimTokens | None:
+    """The model's FIM tokens: the GGUF metadata's `tokenizer.ggml.fim_*_token_id`, else the vocabulary's tokens of
+    a known convention (`token_to_id(text)` -> id or None); None when it has no prefix, suffix and middle."""
+    found: dict[str, int | None] = {}
+    for name, key in _GGUF_FIM_KEYS.items():
+        value = metadata.get(f"tokenizer.ggml.{key}_token_id")
+        found[name] = int(value) if isinstance(value, int) and value >= 0 else None
+    for name, texts in _FIM_TEXTS.items():
+        if found.get(name) is None:
+            found[name] = next((token for text in texts if (token := token_to_id(text)) is not None), None)
+    if found["prefix"] is None or found["suffix"] is None or found["middle"] is None:
+        return None
+    return FimTokens(**found)  # type: ignore[arg-type]
+
+
+def model_fim_tokens(source: ModelSource, tokenizer: transformers.PreTrainedTokenizerBase) -> FimTokens | None:
+    """fim_tokens() of a model: its GGUF metadata (a GGUF file), and its tokenizer's vocabulary."""
+    metadata = read_gguf_header(source.path).metadata if source.kind == "gguf" else {}
+    vocabulary = tokenizer.get_vocab()
+    return fim_tokens(metadata, vocabulary.get)
 
 
 # What save_pretrained writes into tokenizer_config.json that is not a constructor argument, or that the constructor

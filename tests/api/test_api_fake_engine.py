@@ -52,6 +52,7 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.on_step = None
         self.default_sampling: dict[str, Any] = {}
+        self.fim_tokens = None  # no fill-in-the-middle tokens (tests/api/test_fim.py gives some)
         self.num_outputs: dict[str, int] = {}  # request id -> outputs yielded so far
         self.timelines: dict[str, list[RequestTimeline]] = {}
 
@@ -455,10 +456,13 @@ def test_bad_request(http: httpx.Client, path: str, body: dict, param: str) -> N
 
 def test_unknown_fields_are_refused_and_bookkeeping_fields_accepted(http: httpx.Client) -> None:
     # As vLLM: a field lmserve does not implement is a 400 naming it, never silently dropped.
-    response = http.post("/v1/completions", json={**COMPLETION, "suffix": "x", "best_of": 2, "made_up": {"a": 1}})
+    response = http.post("/v1/completions", json={**COMPLETION, "best_of": 2, "made_up": {"a": 1}})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "suffix" and "suffix, best_of, made_up" in error["message"]
+    assert error["param"] == "best_of" and "best_of, made_up" in error["message"]
+    # suffix is fill-in-the-middle (tests/api/test_fim.py): a model without FIM tokens says so.
+    error = http.post("/v1/completions", json={**COMPLETION, "suffix": "x"}).json()["error"]
+    assert error["param"] == "suffix" and "no fill-in-the-middle tokens" in error["message"]
     # Unless it asks for nothing: null (clients that send every field), best_of equal to n, text-only modalities.
     for nothing in ({"suffix": None, "made_up": None}, {"best_of": 1}, {"best_of": 2, "n": 2}):
         assert http.post("/v1/completions", json={**COMPLETION, **nothing}).status_code == 200, nothing

@@ -13,6 +13,7 @@ from fastapi import Request
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmserve.api.anthropic import ANTHROPIC_PATHS, as_anthropic_error
 from lmserve.api.body import BodyTimeoutError
 from lmserve.api.errors import error_response
 from lmserve.config import DEFAULT_BODY_TIMEOUT_S
@@ -21,12 +22,13 @@ from lmserve.metrics.clock import now
 # Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers,
 # and the dashboard page and its static files load without it (the page then asks for the key). The API docs are
 # guarded: they list every route and schema, which tells an unauthenticated visitor what to try.
-PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize", "/docs", "/redoc",
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize", "/infill", "/docs", "/redoc",
                       "/openapi.json")
 
 
 class ApiKeyMiddleware:
     """Checks the Bearer key before anything else (even body parsing), so unauthenticated clients learn nothing.
+    Anthropic's clients send the key as `x-api-key` instead: either header may carry it.
 
     Pure ASGI rather than BaseHTTPMiddleware, which would get in the way of streaming and disconnect detection.
     """
@@ -34,12 +36,19 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')")
+            headers = Headers(scope=scope)
+            bearer, key = headers.get("authorization", "").encode(), headers.get("x-api-key", "").encode()
+            # Both compared whatever the first gives, so the time taken tells nothing about which one is close.
+            bearer_ok, key_ok = hmac.compare_digest(bearer, self.expected), hmac.compare_digest(key, self.expected_key)
+            if not (bearer_ok or key_ok):
+                response = error_response(401, "invalid or missing API key (expected 'Authorization: Bearer <key>' "
+                                               "or 'x-api-key: <key>')")
+                if scope["path"].startswith(ANTHROPIC_PATHS):
+                    response = as_anthropic_error(response)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return

@@ -251,6 +251,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     add_special_tokens: bool | None = True  # vLLM's: false leaves out the BOS the tokenizer would add
+    # OpenAI's fill-in-the-middle: the text after the insertion point; the prompt is the text before it (api/fim.py).
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -19,9 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmserve import __version__
+from lmserve.api.anthropic import AnthropicErrorRoute, CountTokensRequest, MessagesRequest
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
 from lmserve.api.errors import ErrorMappingRoute, ModelNotFoundError, NotFoundError, exception_to_response
+from lmserve.api.fim import InfillRequest
 from lmserve.api.middleware import (
     BODY_TIMEOUT_S,
     ApiKeyMiddleware,
@@ -61,6 +63,8 @@ def require_engine_ready(request: Request) -> None:
 
 v1 = APIRouter(prefix="/v1", route_class=ErrorMappingRoute, dependencies=[Depends(require_engine_ready)])
 plain = APIRouter(route_class=ErrorMappingRoute)
+# Anthropic's Messages API: the same checks, its errors in Anthropic's shape (api/anthropic.py).
+messages_api = APIRouter(prefix="/v1", route_class=AnthropicErrorRoute, dependencies=[Depends(require_engine_ready)])
 
 
 @v1.post("/completions")
@@ -85,6 +89,26 @@ async def responses(raw: Request) -> Response:
 async def get_response(response_id: str) -> Response:
     # Nothing is stored (store: false semantics, api/responses.py): every id is unknown here, as OpenAI answers one.
     raise NotFoundError(f"response {response_id[:100]!r} not found: this server keeps no responses", "response_id")
+
+
+@messages_api.post("/messages")
+async def messages(raw: Request) -> Response:
+    req = await parse_body(raw, MessagesRequest, raw.app.state.max_request_body_bytes)
+    return await _serving(raw).create_message(req, raw)
+
+
+@messages_api.post("/messages/count_tokens")
+async def count_message_tokens(raw: Request) -> Response:
+    req = await parse_body(raw, CountTokensRequest, raw.app.state.max_request_body_bytes)
+    return JSONResponse(await asyncio.to_thread(_serving(raw).count_message_tokens, req))
+
+
+@plain.post("/infill")
+async def infill(raw: Request) -> Response:
+    """llama.cpp's fill-in-the-middle endpoint (llama.vscode, llama.vim): api/fim.py."""
+    require_engine_ready(raw)
+    req = await parse_body(raw, InfillRequest, raw.app.state.max_request_body_bytes)
+    return await _serving(raw).create_infill(req, raw)
 
 
 @plain.post("/tokenize")
@@ -178,6 +202,7 @@ def build_app(
     serving = OpenAIServing(client, model_name, recorder, tools, aliases=names[1:])
     app.state.serving = serving
     app.state.recorder = recorder
+    app.include_router(messages_api)
     app.include_router(v1)
     app.include_router(plain)
     app.include_router(dashboard_router)

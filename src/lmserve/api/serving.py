@@ -12,8 +12,19 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from lmserve.api.anthropic import (
+    CountTokensRequest,
+    MessageBody,
+    MessageEvents,
+    MessageShell,
+    MessagesRequest,
+    message_body,
+    sse_error_event,
+    typed_event,
+)
 from lmserve.api.choices import ChatChoices, Choices, CompletionChoices, ReasoningOutput
 from lmserve.api.errors import InvalidBodyError, ModelNotFoundError
+from lmserve.api.fim import InfillBody, InfillRequest, fim_prompt, infill_body, no_fim_tokens_error
 from lmserve.api.middleware import arrival_time
 from lmserve.api.protocol import (
     ChatCompletionRequest,
@@ -57,6 +68,7 @@ from lmserve.api.tools import check_tool_choice, constraint_schema, resolve_tool
 from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
+from lmserve.model_tokenizer import FimTokens
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams, StructuredOutputsParams
 from lmserve.structured_output import GrammarError
@@ -170,11 +182,46 @@ class OpenAIServing:
 
         return EventStreamResponse(events(), group)
 
+    def _fim_tokens(self, param: str) -> FimTokens:
+        fim = self.client.fim_tokens
+        if fim is None:
+            raise no_fim_tokens_error(param)
+        return fim
+
+    def _fim_prompt(self, fim: FimTokens, prefix: str, suffix: str, max_tokens: int | None, prompt: str = "",
+                    extra: list[tuple[str, str]] | None = None) -> list[int]:
+        """An infill prompt (api/fim.py) in the room the context leaves max_tokens (the rest is cut)."""
+
+        def tokenize(text: str) -> list[int]:
+            return self.client.tokenize(text, add_special_tokens=False) if text else []
+
+        try:
+            with_bos, without = self.client.tokenize("\n", True), self.client.tokenize("\n", False)
+            bos = with_bos[:len(with_bos) - len(without)]
+            room = self.client.max_model_len - (max_tokens if max_tokens is not None else 1)
+            return fim_prompt(fim, tokenize, bos, prefix, suffix, prompt, extra, max(room, 0))
+        except RequestError:
+            raise
+        except ValueError as exc:
+            raise RequestError.from_value_error(exc) from exc
+
+    def _fim_prompts(self, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams) -> list[Prompt]:
+        """OpenAI's suffix: each prompt the prefix of an infill prompt; generation stops where the middle ends."""
+        fim = self._fim_tokens("suffix")
+        if req.echo:
+            raise RequestError("echo cannot be combined with suffix", "echo")
+        if any(not isinstance(p, str) for p in prompts):
+            raise RequestError("suffix needs text prompts (the infill prompt is built from text)", "prompt")
+        params.stop_token_ids = [*params.stop_token_ids, *fim.stop_ids]
+        return [self._fim_prompt(fim, str(p), req.suffix or "", params.max_tokens) for p in prompts]
+
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         prompts = req.prompts()
         params = req.to_sampling_params(self.client.default_sampling)
-        if req.add_special_tokens is False:  # vLLM's: the text's tokens alone, no BOS the tokenizer would add
+        if req.suffix is not None:
+            prompts = await asyncio.to_thread(self._fim_prompts, req, prompts, params)
+        elif req.add_special_tokens is False:  # vLLM's: the text's tokens alone, no BOS the tokenizer would add
             try:
                 prompts = [self.client.tokenize(p, add_special_tokens=False) if isinstance(p, str) else p
                            for p in prompts]
@@ -187,6 +234,53 @@ class OpenAIServing:
                                     req.prompt_logprobs, req.echo_only)
         return await self._serve(req, raw, group, choices, response_id, CompletionResponse, CompletionStreamResponse,
                                  prelude=())
+
+    def _infill(self, req: InfillRequest, raw: Request) -> tuple[RequestGroup, CompletionChoices, CompletionRequest]:
+        fim = self._fim_tokens("input_prefix")
+        try:
+            completion = CompletionRequest.model_validate({**req.completion_fields(), "prompt": [0]})
+        except ValidationError as exc:
+            raise InvalidBodyError(exc) from None
+        self.check_model(completion.model)
+        params = completion.to_sampling_params(self.client.default_sampling)
+        params.stop_token_ids = [*params.stop_token_ids, *fim.stop_ids]
+        prompt = self._fim_prompt(fim, req.input_prefix, req.input_suffix, params.max_tokens, req.prompt,
+                                  req.extra_files())
+        request_id = f"infill-{uuid.uuid4().hex}"
+        group = self._group(completion, [prompt], params, [request_id], raw)
+        choices = CompletionChoices(1, [prompt], False, None, self.client.decode_token)
+        return group, choices, completion
+
+    async def create_infill(self, req: InfillRequest, raw: Request) -> Response:
+        """llama.cpp's /infill (api/fim.py): a completion of the infill prompt, answered in llama.cpp's shape."""
+        group, choices, completion = await asyncio.to_thread(self._infill, req, raw)
+        num_prompt_tokens = len(group.prompts[0])
+        if not completion.stream:
+            await self._collect_into(group, choices, raw)
+            (choice,), usage = choices.final_choices(), choices.usage()
+            body = infill_body(self.model_name, choice.text, [], choice.finish_reason, choice.stop_reason,
+                               num_prompt_tokens, usage.completion_tokens)
+            return RecordedJSONResponse(InfillBody(**body), group)
+        await self._start_streaming(group, raw)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                finish_reason = stop_reason = None
+                async for prompt_index, out in group.outputs():
+                    for choice in choices.stream_choices(prompt_index, out):
+                        if choice.text:
+                            yield sse(InfillBody(index=0, content=choice.text, tokens=[], stop=False, id_slot=0))
+                        if choice.finish_reason is not None:
+                            finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
+                last = infill_body(self.model_name, "", [], finish_reason, stop_reason, num_prompt_tokens,
+                                   choices.usage().completion_tokens)
+                yield sse(InfillBody(**last))
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
+                yield sse_error(exc)
+            finally:
+                await group.close()
+
+        return EventStreamResponse(events(), group)
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
@@ -340,6 +434,59 @@ class OpenAIServing:
                     yield typed_sse(event)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
                 yield sse_error(exc)
+            finally:
+                await group.close()
+
+        return EventStreamResponse(events(), group)
+
+    def _message_chat(
+        self, req: CountTokensRequest, raw: Request | None
+    ) -> tuple[ChatCompletionRequest, tuple[RequestGroup, ChatChoices, str] | None]:
+        try:
+            chat = ChatCompletionRequest.model_validate(req.to_chat())
+        except ValidationError as exc:
+            raise InvalidBodyError(exc) from None
+        return chat, (self._chat(chat, raw) if raw is not None else None)
+
+    def count_message_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        """/v1/messages/count_tokens: the prompt the chat template renders for these messages, tools included."""
+        chat, _ = self._message_chat(req, None)
+        self.check_model(chat.model)
+        try:
+            tokens = self.client.render_chat(chat.template_messages(), True, chat.template_kwargs(), False)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        return {"input_tokens": len(tokens)}
+
+    async def create_message(self, req: MessagesRequest, raw: Request) -> Response:
+        """/v1/messages: the chat request it means (api/anthropic.py), its one choice as an Anthropic Message."""
+        chat, started = await asyncio.to_thread(self._message_chat, req, raw)
+        assert started is not None
+        group, choices, _ = started
+        shell = MessageShell(self.model_name, req)
+        if not chat.stream:
+            await self._collect_into(group, choices, raw)
+            body = message_body(shell, choices.final_choices()[0], choices.usage())
+            return RecordedJSONResponse(MessageBody(**body), group)
+        await self._start_streaming(group, raw)
+        translate = MessageEvents(shell)
+        input_tokens = len(group.prompts[0])
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for event in translate.start(input_tokens):
+                    yield typed_event(event)
+                finish_reason = stop_reason = None
+                async for prompt_index, out in group.outputs():
+                    for choice in choices.stream_choices(prompt_index, out):
+                        if choice.finish_reason is not None:
+                            finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
+                        for event in translate.delta(choice):
+                            yield typed_event(event)
+                for event in translate.finish(finish_reason, stop_reason, choices.usage()):
+                    yield typed_event(event)
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (errors.py logs the unexpected)
+                yield sse_error_event(exc)
             finally:
                 await group.close()
 

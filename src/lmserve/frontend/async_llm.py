@@ -30,7 +30,7 @@ from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueF
 from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
-from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids
+from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids, tokenizer_fim_tokens
 from lmserve.generation_config import default_sampling
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
@@ -138,6 +138,7 @@ class AsyncLLM:
         try:
             self.tokenizer = load_frontend_tokenizer(config.model)
             self.tokenizer_eos_token_ids = tokenizer_eos_token_ids(config.model, self.tokenizer)
+            self.fim_tokens = tokenizer_fim_tokens(config.model, self.tokenizer)
             self.default_sampling = default_sampling(
                 resolve_model(config.model.model), config.model.generation_config,
                 config.model.override_generation_config,

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from lmserve.metrics.stats import RequestTimeline, StepRecord
+from lmserve.model_tokenizer import FimTokens
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -20,6 +21,8 @@ class EngineClient(Protocol):
     on_step: Callable[[StepRecord], None] | None  # set by the server: called with every engine step's record
     # SamplingParams fields a request gets unless it sets them (--generation-config, --override-generation-config).
     default_sampling: dict[str, Any]
+    # The model's fill-in-the-middle tokens (GGUF metadata or the vocabulary's convention); None: it has none.
+    fim_tokens: FimTokens | None
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,

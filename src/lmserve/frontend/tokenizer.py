@@ -6,7 +6,7 @@ from typing import Any
 
 from lmserve.config import ModelConfig
 from lmserve.generation_config import load_chat_template
-from lmserve.model_tokenizer import end_of_generation_ids, load_tokenizer
+from lmserve.model_tokenizer import FimTokens, end_of_generation_ids, load_tokenizer, model_fim_tokens
 from lmserve.models import resolve_model
 
 
@@ -21,3 +21,8 @@ def load_frontend_tokenizer(config: ModelConfig) -> Any:
 def tokenizer_eos_token_ids(config: ModelConfig, tokenizer: Any) -> list[int]:
     """The ids that end generation by the tokenizer's word, besides the model config's (model_tokenizer.end_of_generation_ids)."""
     return end_of_generation_ids(resolve_model(config.tokenizer or config.model), tokenizer)
+
+
+def tokenizer_fim_tokens(config: ModelConfig, tokenizer: Any) -> FimTokens | None:
+    """The model's fill-in-the-middle tokens (model_tokenizer.fim_tokens), None for a model without them."""
+    return model_fim_tokens(resolve_model(config.tokenizer or config.model), tokenizer)

@@ -1,0 +1,176 @@
+"""Fill-in-the-middle: the model's FIM tokens found from GGUF metadata or the vocabulary's convention, the infill
+prompt's layout (llama.cpp's), and a tiny model whose tokenizer has Qwen2.5-Coder's FIM tokens served end to end:
+OpenAI's `suffix` and llama.cpp's `/infill` give the same tokens, generation stops at the file separator, and a model
+without FIM tokens (the default one) answers 400."""
+
+from __future__ import annotations
+
+import copy
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import transformers
+from server_process import Server, start_server
+from tiny_sizes import TINY_SIZES
+
+from lmserve.api.fim import SNIPPET_SEPARATOR, fim_prompt
+from lmserve.model_tokenizer import FimTokens, fim_tokens
+
+QWEN_FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def vocabulary(*texts: str) -> dict[str, int]:
+    return {text: 1000 + i for i, text in enumerate(texts)}
+
+
+@pytest.mark.parametrize(("texts", "expected"), [
+    (QWEN_FIM, FimTokens(1000, 1001, 1002, repo=1004, file_sep=1005, pad=1003)),
+    (["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<file_sep>", "<repo_name>"],
+     FimTokens(1000, 1002, 1001, file_sep=1004, pad=1003)),
+    (["▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"], FimTokens(1000, 1001, 1002, end=1003)),
+    (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], FimTokens(1000, 1001, 1002)),
+    (["<|im_start|>", "<|fim_prefix|>", "<|fim_suffix|>"], None),  # no middle: no FIM
+])
+def test_fim_tokens_are_found_by_the_vocabularys_convention(texts: list[str], expected: FimTokens | None) -> None:
+    assert fim_tokens({}, vocabulary(*texts).get) == expected
+
+
+def test_gguf_metadata_names_the_fim_tokens_first() -> None:
+    metadata = {"tokenizer.ggml.fim_pre_token_id": 7, "tokenizer.ggml.fim_suf_token_id": 8,
+                "tokenizer.ggml.fim_mid_token_id": 9, "tokenizer.ggml.fim_sep_token_id": 10}
+    found = fim_tokens(metadata, vocabulary(*QWEN_FIM).get)
+    assert found == FimTokens(7, 8, 9, repo=1004, file_sep=10, pad=1003)
+    assert found.stop_ids == [1003, 1004, 10]
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_the_prompt_is_laid_out_as_llama_cpps_infill() -> None:
+    qwen = FimTokens(-1, -2, -3, repo=-4, file_sep=-5)
+    ids = fim_prompt(qwen, chars, [], "def f(", "):\n", prompt="x", extra=[("a.py", "A")])
+    assert ids == [-4, *chars("myproject\n"), -5, *chars("a.py\n"), *chars("A"), -5, *chars("filename\n"),
+                   -1, *chars("def f(x"), -2, *chars("):\n"), -3]
+    plain = FimTokens(-1, -2, -3)  # no separators: llama.cpp's snippet line between extra files; a BOS leads
+    assert fim_prompt(plain, chars, [99], "p", "s", extra=[("a.py", "A")]) == [
+        *chars(SNIPPET_SEPARATOR + "A"), 99, -1, *chars("p"), -2, *chars("s"), -3]
+
+
+def test_what_does_not_fit_is_cut_extra_files_first_then_prefix_and_suffix_3_to_1() -> None:
+    plain = FimTokens(-1, -2, -3)
+    kept = fim_prompt(plain, chars, [], "p" * 100, "s" * 100, extra=[("f", "E" * 50)], room=43)
+    assert kept == [-1, *chars("p" * 30), -2, *chars("s" * 10), -3]
+    short_suffix = fim_prompt(plain, chars, [], "p" * 100, "s" * 2, extra=[("f", "E" * 50)], room=43)
+    assert short_suffix == [-1, *chars("p" * 38), -2, *chars("ss"), -3]
+    roomy = fim_prompt(plain, chars, [], "p", "s", extra=[("f", "E" * 50)], room=10)
+    assert roomy == [*chars("E" * 5), -1, *chars("p"), -2, *chars("s"), -3]
+
+
+@pytest.fixture(scope="module")
+def fim_model_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """A tiny Qwen2 whose tokenizer is the default one with Qwen2.5-Coder's FIM tokens added."""
+    import torch
+
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_FIM})
+    config = transformers.Qwen2Config(**{**TINY_SIZES, "vocab_size": len(tokenizer)},
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      tie_word_embeddings=True)
+    directory = tmp_path_factory.mktemp("tiny-fim")
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory: pytest.TempPathFactory, fim_model_dir: Path) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("fim"), "--model", str(fim_model_dir), "--dtype", "float32",
+                          "--max-model-len", "256", "--served-model-name", "fim")
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+
+
+def test_suffix_and_infill_give_the_same_tokens_whole_and_streamed(fim_server: Server, fim_model_dir: Path) -> None:
+    url = fim_server.base_url
+    completion = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 8, "temperature": 0}).json()
+    infill = httpx.post(f"{url}/infill", timeout=60, json={
+        "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 8, "temperature": 0,
+        "cache_prompt": True, "t_max_predict_ms": 500}).json()
+    assert infill["content"] == completion["choices"][0]["text"]
+    assert infill["tokens_evaluated"] == completion["usage"]["prompt_tokens"]
+    assert infill["tokens_predicted"] == completion["usage"]["completion_tokens"] > 0
+    assert infill["stop"] is True and infill["stop_type"] in ("limit", "eos")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fim_model_dir)
+    expected = tokenizer.encode("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>" + PREFIX
+                                + "<|fim_suffix|>" + SUFFIX + "<|fim_middle|>", add_special_tokens=False)
+    assert completion["usage"]["prompt_tokens"] == len(expected)
+
+    with httpx.stream("POST", f"{url}/infill", timeout=60, json={
+            "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 8, "temperature": 0, "stream": True}) as r:
+        events = [httpx.Response(200, content=line[6:]).json() for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == infill["content"]
+    assert [e["stop"] for e in events][-1] is True and not any(e["stop"] for e in events[:-1])
+
+
+def test_generation_stops_at_the_file_separator(fim_server: Server, fim_model_dir: Path) -> None:
+    file_sep = transformers.AutoTokenizer.from_pretrained(fim_model_dir).convert_tokens_to_ids("<|file_sep|>")
+    choice = httpx.post(f"{fim_server.base_url}/v1/completions", timeout=60, json={
+        "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 8, "logit_bias": {str(file_sep): 100}}).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    infill = httpx.post(f"{fim_server.base_url}/infill", timeout=60, json={
+        "input_prefix": PREFIX, "input_extra": [{"filename": "util.py", "text": "X = 1\n"}], "n_predict": 8,
+        "temperature": 0}).json()
+    assert infill["tokens_evaluated"] > len(PREFIX) // 8  # the extra file's header and text are in the prompt
+
+
+@pytest.mark.parametrize(("path", "body", "words"), [
+    ("/infill", {"input_prefix": "x", "input_extra": [{"filename": "a", "text": "b"}] * 5000}, "4096"),
+    ("/infill", {"input_prefix": "x", "input_extra": [{"filename": "a" * 2000}]}, "filename"),
+    ("/infill", {"input_prefix": 5}, "input_prefix"),
+    ("/infill", {"input_prefix": "x", "n_predict": 10**6}, "max_tokens"),
+    ("/infill", {"input_prefix": "x", "made_up": 1}, "made_up"),
+    ("/infill", {"input_prefix": "x", "model": "other"}, "other"),
+    ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}, "text prompts"),
+    ("/v1/completions", {"prompt": "x", "suffix": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "suffix": 5}, "suffix"),
+])
+def test_hostile_fim_requests_get_a_4xx(fim_server: Server, path: str, body: dict, words: str) -> None:
+    answer = httpx.post(f"{fim_server.base_url}{path}", json=body, timeout=60)
+    assert 400 <= answer.status_code < 500, answer.text
+    assert words in answer.json()["error"]["message"]
+
+
+def test_a_model_without_fim_tokens_says_so(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--kv-cache-memory", "64MiB", "--max-model-len", "512")
+    try:
+        for path, body in (("/v1/completions", {"prompt": "def f(", "suffix": "):"}), ("/infill", {"input_prefix": "a"})):
+            answer = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+            assert answer.status_code == 400 and "no fill-in-the-middle tokens" in answer.json()["error"]["message"]
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_a_keystroke_later_the_prefix_cache_serves_the_unchanged_start(fim_server: Server) -> None:
+    """An editor resends the file at every keystroke: the headers and the prefix lead the prompt, so the blocks before
+    the cursor are found in the prefix cache."""
+    url, code = fim_server.base_url, "import os\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))
+    stats = httpx.get(f"{url}/debug/engine").json()
+    before = stats["prefix_cache_hits"]
+    for typed in ("def g(", "def g(y"):
+        answer = httpx.post(f"{url}/infill", timeout=60, json={"input_prefix": code + typed, "input_suffix": "\n",
+                                                                "n_predict": 2, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+    hits = httpx.get(f"{url}/debug/engine").json()["prefix_cache_hits"] - before
+    assert hits >= answer.json()["tokens_evaluated"] // 2, hits
