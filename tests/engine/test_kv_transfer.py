@@ -226,6 +226,7 @@ def test_a_block_file_cut_short_or_gone_before_its_load_is_computed(plain: LLM, 
     # Served again, the prompts hit the consumer's own prefix cache, now computed right.
     assert [o.outputs[0].token_ids for o in consumer.generate([short, gone], GREEDY)] == expected
     assert_idle(consumer)
+    assert not any(transfer_side.storage.pins.iterdir())  # a failed load's pins go too
 
 
 def test_a_full_disk_skips_the_save_and_counts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

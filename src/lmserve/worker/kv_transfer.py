@@ -231,14 +231,17 @@ class SharedStorageWorker(KVConnectorWorker):
             self.bytes_written -= size
 
     def load(self, blocks: list[tuple[int, str]]) -> None:
-        """Reads each (block id, pin) into the cache, then drops the pins."""
+        """Reads each (block id, pin) into the cache, then drops the pins (a failed read drops them too: the request
+        computes those blocks, and nothing else holds the pins)."""
         data = np.empty((len(blocks), self.block_bytes), dtype=np.uint8)
         paths = [block_file(Path(pin).parent, Path(pin).name, self.rank) for _, pin in blocks]
-        for row, path in zip(data, paths, strict=True):
-            _read_into(path, row)
-        self.scatter([block_id for block_id, _ in blocks], torch.from_numpy(data))
-        for path in paths:
-            path.unlink(missing_ok=True)
+        try:
+            for row, path in zip(data, paths, strict=True):
+                _read_into(path, row)
+            self.scatter([block_id for block_id, _ in blocks], torch.from_numpy(data))
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)
 
 
 class PyNcclWorker(SharedStorageWorker):
