@@ -81,8 +81,10 @@ def start(server: str, model: str, port: int, lmserve_args: list[str]) -> subpro
         # --no-repack: on the AMX VM its repacking of weights for AVX-512 segfaults right after `llama threadpool
         # init` (docs/benchmarks.md, issue 22); elsewhere drop it with LLAMA_REPACK=1.
         repack = [] if os.environ.get("LLAMA_REPACK") == "1" else ["--no-repack"]
+        # --kv-unified: the 8 slots share the 8,192 positions, so that --prefill's 2,000-token prompt fits one slot
+        # (without it each slot holds 1,024); the cache's size is the same.
         command = [str(LLAMA_SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-                   "-c", "8192", "--parallel", "8", "--cont-batching", *repack]
+                   "-c", "8192", "--parallel", "8", "--cont-batching", "--kv-unified", *repack]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
