@@ -43,7 +43,10 @@ FEWER_CPUS_THAN_THE_MACHINE = len(os.sched_getaffinity(0)) < len(MACHINE_CPUS)
 # (id, environment, reason it cannot run here or None)
 FORCED_PATHS = [
     ("native-all-cpus", {},
-     None if FEWER_CPUS_THAN_THE_MACHINE else "the suite's own engines already take every CPU here"),
+     ("the suite's own engines already take every CPU here" if not FEWER_CPUS_THAN_THE_MACHINE
+      # On an AVX2-only CPU the native build takes the AVX2 build's paths: avx2-build below runs them on every CPU.
+      else "AVX2 only here: avx2-build runs the same kernel paths" if _needs("avx512f") and not _needs("avx2")
+      else None)),
     ("no-amx", {kernels.DISABLED_FEATURES_VARIABLE: "amx"},
      _needs("amx_tile") and "no AMX here: the native run already takes the path of a CPU without it"),
     ("no-amx-no-vnni", {kernels.DISABLED_FEATURES_VARIABLE: "amx,vnni"},
