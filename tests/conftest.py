@@ -18,15 +18,7 @@ import pytest
 import torch
 import transformers
 from cpu_shares import remember_machine_cpus
-from moe_models import (
-    FAMILIES,
-    MOE_K_SIZES,
-    add_sizes,
-    quantize_experts_k,
-    randomize_norms_and_biases,
-    save_tiny_moe,
-    write_moe_gguf,
-)
+from moe_models import FAMILIES, MOE_K_SIZES, add_sizes, quantize_experts_k, save_tiny_moe, write_moe_gguf
 from tiny_sizes import TINY_SIZES
 
 from lmserve.model_tokenizer import load_tokenizer
@@ -96,7 +88,13 @@ def _save_tiny_model(
 ) -> Path:
     torch.manual_seed(0)
     model = model_cls(config)
-    randomize_norms_and_biases(model)
+    # transformers initialises norms to 1 and biases to 0, which would hide a dropped or misplaced tensor.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

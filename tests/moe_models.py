@@ -45,19 +45,6 @@ FAMILIES = {
 GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
 
 
-def randomize_norms_and_biases(model: torch.nn.Module, router_std: float | None = None) -> None:
-    """transformers initialises norms to 1 and biases to 0, which would hide a dropped or misplaced tensor: both
-    made random (and a MoE's routers, with router_std)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
-            elif router_std is not None and ".gate.weight" in name:
-                param.normal_(0.0, router_std)
-
-
 def save_tiny_moe(directory: Path, family: str, tokenizer, sizes: dict | None = None, **changes) -> Path:
     config_class, model_class, routing = FAMILIES[family]
     config = config_class(**(sizes or MOE_SIZES), **{**routing, **changes}, vocab_size=len(tokenizer),
@@ -65,8 +52,14 @@ def save_tiny_moe(directory: Path, family: str, tokenizer, sizes: dict | None = 
                           pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = model_class(config)
-    # A router whose choices are far from ties, so that routing is decisive.
-    randomize_norms_and_biases(model, router_std=0.5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif ".gate.weight" in name:  # a router whose choices are far from ties, so that routing is decisive
+                param.normal_(0.0, 0.5)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
