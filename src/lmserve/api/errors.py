@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from lmserve.api.body import BodyTimeoutError, BodyTooLargeError, InvalidBodyError
 from lmserve.api.protocol import ErrorInfo, ErrorResponse
 from lmserve.api.request_error import RequestError
-from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
+from lmserve.frontend.errors import ClientDisconnected, EngineDeadError, EngineNotReadyError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,6 @@ class NotFoundError(LookupError):
 
 
 class ModelNotFoundError(LookupError):
-    pass
-
-
-class ClientDisconnected(Exception):
     pass
 
 

@@ -34,8 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from lmserve.api.body import BodyTooLargeError, read_body
-from lmserve.api.errors import ClientDisconnected, error_response
+from lmserve.api.errors import error_response
 from lmserve.api.sse import ClosingEventStream, until_disconnect
+from lmserve.frontend.errors import ClientDisconnected
 
 FORWARDED_HEADERS = ("authorization",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it

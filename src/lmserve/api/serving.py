@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 from fastapi import Request
@@ -53,15 +54,7 @@ from lmserve.api.responses import (
     status_of,
     typed_sse,
 )
-from lmserve.api.sse import (
-    SSE_DONE,
-    EventStreamResponse,
-    RecordedJSONResponse,
-    sse,
-    sse_error,
-    trailer,
-    until_disconnect,
-)
+from lmserve.api.sse import SSE_DONE, EventStreamResponse, RecordedJSONResponse, sse, sse_error, trailer
 from lmserve.api.tool_output import ToolOutput
 from lmserve.api.tool_parsers import ToolConfig, get_tool_parser
 from lmserve.api.tools import check_tool_choice, constraint_schema, resolve_tool_choice
@@ -69,7 +62,6 @@ from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.model_tokenizer import FimTokens
-from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams, StructuredOutputsParams
 from lmserve.structured_output import GrammarError
 
@@ -103,62 +95,41 @@ class OpenAIServing:
     ) -> RequestGroup:
         # A whole response takes each output whole from the front-end, which alone accumulates the text.
         return RequestGroup(self.client, prompts, params, request_ids, req.check_priority(), self._count_abort,
-                            arrival_time(raw), self.recorder, final_only=not req.stream, cache_salt=req.cache_salt)
+                            arrival_time(raw), self.recorder, final_only=not req.stream, cache_salt=req.cache_salt,
+                            client_gone=raw.is_disconnected)
 
-    async def _start(self, group: RequestGroup) -> None:
-        try:
-            await group.start()
-        except RequestError:
-            raise
-        except GrammarError as exc:  # the front-end's grammar check: response_format, structured_outputs, a tool
-            raise RequestError(str(exc), "structured_outputs") from exc
-        except ValueError as exc:  # the engine client's input validation (PromptTooLongError included)
-            raise RequestError.from_value_error(exc) from exc
-
-    async def _start_streaming(self, group: RequestGroup, raw: Request) -> None:
-        try:
-            await until_disconnect(self._start(group), raw)
-        except BaseException:
-            await group.close()
-            group.record(delivered=False)
-            raise
-
-    async def _collect(self, group: RequestGroup) -> list[tuple[int, RequestOutput]]:
-        try:
-            await self._start(group)
-            return [item async for item in group.outputs()]
-        finally:
-            await group.close()
-
-    async def _collect_into(self, group: RequestGroup, choices: Choices, raw: Request) -> None:
-        """Every output of the group folded into the choices (aborted if the client leaves first)."""
-        try:
-            collected = await until_disconnect(self._collect(group), raw)
-        except BaseException:
-            group.record(delivered=False)
-            raise
-        for prompt_index, out in collected:
-            choices.add(prompt_index, out)
-
-    async def _respond(
-        self, group: RequestGroup, choices: Choices, raw: Request, response_type: type[BaseModel], response_id: str,
-        return_timeline: bool,
+    async def _answer(
+        self, group: RequestGroup, choices: Choices, stream: bool, whole: Callable[[], BaseModel],
+        events: Callable[[], AsyncIterator[str]],
     ) -> Response:
-        """The non-streamed answer: every output collected (aborted if the client leaves), then one JSON body."""
-        await self._collect_into(group, choices, raw)
-        response = response_type(
-            id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage(),
-            timelines=group.timeline_dicts() if return_timeline else None, **choices.response_fields(),
-        )
-        return RecordedJSONResponse(response, group)
+        """Starts the group, then answers with one JSON body (`whole()`, once every output is in the choices) or an
+        event stream (`events()`, which reads the group's outputs). The group owns its life (frontend/
+        request_group.py); the response leaves the group's context once its last byte is written or its client is
+        gone, and the group then aborts what has not finished and records it."""
+        async with AsyncExitStack() as group_life:
+            try:
+                await group_life.enter_async_context(group)
+            except RequestError:
+                raise
+            except GrammarError as exc:  # the front-end's grammar check: response_format, structured_outputs, a tool
+                raise RequestError(str(exc), "structured_outputs") from exc
+            except ValueError as exc:  # the engine client's input validation (PromptTooLongError included)
+                raise RequestError.from_value_error(exc) from exc
+            if not stream:
+                for prompt_index, out in await group.collect():
+                    choices.add(prompt_index, out)
+                return RecordedJSONResponse(whole(), group_life.pop_all())
+            return EventStreamResponse(events(), group_life.pop_all())
 
     async def _serve(
         self, req: CompletionRequest | ChatCompletionRequest, raw: Request, group: RequestGroup, choices: Choices,
         response_id: str, response_type: type[BaseModel], chunk_type: type[BaseModel], prelude: Sequence[list[Any]],
     ) -> Response:
-        if not req.stream:
-            return await self._respond(group, choices, raw, response_type, response_id, bool(req.return_timeline))
-        await self._start_streaming(group, raw)
+        def whole() -> BaseModel:
+            return response_type(
+                id=response_id, model=self.model_name, choices=choices.final_choices(), usage=choices.usage(),
+                timelines=group.timeline_dicts() if req.return_timeline else None, **choices.response_fields(),
+            )
 
         def chunk(items: list[Any], usage: Any = None, timelines: list | None = None) -> str:
             return sse(chunk_type(id=response_id, model=self.model_name, choices=items, usage=usage,
@@ -168,19 +139,18 @@ class OpenAIServing:
             try:
                 for items in prelude:
                     yield chunk(items)
-                async for prompt_index, out in group.outputs():
-                    for choice in choices.stream_choices(prompt_index, out):
-                        # One choice per chunk, as OpenAI (and clients reading choices[0]).
-                        yield chunk([choice], choices.usage() if req.continuous_usage else None)
+                async with aclosing(group.outputs()) as outputs:  # closed (aborting the rest) however the loop ends
+                    async for prompt_index, out in outputs:
+                        for choice in choices.stream_choices(prompt_index, out):
+                            # One choice per chunk, as OpenAI (and clients reading choices[0]).
+                            yield chunk([choice], choices.usage() if req.continuous_usage else None)
                 if last := trailer(choices, group, req.include_usage, bool(req.return_timeline)):
                     yield chunk([], *last)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
                 yield sse_error(exc)
-            finally:
-                await group.close()
             yield SSE_DONE
 
-        return EventStreamResponse(events(), group)
+        return await self._answer(group, choices, bool(req.stream), whole, events)
 
     def _fim_tokens(self, param: str) -> FimTokens:
         fim = self.client.fim_tokens
@@ -255,32 +225,29 @@ class OpenAIServing:
         """llama.cpp's /infill (api/fim.py): a completion of the infill prompt, answered in llama.cpp's shape."""
         group, choices, completion = await asyncio.to_thread(self._infill, req, raw)
         num_prompt_tokens = len(group.prompts[0])
-        if not completion.stream:
-            await self._collect_into(group, choices, raw)
+
+        def whole() -> BaseModel:
             (choice,), usage = choices.final_choices(), choices.usage()
-            body = infill_body(self.model_name, choice.text, [], choice.finish_reason, choice.stop_reason,
-                               num_prompt_tokens, usage.completion_tokens)
-            return RecordedJSONResponse(InfillBody(**body), group)
-        await self._start_streaming(group, raw)
+            return InfillBody(**infill_body(self.model_name, choice.text, [], choice.finish_reason,
+                                            choice.stop_reason, num_prompt_tokens, usage.completion_tokens))
 
         async def events() -> AsyncIterator[str]:
             try:
                 finish_reason = stop_reason = None
-                async for prompt_index, out in group.outputs():
-                    for choice in choices.stream_choices(prompt_index, out):
-                        if choice.text:
-                            yield sse(InfillBody(index=0, content=choice.text, tokens=[], stop=False, id_slot=0))
-                        if choice.finish_reason is not None:
-                            finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
+                async with aclosing(group.outputs()) as outputs:
+                    async for prompt_index, out in outputs:
+                        for choice in choices.stream_choices(prompt_index, out):
+                            if choice.text:
+                                yield sse(InfillBody(index=0, content=choice.text, tokens=[], stop=False, id_slot=0))
+                            if choice.finish_reason is not None:
+                                finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
                 last = infill_body(self.model_name, "", [], finish_reason, stop_reason, num_prompt_tokens,
                                    choices.usage().completion_tokens)
                 yield sse(InfillBody(**last))
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
                 yield sse_error(exc)
-            finally:
-                await group.close()
 
-        return EventStreamResponse(events(), group)
+        return await self._answer(group, choices, bool(completion.stream), whole, events)
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
@@ -412,32 +379,29 @@ class OpenAIServing:
         """/v1/responses: the chat request it means (api/responses.py), its one choice as Responses output."""
         chat, (group, choices, _) = await asyncio.to_thread(self._response_chat, req, raw)
         shell = ResponseShell(req, self.model_name)
-        if not chat.stream:
-            await self._collect_into(group, choices, raw)
+
+        def whole() -> BaseModel:
             choice = choices.final_choices()[0]
-            body = shell.body(status_of(choice.finish_reason), output_items(choice), choices.usage())
-            return RecordedJSONResponse(ResponseBody(**body), group)
-        await self._start_streaming(group, raw)
-        translate = ResponseEvents(shell)
+            return ResponseBody(**shell.body(status_of(choice.finish_reason), output_items(choice), choices.usage()))
 
         async def events() -> AsyncIterator[str]:
+            translate = ResponseEvents(shell)
             try:
                 for event in translate.start():
                     yield typed_sse(event)
                 finish_reason = None
-                async for prompt_index, out in group.outputs():
-                    for choice in choices.stream_choices(prompt_index, out):
-                        finish_reason = choice.finish_reason or finish_reason
-                        for event in translate.delta(choice):
-                            yield typed_sse(event)
+                async with aclosing(group.outputs()) as outputs:
+                    async for prompt_index, out in outputs:
+                        for choice in choices.stream_choices(prompt_index, out):
+                            finish_reason = choice.finish_reason or finish_reason
+                            for event in translate.delta(choice):
+                                yield typed_sse(event)
                 for event in translate.finish(finish_reason, choices.usage()):
                     yield typed_sse(event)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
                 yield sse_error(exc)
-            finally:
-                await group.close()
 
-        return EventStreamResponse(events(), group)
+        return await self._answer(group, choices, bool(chat.stream), whole, events)
 
     def _message_chat(
         self, req: CountTokensRequest, raw: Request | None
@@ -464,30 +428,26 @@ class OpenAIServing:
         assert started is not None
         group, choices, _ = started
         shell = MessageShell(self.model_name, req)
-        if not chat.stream:
-            await self._collect_into(group, choices, raw)
-            body = message_body(shell, choices.final_choices()[0], choices.usage())
-            return RecordedJSONResponse(MessageBody(**body), group)
-        await self._start_streaming(group, raw)
-        translate = MessageEvents(shell)
-        input_tokens = len(group.prompts[0])
+
+        def whole() -> BaseModel:
+            return MessageBody(**message_body(shell, choices.final_choices()[0], choices.usage()))
 
         async def events() -> AsyncIterator[str]:
+            translate = MessageEvents(shell)
             try:
-                for event in translate.start(input_tokens):
+                for event in translate.start(len(group.prompts[0])):
                     yield typed_event(event)
                 finish_reason = stop_reason = None
-                async for prompt_index, out in group.outputs():
-                    for choice in choices.stream_choices(prompt_index, out):
-                        if choice.finish_reason is not None:
-                            finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
-                        for event in translate.delta(choice):
-                            yield typed_event(event)
+                async with aclosing(group.outputs()) as outputs:
+                    async for prompt_index, out in outputs:
+                        for choice in choices.stream_choices(prompt_index, out):
+                            if choice.finish_reason is not None:
+                                finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
+                            for event in translate.delta(choice):
+                                yield typed_event(event)
                 for event in translate.finish(finish_reason, stop_reason, choices.usage()):
                     yield typed_event(event)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (errors.py logs the unexpected)
                 yield sse_error_event(exc)
-            finally:
-                await group.close()
 
-        return EventStreamResponse(events(), group)
+        return await self._answer(group, choices, bool(chat.stream), whole, events)

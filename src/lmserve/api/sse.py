@@ -1,12 +1,13 @@
-"""Responses: SSE framing, and JSON and event-stream responses that close their request group and record its
-timelines once the last byte is written (or the client is gone)."""
+"""Responses: SSE framing, and JSON and event-stream responses that end their request group's life (its owner,
+frontend/request_group.py, aborts what has not finished and records it) once the last byte is written or the client
+is gone."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from typing import Any, TypeVar
 
 import anyio
@@ -17,16 +18,14 @@ from pydantic_core import PydanticSerializationError
 from starlette.types import Receive, Scope, Send
 
 from lmserve.api.choices import Choices
-from lmserve.api.errors import ClientDisconnected, exception_to_response
+from lmserve.api.errors import exception_to_response
 from lmserve.api.protocol import UsageInfo
-from lmserve.frontend.request_group import RequestGroup
+from lmserve.frontend.request_group import RequestGroup, until_client_gone
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How often a non-streamed request checks whether its client is still there (uvicorn never cancels handlers).
-DISCONNECT_POLL_S = 0.2
 SSE_DONE = "data: [DONE]\n\n"
 _OPTIONAL_FIELDS = ("timelines", "prompt_logprobs")
 
@@ -78,19 +77,19 @@ class ClosingEventStream(StreamingResponse):
 
 
 class EventStreamResponse(ClosingEventStream):
-    """Closes its event generator and its engine requests when it ends, then records their timelines."""
+    """Closes its event generator when it ends, however it ends, then ends its request group's life (`group_life`:
+    the group's context, handed over by the handler that entered it)."""
 
-    def __init__(self, events: AsyncIterator[str], group: RequestGroup) -> None:
+    def __init__(self, events: AsyncIterator[str], group_life: AsyncExitStack) -> None:
         super().__init__(events, self._close)
         self.events = events
-        self.group = group
+        self.group_life = group_life
 
     async def _close(self) -> None:
         aclose = getattr(self.events, "aclose", None)
         if aclose is not None:
             await aclose()
-        await self.group.close()
-        self.group.record(delivered=True)
+        await self.group_life.aclose()
 
 
 def json_response(payload: BaseModel) -> Response:
@@ -98,19 +97,21 @@ def json_response(payload: BaseModel) -> Response:
 
 
 class RecordedJSONResponse(Response):
-    """A JSON response that records its requests' timelines once its last byte is written."""
+    """A JSON response that ends its request group's life (`group_life`, as EventStreamResponse's) once its last byte
+    is written: the group then records its requests' timelines."""
 
     media_type = "application/json"
 
-    def __init__(self, payload: BaseModel, group: RequestGroup) -> None:
+    def __init__(self, payload: BaseModel, group_life: AsyncExitStack) -> None:
         super().__init__(dump_json(payload))
-        self.group = group
+        self.group_life = group_life
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.group.record(delivered=True)
+            with anyio.CancelScope(shield=True):
+                await self.group_life.aclose()
 
 
 def trailer(
@@ -124,17 +125,4 @@ def trailer(
 
 async def until_disconnect(work: Awaitable[T], request: Request) -> T:
     """Runs `work` as a task and cancels it when the HTTP client goes away (uvicorn never cancels handlers)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})  # its own cleanup aborts the engine requests
-            if not task.cancelled() and task.exception() is not None:
-                logger.debug("request task failed while being cancelled: %r", task.exception())
+    return await until_client_gone(work, request.is_disconnected)

@@ -1,4 +1,4 @@
-"""Errors the front-end raises to its callers (the API server, scripts) about the engine's state."""
+"""Errors the front-end raises to its callers (the API server, scripts) about the engine's state and the client's."""
 
 from __future__ import annotations
 
@@ -13,3 +13,7 @@ class EngineNotReadyError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """--max-queued-requests requests already wait for the engine: the caller should retry later (HTTP 429)."""
+
+
+class ClientDisconnected(Exception):
+    """The client that asked went away before its answer was done: its engine requests were aborted."""

@@ -1,19 +1,25 @@
-"""The engine requests behind one API request: n>1 and multi-prompt fan-out, one merged stream, aborts together.
+"""The one owner of a request group's life: the engine requests behind one API request, from start to record.
 
-The API server starts a group per HTTP request and reads its outputs; closing the group (however the response ends)
-aborts every engine request that has not finished, and hands the requests' timelines to the stats recorder.
+A group is an async context manager. Entering it starts its engine requests (n>1 and multi-prompt fan-out) and waits
+for each one's first output, so that bad input fails before a response has started; `outputs()` (streamed) or
+`collect()` (whole) read them as one stream. Whoever answers the client leaves the context when the answer is done
+(its last byte written, or the client gone); leaving aborts in the engine every request that has not finished and
+records the requests' timelines, exactly once. While the group starts or collects, a client that goes away
+(`client_gone`) aborts it at once, with ClientDisconnected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 import anyio
 
 from lmserve.frontend.engine_client import EngineClient
+from lmserve.frontend.errors import ClientDisconnected
 from lmserve.frontend.input_processor import Prompt
 from lmserve.metrics.clock import now
 from lmserve.metrics.recorder import StatsRecorder
@@ -23,9 +29,37 @@ from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+# How often a waiting group checks whether its client is still there (uvicorn never cancels handlers).
+DISCONNECT_POLL_S = 0.2
+
+
+async def _client_stays() -> bool:
+    return False
+
+
+async def until_client_gone(work: Awaitable[T], client_gone: Callable[[], Awaitable[bool]]) -> T:
+    """Runs `work` as a task and cancels it (raising ClientDisconnected) when `client_gone()` says the client left."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await client_gone():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its own cleanup aborts the engine requests
+            if not task.cancelled() and task.exception() is not None:
+                logger.debug("request task failed while being cancelled: %r", task.exception())
+
 
 class RequestGroup:
-    """The engine requests behind one HTTP request: started together, read as one stream, aborted together."""
+    """The engine requests behind one HTTP request: started together, read as one stream, aborted together, recorded
+    once. `async with group:` is its whole life (see the module's docstring)."""
 
     def __init__(
         self,
@@ -39,9 +73,12 @@ class RequestGroup:
         recorder: StatsRecorder,
         final_only: bool = False,
         cache_salt: str | None = None,
+        client_gone: Callable[[], Awaitable[bool]] = _client_stays,
     ) -> None:
         """`final_only`: each engine request yields its whole output once, when it ends (non-streamed responses).
-        `cache_salt`: the tenant's salt for prefix-cache blocks (vLLM's request field)."""
+        `cache_salt`: the tenant's salt for prefix-cache blocks (vLLM's request field). `client_gone`: whether the
+        client has gone away, asked while the group starts or collects."""
+        self.client_gone = client_gone
         self.final_only = final_only
         self.cache_salt = cache_salt
         self.client = client
@@ -61,8 +98,26 @@ class RequestGroup:
         self._pending: dict[asyncio.Future[RequestOutput | None], int] = {}
         self._closed = False
 
-    async def start(self) -> None:
-        """Waits for each request's first output, so bad input fails before the HTTP response has started."""
+    async def __aenter__(self) -> Self:
+        """Starts the engine requests and waits for each one's first output (so that bad input fails before the
+        response has started), aborting them if the client goes away first. A start that fails ends the group's
+        life here: its requests are aborted and recorded."""
+        try:
+            await until_client_gone(self._start(), self.client_gone)
+        except BaseException:
+            await self._close()
+            self._record(delivered=False)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """The answer is done (its last byte written, or it failed): aborts what has not finished, records once."""
+        await self._close()
+        self._record(delivered=exc_type is None)
+
+    async def _start(self) -> None:
         self._streams = [
             self.client.generate(prompt, self.params, request_id, self.priority, arrival_time=self.arrival,
                                  final_only=self.final_only, cache_salt=self.cache_salt)
@@ -102,7 +157,15 @@ class RequestGroup:
                         yield index, out
                         self._schedule_read(index)
         finally:
-            await self.close()
+            await self._close()
+
+    async def collect(self) -> list[tuple[int, RequestOutput]]:
+        """Every output (a whole response), aborted with ClientDisconnected if the client goes away first."""
+
+        async def read_all() -> list[tuple[int, RequestOutput]]:
+            return [item async for item in self.outputs()]
+
+        return await until_client_gone(read_all(), self.client_gone)
 
     async def _read(self, index: int) -> RequestOutput | None:
         try:
@@ -116,7 +179,7 @@ class RequestGroup:
     def _schedule_read(self, index: int) -> None:
         self._pending[asyncio.ensure_future(self._read(index))] = index
 
-    async def close(self) -> None:
+    async def _close(self) -> None:
         """Idempotent: stops every stream and aborts in the engine every request that did not finish."""
         if self._closed:
             return
@@ -143,8 +206,8 @@ class RequestGroup:
             return [t.to_dict() for t in self.timelines]
         return [t.to_dict() for rid in self.request_ids for t in self.client.get_timelines(rid)]
 
-    def record(self, delivered: bool) -> None:
-        """Once, after close(): stamps the last byte (when the response was written) and records the timelines."""
+    def _record(self, delivered: bool) -> None:
+        """Once, after _close(): stamps the last byte (when the response was written) and records the timelines."""
         if self._recorded or self.timelines is None:
             return
         self._recorded = True
