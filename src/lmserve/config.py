@@ -196,7 +196,8 @@ class CacheConfig:
         None, 'as vLLM: prefill/decode disaggregation, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": '
         '"kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/kv"}}\' on the prefill instance '
         'and kv_consumer on the decode one (`lmserve router` in front of both); connectors: SharedStorageConnector, '
-        'PyNcclConnector, or one of yours through "kv_connector_module_path" (README)', parse=parse_kv_transfer_config)
+        'PyNcclConnector, or one of yours through "kv_connector_module_path" (docs/parallel.md)',
+        parse=parse_kv_transfer_config)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
