@@ -2,7 +2,7 @@
 (`--enforce-eager`): greedy and seeded tokens and their logprobs, over mixed batches of decodes and prompt chunks,
 prefix hits and n > 1, for each kind of layer it runs (Llama, Qwen2's biases, Qwen3's q/k norms, Phi-3's partial
 rotary, Gemma 2's soft-caps and sandwich norms, Gemma 3's sliding layers in KV groups of their own, K-quant layers
-stored in several formats, fbgemm's float16 layers); it runs where it says it does, and says why where it does not."""
+stored in several formats, fbgemm's float16 layers, mixture-of-experts blocks); it runs where it says it does, and says why where it does not."""
 
 from __future__ import annotations
 
@@ -62,13 +62,18 @@ MODELS = [
     ("tiny_llama_dir", {**OPTIONS, "quantization": "fp16"}),  # every layer on fbgemm's float16 weights
     ("mixed_gguf", OPTIONS),  # block formats, segments, and a float16 layer (down in Q6_K rows of 64)
     ("tiny_kquant_gguf", OPTIONS),  # layer 1: q2_k, q3_k and q5_k layers and segments
+    ("moe_dirs:qwen2_moe", {**OPTIONS, "quantization": "q8_0"}),  # a shared expert and its sigmoid gate
+    ("moe_dirs:olmoe", {**OPTIONS, "quantization": "q4_1"}),  # q/k norms over all heads
 ]
 
 
 @pytest.mark.parametrize(("fixture", "options"), MODELS, ids=[f"{m[0]}-{m[1].get('quantization', 'auto')}" for m in MODELS])
 def test_program_gives_the_python_loops_bits(fixture: str, options: dict, request: pytest.FixtureRequest,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    fixture, _, family = fixture.partition(":")
     model = request.getfixturevalue(fixture)
+    if fixture == "moe_dirs":
+        model = model[family]
     model = str(getattr(model, "path", model))
     if fixture == "tiny_q4_k_m_gguf":  # its file holds no vocabulary: the directory beside it does
         options = {**options, "tokenizer": str(Path(model).parent)}

@@ -89,12 +89,25 @@ def new_program(heads: int, kv_heads: int, head_dim: int, intermediate: int, eps
     return torch.classes.lmserve.LayerProgram(heads, kv_heads, head_dim, intermediate, eps, sandwich, gelu)
 
 
-def add_linear(program: Any, slot: str, plan: LinearPlan | None, name: str) -> tuple[int, bool]:
+def new_moe_block(top_k: int, intermediate: int, shared_intermediate: int, normalize_top_k: bool, gelu: bool,
+                  router: torch.Tensor, shared_router: torch.Tensor | None, routed_tokens: torch.Tensor) -> Any:
+    """kernels/moe_block.h's MoeBlock: routers in float64, expert layers added with add_linear(..., expert)."""
+    from lmserve.worker.kernels import cpu_kernels
+
+    cpu_kernels()
+    return torch.classes.lmserve.MoeBlock(top_k, intermediate, shared_intermediate, normalize_top_k, gelu, router,
+                                          shared_router, routed_tokens)
+
+
+def add_linear(program: Any, slot: str, plan: LinearPlan | None, name: str, *expert: int) -> tuple[int, bool]:
+    """Adds a linear layer's calls to a LayerProgram's slot, or (expert: its index, -1 for the shared one) to a
+    MoeBlock's expert."""
     if plan is None:
         raise ProgramRefused(f"{name} is neither a block-format nor a float16 layer")
     for call in plan.calls:
         if isinstance(call, Float16Call):
-            program.add_fp16_segment(slot, call.packed, call.in_features, call.out_features, call.row_tile, call.bias)
+            program.add_fp16_segment(*expert, slot, call.packed, call.in_features, call.out_features, call.row_tile,
+                                     call.bias)
         else:
-            program.add_segment(slot, call.op_name, call.weight, call.out_features, call.bias)
+            program.add_segment(*expert, slot, call.op_name, call.weight, call.out_features, call.bias)
     return plan.max_rows, plan.prompt_rows_apart

@@ -203,6 +203,8 @@ class BlockQuantizedLinear(nn.Module):
     def program_plan(self) -> LinearPlan:
         """What forward() is for the batches it sends to the block kernel alone (worker/layer_program.py)."""
         call = KernelCall(self.linear_op._qualified_op_name, self.blocks, self.out_features, self.bias)
+        if self.kernel_only:  # every row on the kernel
+            return LinearPlan([call], sys.maxsize, prompt_rows_apart=False)
         if self.prompt_copies:  # generated rows take the kernel at any batch size; prompt rows go elsewhere
             return LinearPlan([call], sys.maxsize, prompt_rows_apart=True)
         return LinearPlan([call], self.batched_path.block_kernel_max_rows, prompt_rows_apart=False)

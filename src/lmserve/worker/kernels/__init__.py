@@ -29,7 +29,7 @@ SOURCES = (
     "paged_attention.cpp", "paged_attention_avx2.cpp", "fused_ops.cpp", "quantized_linear.cpp", "top_p.cpp",
     "amx_linear.cpp", "int16_activations.cpp", "kquant_int16.cpp", "layer_program.cpp",
 )
-HEADERS = ("paged_attention.h", "int16_activations.h", "int16_simd.h")  # included by SOURCES: part of what a build is made of
+HEADERS = ("paged_attention.h", "int16_activations.h", "int16_simd.h", "linear_segments.h", "moe_block.h")  # included by SOURCES: part of what a build is made of
 # -fopenmp: at::parallel_for is a header template whose parallel region compiles only with OpenMP on (without it the
 # kernel ran on one thread). The link names libgomp.so.1, the same soname as the runtime torch already loaded, so the
 # kernel joins torch's thread pool rather than starting a second one. -ffast-math lets loops of exp() use glibc's

@@ -8,9 +8,11 @@
 // (tests/worker/test_layer_program.py). worker/layer_program.py decides when a batch may take it.
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "linear_segments.h"
+#include "moe_block.h"
 
 #include <optional>
 #include <string>
@@ -18,29 +20,14 @@
 
 namespace {
 
-using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&);
+using namespace lmserve_program;
+
 using NormFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using AddNormFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using RotaryFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using WriteFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, double, int64_t, double);
-using SiluMulFn = void(const at::Tensor&, const at::Tensor&);
-
-template <class Fn>
-c10::TypedOperatorHandle<Fn> op(const std::string& name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Fn>();
-}
-
-// fbgemm's float16-weight product (batched_copies.Float16WeightLinear): its weights are a packed-params object, so
-// the call is boxed.
-at::Tensor fbgemm_fp16(const at::Tensor& x, const c10::IValue& packed) {
-  static const c10::OperatorHandle handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic_fp16", "");
-  torch::jit::Stack stack{x, packed};
-  handle.callBoxed(stack);
-  return stack[0].toTensor();
-}
 
 // worker/models/llama.py's apply_rotary: rotate-half RoPE in float32 over the first 2 * width dimensions of each head
 // (width: the tables' last size), the rest passed through (partial rotary, as Phi-4-mini's).
@@ -53,46 +40,6 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return at::cat({halves[0] * cos - halves[1] * sin, halves[1] * cos + halves[0] * sin}, -1).to(x.scalar_type());
 }
 
-// One product over some output rows: a block kernel's (a layer stored in several formats is several, over
-// consecutive rows), or fbgemm's on float16 weights.
-struct Segment {
-  std::optional<c10::TypedOperatorHandle<LinearFn>> op;  // the block kernel; none for fbgemm
-  at::Tensor weight;
-  c10::IValue packed;  // fbgemm's weights
-  int64_t out_features = 0, in_features = 0, row_tile = 1;
-  std::optional<at::Tensor> bias;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (op) return op->call(x, weight, out_features, bias);
-    // Float16WeightLinear.forward: rows padded with zero rows to a multiple of row_tile, the bias added after.
-    const at::Tensor rows = x.reshape({-1, in_features});
-    const int64_t padding = (row_tile - rows.size(0) % row_tile) % row_tile;
-    at::Tensor y;
-    if (padding == 0) {
-      y = fbgemm_fp16(x.contiguous(), packed);
-    } else {
-      const at::Tensor padded = at::cat({rows, at::zeros({padding, in_features}, rows.options())});
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = out_features;
-      y = fbgemm_fp16(padded, packed).slice(0, 0, rows.size(0)).reshape(shape);
-    }
-    return bias ? y.add_(*bias) : y;
-  }
-};
-
-struct Linear {
-  std::vector<Segment> segments;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    TORCH_CHECK(!segments.empty(), "LayerProgram: a layer without its weights");
-    if (segments.size() == 1) return segments[0](x);
-    std::vector<at::Tensor> parts;
-    parts.reserve(segments.size());
-    for (const Segment& s : segments) parts.push_back(s(x));
-    return at::cat(parts, -1);
-  }
-};
-
 struct Layer {
   Linear qkv, o, gate_up, down;
   std::vector<at::Tensor> norms;  // input, post-attention; a sandwich layer's pre- and post-feedforward too
@@ -104,6 +51,8 @@ struct Layer {
   int64_t window = 0;
   double softcap = 0.0;
   at::Tensor k_cache, v_cache;
+  c10::intrusive_ptr<MoeBlock> moe;  // a mixture-of-experts block in place of gate_up, down
+  bool full_qk_norm = false;  // q_norm and k_norm over all heads at once (OLMoE), not each head
 };
 
 struct LayerProgram : torch::CustomClassHolder {
@@ -146,25 +95,26 @@ struct LayerProgram : torch::CustomClassHolder {
   // slot: qkv, o, gate_up or down of the last layer added; op: the block kernel's name (lmserve::q4_k_int16_linear).
   void add_segment(const std::string& slot, const std::string& op_name, at::Tensor weight, int64_t out_features,
                    std::optional<at::Tensor> bias) {
-    Segment segment;
-    segment.op = op<LinearFn>(op_name);
-    segment.weight = std::move(weight);
-    segment.out_features = out_features;
-    segment.bias = std::move(bias);
-    slot_of(slot).segments.push_back(std::move(segment));
+    slot_of(slot).segments.push_back(kernel_segment(op_name, std::move(weight), out_features, std::move(bias)));
   }
 
-  // The same for fbgemm's float16 weights (`packed`: torch.ops.quantized.linear_prepack_fp16's object).
+  // The same for fbgemm's float16 weights.
   void add_fp16_segment(const std::string& slot, c10::IValue packed, int64_t in_features, int64_t out_features,
                         int64_t row_tile, std::optional<at::Tensor> bias) {
-    TORCH_CHECK(row_tile > 0, "LayerProgram: row_tile must be positive");
-    Segment segment;
-    segment.packed = std::move(packed);
-    segment.in_features = in_features;
-    segment.out_features = out_features;
-    segment.row_tile = row_tile;
-    segment.bias = std::move(bias);
-    slot_of(slot).segments.push_back(std::move(segment));
+    slot_of(slot).segments.push_back(
+        fp16_segment(std::move(packed), in_features, out_features, row_tile, std::move(bias)));
+  }
+
+  // The last layer added's q and k norms weigh all heads at once (OLMoE's), not each head alone.
+  void set_full_qk_norm() {
+    TORCH_CHECK(!layers.empty() && layers.back().q_norm, "LayerProgram: add a layer with q/k norms first");
+    layers.back().full_qk_norm = true;
+  }
+
+  // The last layer added's feed-forward block is a mixture of experts (its gate_up and down slots stay empty).
+  void set_moe(c10::intrusive_ptr<MoeBlock> block) {
+    TORCH_CHECK(!layers.empty(), "LayerProgram: add_layer first");
+    layers.back().moe = std::move(block);
   }
 
   Linear& slot_of(const std::string& slot) {
@@ -196,8 +146,20 @@ struct LayerProgram : torch::CustomClassHolder {
       } else {
         add_rms_norm.call(x, residual, layer.norms[0], eps);
       }
-      at::Tensor qkv = layer.qkv(x).view({-1, heads + 2 * kv_heads, head_dim});
-      if (layer.q_norm) {
+      at::Tensor qkv = layer.qkv(x);
+      if (layer.full_qk_norm) {  // Attention.forward's: each norm over a contiguous copy, written back
+        const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+        const std::pair<int64_t, const at::Tensor*> parts[2] = {{0, &*layer.q_norm}, {q_size, &*layer.k_norm}};
+        for (const auto& [start, weight] : parts) {
+          at::Tensor part = qkv.slice(1, start, start + (start == 0 ? q_size : kv_size));
+          const at::Tensor source = part.contiguous();
+          at::Tensor normed = at::empty_like(source);
+          rms_norm.call(normed, source, *weight, eps);
+          part.copy_(normed);
+        }
+      }
+      qkv = qkv.view({-1, heads + 2 * kv_heads, head_dim});
+      if (layer.q_norm && !layer.full_qk_norm) {
         at::Tensor q = qkv.slice(1, 0, heads), k = qkv.slice(1, heads, qk_heads);
         rms_norm.call(q, q, *layer.q_norm, eps);
         rms_norm.call(k, k, *layer.k_norm, eps);
@@ -228,16 +190,21 @@ struct LayerProgram : torch::CustomClassHolder {
         add_rms_norm.call(out, residual, layer.norms[1], eps);
         x = out;
       }
-      at::Tensor gate_up = layer.gate_up(x);
-      at::Tensor activated;
-      if (gelu) {
-        std::vector<at::Tensor> halves = gate_up.split(intermediate, -1);
-        activated = at::gelu(halves[0], "tanh") * halves[1];
+      at::Tensor down;
+      if (layer.moe) {
+        down = layer.moe->forward(x);
       } else {
-        activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
-        silu_and_mul.call(activated, gate_up);
+        at::Tensor gate_up = layer.gate_up(x);
+        at::Tensor activated;
+        if (gelu) {
+          std::vector<at::Tensor> halves = gate_up.split(intermediate, -1);
+          activated = at::gelu(halves[0], "tanh") * halves[1];
+        } else {
+          activated = at::empty({gate_up.size(0), intermediate}, gate_up.options());
+          silu_and_mul.call(activated, gate_up);
+        }
+        down = layer.down(activated);
       }
-      at::Tensor down = layer.down(activated);
       if (sandwich) {
         x = at::empty_like(down);
         rms_norm.call(x, down, layer.norms[3], eps);
@@ -252,10 +219,17 @@ struct LayerProgram : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
+  m.class_<MoeBlock>("MoeBlock")
+      .def(torch::init<int64_t, int64_t, int64_t, bool, bool, at::Tensor, std::optional<at::Tensor>, at::Tensor>())
+      .def("add_segment", &MoeBlock::add_segment)
+      .def("add_fp16_segment", &MoeBlock::add_fp16_segment)
+      .def("forward", &MoeBlock::forward);
   m.class_<LayerProgram>("LayerProgram")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &LayerProgram::add_layer)
       .def("add_segment", &LayerProgram::add_segment)
       .def("add_fp16_segment", &LayerProgram::add_fp16_segment)
+      .def("set_moe", &LayerProgram::set_moe)
+      .def("set_full_qk_norm", &LayerProgram::set_full_qk_norm)
       .def("run", &LayerProgram::run);
 }

@@ -212,16 +212,16 @@ class LlamaForCausalLM(nn.Module):
         first = layers[0]
         if first.input_layernorm.fused is None:
             raise ProgramRefused("no fused ops (--fused-ops none, or not float32 on CPU)")
-        attn, mlp = first.self_attn, first.mlp
-        if self.moe is not None:
-            raise ProgramRefused("mixture-of-experts layers")
-        if attn.full_qk_norm or attn.clip_qkv is not None:
-            raise ProgramRefused("q/k norms over all heads, or clipped q/k/v")
-        if mlp.activation not in ("silu", "gelu_pytorch_tanh"):
-            raise ProgramRefused(f"activation {mlp.activation}")
+        attn = first.self_attn
+        if attn.clip_qkv is not None:
+            raise ProgramRefused("clipped q/k/v")
+        dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        activation = dense[0].activation if dense else "silu"
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ProgramRefused(f"activation {activation}")
         sandwich = isinstance(first, SandwichDecoderLayer)
-        program = new_program(attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate,
-                              first.input_layernorm.eps, sandwich, mlp.activation == "gelu_pytorch_tanh")
+        program = new_program(attn.num_heads, attn.num_kv_heads, attn.head_dim, dense[0].intermediate if dense else 0,
+                              first.input_layernorm.eps, sandwich, activation == "gelu_pytorch_tanh")
         kinds = list(self.rotary)
         limits = []
         for index, layer, (k_cache, v_cache) in zip(self.stage_layers, layers, kv_caches, strict=True):
@@ -233,8 +233,17 @@ class LlamaForCausalLM(nn.Module):
             program.add_layer([n.weight for n in norms], *qk_norms, kinds.index(attn.layer_type), attn.full_rotary,
                               self.kv_layer_groups[index], attn.attn.scale, attn.attn.window, attn.attn.softcap,
                               k_cache, v_cache)
-            for slot, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
-                                 ("down", layer.mlp.down_proj)):
+            if attn.full_qk_norm:
+                program.set_full_qk_norm()
+            linears = [("qkv", attn.qkv_proj), ("o", attn.o_proj)]
+            if isinstance(layer.mlp, SparseMoeBlock):
+                block = layer.mlp.program_block()
+                if block is None:
+                    raise ProgramRefused(f"layer {index}'s experts are not all on the kernels")
+                program.set_moe(block)
+            else:
+                linears += [("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)]
+            for slot, linear in linears:
                 plan = getattr(linear, "program_plan", lambda: None)()
                 limits.append(add_linear(program, slot, plan, f"layer {index}'s {slot}"))
         self.program = LayerProgram(

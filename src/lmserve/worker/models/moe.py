@@ -7,6 +7,10 @@ GGUF's expert blocks are taken as the file stores them, one layer an expert, in 
 layer: no float copy of an expert ever exists. An expert's layers run their block kernel on every row, prompt rows
 too (BlockQuantizedLinear.kernel_only): a per-expert float copy for prompts would cost the experts' bytes again.
 
+Where every expert's layers are block kernels (or fbgemm's float16 weights) the whole block runs as one C++ call
+(kernels/moe_block.h: the same ops in the same order, so the same bits), and a decode step's LayerProgram runs it in
+its single call; Python's loop here is for the rest (float32 experts, activations without the fused op).
+
 Batch invariance: a token's output depends on its own routing alone. Each expert's kernels compute a row without
 reference to the other rows, and a token's k experts are summed in its own top-k order (highest weight first), so
 neither which other tokens share the step nor how many chose the same expert changes a token's result.
@@ -19,13 +23,15 @@ all-reduce adds the ranks that hold each token's experts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.moe_shape import MoeShape
+from lmserve.worker.layer_program import add_linear, new_moe_block
 from lmserve.worker.models.layers import MLP, MissingLayer
 
 if TYPE_CHECKING:
@@ -81,6 +87,8 @@ class SparseMoeBlock(nn.Module):
         # Tokens routed to each expert so far (expert load, per layer; made at the first forward pass: the module is
         # built on the meta device).
         self.routed_tokens: torch.Tensor | None = None
+        self._program: Any = None  # kernels/moe_block.h's MoeBlock (program_block)
+        self._program_checked = False
 
     def is_local(self, expert: int) -> bool:
         return not self.expert_parallel or expert % self.parallel.tp_size == self.parallel.tp_rank
@@ -94,6 +102,13 @@ class SparseMoeBlock(nn.Module):
         return weights, chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        program = self.program_block()
+        if program is not None:
+            return self.parallel.all_reduce(program.forward(x))
+        return self.parallel.all_reduce(self.python_forward(x))
+
+    def python_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output, op by op from Python (what program_block's call computes)."""
         weights, chosen = self.route(x)
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
         if self.routed_tokens is None:
@@ -103,7 +118,48 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out.add_(self.shared_expert(x) * gate.to(x.dtype))
-        return self.parallel.all_reduce(out)
+        return out
+
+    def program_block(self) -> Any | None:
+        """The block as one C++ call (kernels/moe_block.h's MoeBlock), built at the first forward pass once the
+        weights are in place; None where an expert's layers are not what that call runs."""
+        if not self._program_checked:
+            self._program_checked = True
+            self._program = self._new_program()
+        return self._program
+
+    def _new_program(self) -> Any | None:
+        mlps = {e: self.experts[e] for e in self.local_experts}
+        if self.shared_expert is not None:
+            mlps[-1] = self.shared_expert
+        activations = {mlp.activation for mlp in mlps.values()}
+        if activations == {"gelu_pytorch_tanh"}:
+            gelu = True
+        elif activations == {"silu"} and all(mlp.fused is not None for mlp in mlps.values()):
+            gelu = False
+        else:
+            return None
+        plans = {}
+        for e, mlp in mlps.items():
+            for slot, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                plan = getattr(linear, "program_plan", lambda: None)()
+                # Every row, prompt rows too, on the kernel the eager layer calls.
+                if plan is None or plan.max_rows != sys.maxsize or plan.prompt_rows_apart:
+                    return None
+                plans[e, slot] = plan
+        for router in (self.gate, self.shared_expert_gate):
+            if router is not None and router._weight64 is None:
+                router.keep_in_float64()
+        if self.routed_tokens is None:
+            self.routed_tokens = torch.zeros(self.num_experts, dtype=torch.long)
+        shared_router = self.shared_expert_gate._weight64 if self.shared_expert_gate is not None else None
+        shared_width = self.shared_expert.intermediate if self.shared_expert is not None else 0
+        first = self.experts[self.local_experts[0]]
+        program = new_moe_block(self.top_k, first.intermediate, shared_width, self.shape.normalize_top_k, gelu,
+                                self.gate._weight64, shared_router, self.routed_tokens)
+        for (e, slot), plan in plans.items():
+            add_linear(program, slot, plan, f"expert {e}'s {slot}", e)
+        return program
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, counts: torch.Tensor
                  ) -> torch.Tensor:
@@ -135,9 +191,9 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def keep_experts_on_kernels(self) -> None:
-        """Once loaded: every expert's block layers run their kernel on every row and never build a float copy (the
-        module's docstring says why); the routers keep only their float64 weights."""
-        for expert in self.experts:
+        """Once loaded: every expert's block layers, the shared expert's too, run their kernel on every row and never
+        build a float copy (the module's docstring says why); the routers keep only their float64 weights."""
+        for expert in [*self.experts, self.shared_expert]:
             for linear in (getattr(expert, "gate_up_proj", None), getattr(expert, "down_proj", None)):
                 if hasattr(linear, "kernel_only"):
                     linear.kernel_only = True
