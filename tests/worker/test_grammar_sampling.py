@@ -3,6 +3,8 @@ distribution (rejection sampling), the same as masking first."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from lmserve.sampling_params import SamplingParams
@@ -19,6 +21,10 @@ class TwoTokenGrammar:
         self.matchers = dict.fromkeys(request_ids)
         self.masked_first = list(request_ids) if masked_first else []
         self.filled = 0
+
+    @property
+    def request_ids(self) -> Collection[str]:
+        return self.matchers.keys()
 
     def fill(self, request_ids: list[str]) -> torch.Tensor:
         self.filled += len(request_ids)

@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +17,13 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.heap import release_freed_heap, reuse_large_blocks
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
-from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lmserve.step import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepGrammar,
+)
 from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
@@ -441,7 +446,7 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: Any
+        self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: StepGrammar | None
     ) -> tuple[list[int], list[Logprobs | None]]:
         """One token per row. Constrained rows (engine.grammar.GrammarBatch) draw without their mask first and again
         with it only when the grammar refuses the token, which gives the masked distribution exactly for the rows
@@ -452,7 +457,7 @@ class ModelRunner:
         # Constrained requests with drafts: their first row, handled row by row below.
         drafted = {} if grammar is None else {
             r.request_id: i for i, r in enumerate(rows)
-            if r.draft_token_ids and r.request_id in grammar.matchers and row_of[r.request_id] != i
+            if r.draft_token_ids and r.request_id in grammar.request_ids and row_of[r.request_id] != i
             and (i == 0 or rows[i - 1].request_id != r.request_id)
         }
         if grammar is not None and grammar.masked_first:
@@ -465,7 +470,7 @@ class ModelRunner:
         for rid, first_row in drafted.items():
             self._sample_drafted_under_grammar(logits, rows, grammar, rid, first_row, token_ids, logprobs)
         first = set(grammar.masked_first)
-        refused = [rid for rid in grammar.matchers
+        refused = [rid for rid in grammar.request_ids
                    if rid not in first and rid not in drafted and not grammar.allows(rid, token_ids[row_of[rid]])]
         if refused:
             redo = [row_of[rid] for rid in refused]
@@ -476,13 +481,12 @@ class ModelRunner:
                 token_ids[i], logprobs[i] = token, again.logprobs[k]
         return token_ids, logprobs
 
-    def _sample_drafted_under_grammar(self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: Any,
+    def _sample_drafted_under_grammar(self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: StepGrammar,
                                       rid: str, first_row: int, token_ids: list[int], logprobs: list) -> None:
         """A constrained request's drafted rows, in order: row i's token must be one the grammar allows after the
         drafts before it (the matcher advanced by them, then rolled back), drawn again under the mask where the
         unmasked draw broke it; rows after the first that differs from its draft are not kept anyway."""
         drafts = rows[first_row].draft_token_ids
-        matcher = grammar.matchers[rid]
         advanced = 0
         for i in range(len(drafts) + 1):
             row = first_row + i
@@ -491,14 +495,14 @@ class ModelRunner:
                 self._mask(metadata, grammar, [0], [rid], 1)
                 again = self.sampler(logits[[row]], metadata)
                 token_ids[row], logprobs[row] = again.token_ids.tolist()[0], again.logprobs[0]
-            if i == len(drafts) or token_ids[row] != drafts[i] or not matcher.accept_token(drafts[i]):
+            if i == len(drafts) or token_ids[row] != drafts[i] or not grammar.accept(rid, drafts[i]):
                 break
             advanced += 1
         if advanced:
-            matcher.rollback(advanced)
+            grammar.rollback(rid, advanced)
 
     @staticmethod
-    def _mask(metadata: SamplingMetadata, grammar: Any, rows: list[int], request_ids: list[str], num_rows: int) -> None:
+    def _mask(metadata: SamplingMetadata, grammar: StepGrammar, rows: list[int], request_ids: list[str], num_rows: int) -> None:
         mask = grammar.fill(request_ids)
         full = torch.full((num_rows, mask.shape[1]), -1, dtype=mask.dtype)
         full[rows] = mask
