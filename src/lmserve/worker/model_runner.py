@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -17,6 +18,7 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.heap import release_freed_heap, reuse_large_blocks
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
+from lmserve.spec_decode.draft_model import DraftModelProposer, draft_configs
 from lmserve.step import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -29,7 +31,6 @@ from lmserve.worker.attention import (
     ScheduledChunk,
     build_metadata,
 )
-from lmserve.worker.draft_model import DraftModel, draft_configs
 from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_activations, check_quantization
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
@@ -48,7 +49,7 @@ from lmserve.worker.quantization import (
     use_block_activations,
     use_prompt_copies,
 )
-from lmserve.worker.sampler import Sampler, token_logprobs
+from lmserve.worker.sampler import Sampler, argmax_rows, token_logprobs
 from lmserve.worker.sampling_metadata import SamplingMetadata, draft_rows, reads_output_token_ids
 from lmserve.worker.stored_formats import (
     STORED_BLOCK_TYPES,
@@ -139,11 +140,15 @@ class ModelRunner:
         # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
         self.last_sampled: dict[str, int] = {}
         spec = scheduler_config.speculative_config
-        self.drafter = None
+        self.drafter: DraftModelProposer | None = None
         if spec is not None and spec.model is not None:
             draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
             draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
-            self.drafter = DraftModel(spec.model, draft_runner, placement, self)
+            if self.device.type == "cpu" and (self.numpy_matmuls or draft_runner.numpy_matmuls):
+                # One process, one CPU placement: with NumPy's BLAS doing either model's matmuls, torch keeps one
+                # thread (its OpenMP workers spinning against BLAS's made every step 3x slower).
+                apply_placement(placement or PlacementConfig(), blas_does_matmuls=True)
+            self.drafter = DraftModelProposer(spec.model, draft_runner, self)
         if self.device.type == "cpu":
             reuse_large_blocks()  # steps' activations from reused heap memory, not fresh pages
 
@@ -309,6 +314,37 @@ class ModelRunner:
         with prompt_rows(batch.prompt_rows):
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
+    @torch.inference_mode()
+    def compute_kv(self, batch: BatchInputs) -> None:
+        """This model's K/V for every position of a batch (a draft model's, for the batch its target ran)."""
+        self._hidden_states(batch)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> list[int]:
+        """One generated position a row (token_ids[i] at positions[i], its K/V into block_tables[i]'s blocks): the
+        argmax of each row's next-token logits (a draft model's guesses)."""
+        dev = self.device
+        chunks = [ScheduledChunk(p, 1, blocks) for p, blocks in zip(positions, block_tables, strict=True)]
+        attn = build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype)
+        input_ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+        with prompt_rows(PromptRows.from_mask(np.zeros(len(token_ids), dtype=bool))):  # generated rows
+            hidden = self.model(input_ids, torch.as_tensor(positions, device=dev), self.kv_caches, attn)
+        return argmax_rows(self.model.compute_logits(hidden)).tolist()
+
+    def _with_draft_tokens(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step's requests with the draft model's guesses in the positions the scheduler reserved for them
+        (placeholders): copies, which the batch is built from; the scheduler's plan stays as it planned it."""
+        if self.drafter is None:
+            return scheduled
+        reserved = [s for s in scheduled if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID]
+        if not reserved:
+            return scheduled
+        proposals = self.drafter.propose(reserved, [len(s.draft_token_ids) for s in reserved])
+        guesses = {s.request_id: drafts for s, drafts in zip(reserved, proposals, strict=True)}
+        return [s if s.request_id not in guesses else dataclasses.replace(
+                    s, token_ids=[s.token_ids[0], *guesses[s.request_id]], draft_token_ids=guesses[s.request_id])
+                for s in scheduled]
+
     def _score_prompts(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[Logprobs]]:
         """Each scored prompt token's logprob in the raw model distribution (as vLLM), a slice of rows at a time so
         a long chunk never holds more than PROMPT_LOGPROB_ROWS_PER_SLICE vocabulary-wide rows."""
@@ -379,15 +415,12 @@ class ModelRunner:
             self.last_sampled.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
-        if self.drafter is not None:
-            self.drafter.fill([s for s in scheduler_output.scheduled
-                               if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID])
-        batch = self.prepare_inputs(scheduler_output.scheduled)
+        batch = self.prepare_inputs(self._with_draft_tokens(scheduler_output.scheduled))
         hidden = self._stage_forward(batch)
         if scheduler_output.kv_saves and self.kv_connector is not None:
             self.kv_connector.save(scheduler_output.kv_saves)  # a producer's blocks, now that the step wrote them
         if self.drafter is not None:
-            self.drafter.mirror(batch.input_ids, batch.positions, batch.attn, batch.prompt_rows)
+            self.drafter.mirror(batch)
         if hidden is None:
             return None
         # Every tensor rank of the last stage computes logits (their all-gather needs each); the driver samples.
