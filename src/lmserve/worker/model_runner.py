@@ -18,12 +18,7 @@ from lmserve.heap import release_freed_heap, reuse_large_blocks
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
 from lmserve.spec_decode.draft_model import DraftModelProposer, draft_configs
-from lmserve.step import (
-    PLACEHOLDER_TOKEN_ID,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
