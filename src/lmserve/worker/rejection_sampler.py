@@ -59,7 +59,7 @@ class RejectionSampler:
     def sample(
         self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: StepGrammar | None
     ) -> tuple[list[int], list[Logprobs | None]]:
-        """One token per row. Constrained rows (engine.grammar.GrammarBatch) draw without their mask first and again
+        """One token per row. Constrained rows (lmserve.step.StepGrammar) draw without their mask first and again
         with it only when the grammar refuses the token, which gives the masked distribution exactly for the rows
         the grammar lets do so; the others are masked before the first draw."""
         offsets = row_offsets(rows)
