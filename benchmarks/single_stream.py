@@ -80,7 +80,7 @@ def main() -> None:
     sampler_s: dict[str, list[float]] = {s: [] for s in settings}
     current = [settings[0]]
     runner = llm.engine.executor.worker.runner
-    sample = runner._sample
+    sample = runner.rejection_sampler.sample
 
     def timed_sample(*args, **kwargs):
         started = time.perf_counter()
@@ -88,7 +88,7 @@ def main() -> None:
         sampler_s[current[0]].append(time.perf_counter() - started)
         return out
 
-    runner._sample = timed_sample
+    runner.rejection_sampler.sample = timed_sample
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         port = free_port()

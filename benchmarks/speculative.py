@@ -32,7 +32,7 @@ from gguf_peers import LLAMA_SERVER, free_port, start, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 EDITS = [
-    ("src/lmserve/engine/ngram_proposer.py", "NgramProposer", "PromptLookupProposer"),
+    ("src/lmserve/spec_decode/ngram.py", "NgramProposer", "PromptLookupProposer"),
     ("src/lmserve/engine/request.py", "RequestStatus", "RequestState"),
     ("src/lmserve/engine/dp_router.py", "replica", "engine"),
 ]

@@ -6,7 +6,7 @@ to the gate or the proposer can be judged here first.
 Modelled speed over plain decoding: tokens / (decode steps + row_cost x drafted rows), where row_cost is what one
 more row adds to a one-stream decode step relative to it: ~0.5 on the AVX2 build's int16 kernels, ~0.3 at int8,
 ~0.15 on VNNI (Qwen2.5-Coder 0.5B Q4_K_M; docs/benchmarks.md, "8-bit activations for every row").
-`--pause-below` sets the gate's pause threshold (engine/speculation.py's PAUSE_BELOW) for a run of each.
+`--pause-below` sets the gate's pause threshold (spec_decode/speculator.py's PAUSE_BELOW) for a run of each.
 
     .venv/bin/python benchmarks/speculative_counts.py MODEL.gguf [--pause-below 0.25 0.5] [--row-costs 0.15 0.3 0.5]
 """

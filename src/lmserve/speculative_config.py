@@ -1,4 +1,4 @@
-"""vLLM's --speculative-config: which drafts a step verifies (engine/speculation.py, worker/draft_model.py)."""
+"""vLLM's --speculative-config: which drafts a step verifies (the lmserve.spec_decode package)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class SpeculativeConfig:
     """vLLM's --speculative-config. method ngram (prompt lookup): the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are proposed as
     the next num_speculative_tokens, and one forward pass verifies them. method draft_model (implied by `model`): a
-    smaller model of the same vocabulary guesses them (worker/draft_model.py)."""
+    smaller model of the same vocabulary guesses them (spec_decode/draft_model.py)."""
 
     method: str
     num_speculative_tokens: int

@@ -7,9 +7,9 @@ SchedulerOutput and ModelRunnerOutput in modules of their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from lmserve.kv_groups import KVCacheGroups
 from lmserve.outputs import Logprobs
@@ -62,7 +62,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # The grammars of the constrained requests that sample this step, or None: engine.grammar.GrammarBatch for a
     # runner in the engine's process, GrammarMasks for ranks in other processes.
-    grammar: Any = None
+    grammar: StepGrammar | None = None
     # Prefill/decode disaggregation (distributed/kv_storage.py): (request id, block id, pinned file) to read into the
     # cache beside the forward passes (the request runs once the ranks report its load done: ModelRunnerOutput.
     # finished_kv_loads), and (block id, block hash hex) to write out after this step's forward pass.
@@ -73,6 +73,35 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.kv_loads and not self.kv_loads_pending
+
+
+class StepGrammar(Protocol):
+    """What the worker may do with the grammars of a step's constrained rows (SchedulerOutput.grammar): ask for their
+    masks, test a token, and, where the matchers live in the runner's process, advance a matcher over a drafted row's
+    drafts and roll it back. The matchers themselves stay the engine's: the engine accepts the step's tokens after it."""
+
+    masked_first: list[str]  # requests whose rows are masked before their first draw (the others draw, then check)
+
+    @property
+    def request_ids(self) -> Collection[str]:
+        """The constrained requests among the step's sampling rows."""
+        ...
+
+    def fill(self, request_ids: list[str]) -> Any:
+        """The allowed next tokens of these requests: xgrammar's packed bitmask, int32 [rows, ceil(vocab / 32)]."""
+        ...
+
+    def allows(self, request_id: str, token_id: int) -> bool:
+        """Whether the grammar takes this token next; the matcher is left as it was."""
+        ...
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        """Advances the matcher by one token (False, and not advanced, where the grammar refuses it)."""
+        ...
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Takes back the last `num_tokens` that accept() advanced the matcher by."""
+        ...
 
 
 @dataclass
@@ -94,8 +123,18 @@ class GrammarMasks:
             self.mask = self.receive()
         return self.mask[[self.matchers[r] for r in request_ids]]
 
+    @property
+    def request_ids(self) -> Collection[str]:
+        return self.matchers.keys()
+
     def allows(self, request_id: str, token_id: int) -> bool:
         raise AssertionError("every row of a GrammarMasks batch is masked before its draw")
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        raise AssertionError("ranks in other processes verify no drafts of constrained requests")
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        raise AssertionError("ranks in other processes verify no drafts of constrained requests")
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "receive": None}  # a receiver belongs to the process that set it

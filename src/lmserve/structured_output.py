@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from lmserve.json_limits import loads_bounded
 from lmserve.sampling_params import StructuredOutputsParams
@@ -36,6 +36,18 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 MAX_REPEAT_COUNT = 1000
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _EBNF_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+class TokenMatcher(Protocol):
+    """The part of xgrammar's GrammarMatcher that decoding uses: one request's place in its grammar."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances by one token; False (and not advanced) where the grammar refuses it."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 class GrammarError(ValueError):

@@ -355,7 +355,7 @@ def test_the_runner_fills_in_its_own_token_whether_or_not_the_engine_appended_it
                                    outputs, uses_previous_token=True)
             assert runner.prepare_inputs([row]).input_ids.tolist() == [12]
             if params.min_tokens:
-                views.append(runner._output_token_ids(row))
+                views.append(runner.rejection_sampler.output_token_ids(row))
     assert views == [[10, 11, 12], [10, 11, 12]]
     runner.last_sampled.pop("r")
 

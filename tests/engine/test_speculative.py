@@ -9,10 +9,10 @@ import random
 import pytest
 
 from lmserve.config import CacheConfig, SchedulerConfig, make_engine_config
-from lmserve.engine.ngram_proposer import NgramProposer
 from lmserve.engine.request import Request, RequestStatus
 from lmserve.engine.scheduler import Scheduler
 from lmserve.sampling_params import SamplingParams
+from lmserve.spec_decode.ngram import NgramProposer
 from lmserve.speculative_config import SpeculativeConfig
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 
@@ -29,37 +29,57 @@ def request(prompt: list[int], max_tokens: int = 50, **params: object) -> Reques
     return Request(f"r{next(_ids)}", list(prompt), SamplingParams(max_tokens=max_tokens, **params))
 
 
+class Lookup(NgramProposer):
+    def propose_one(self, r: Request, max_drafts: int) -> list[int]:
+        """One request's drafts through the batched interface (spec_decode.proposer.Proposer)."""
+        [drafts] = self.propose([r], [max_drafts])
+        return drafts
+
+
 # ---- prompt lookup -----------------------------------------------------------------------------------------
 
 
 def test_lookup_proposes_what_followed_the_latest_longest_match() -> None:
-    proposer = NgramProposer(ngram(k=3, low=1, high=3))
+    proposer = Lookup(ngram(k=3, low=1, high=3))
     # The suffix [7, 8, 9] occurs at 0 (followed by 1, 2, 3) and, later, at 6 (followed by 4, 5, 6): the latest wins.
     # A longer match beats a later shorter one: [8, 9] alone also occurs at 13, but only as a 2-gram.
     tokens = [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 0, 8, 9, 3, 3, 7, 8, 9]
-    assert proposer.propose(request(tokens), 3) == [4, 5, 6]
-    assert proposer.propose(request(tokens), 2) == [4, 5]  # the room given caps it
+    assert proposer.propose_one(request(tokens), 3) == [4, 5, 6]
+    assert proposer.propose_one(request(tokens), 2) == [4, 5]  # the room given caps it
     # Nothing repeats: no drafts. Only a shorter match than prompt_lookup_min: none either.
-    assert proposer.propose(request([1, 2, 3, 4, 5]), 3) == []
-    strict = NgramProposer(ngram(k=3, low=3, high=3))
-    assert strict.propose(request([5, 8, 9, 1, 0, 8, 9]), 3) == []  # [8, 9] matches, [0, 8, 9] does not
-    assert strict.propose(request([0, 8, 9, 1, 0, 8, 9]), 3) == [1, 0, 8]
+    assert proposer.propose_one(request([1, 2, 3, 4, 5]), 3) == []
+    strict = Lookup(ngram(k=3, low=3, high=3))
+    assert strict.propose_one(request([5, 8, 9, 1, 0, 8, 9]), 3) == []  # [8, 9] matches, [0, 8, 9] does not
+    assert strict.propose_one(request([0, 8, 9, 1, 0, 8, 9]), 3) == [1, 0, 8]
     # A match that runs into the end continues the loop it found: [3, 4] repeats every 2 tokens, [7, 7] every 1.
-    assert NgramProposer(ngram(k=5, low=2, high=2)).propose(request([3, 4, 3, 4]), 5) == [3, 4, 3, 4, 3]
-    assert NgramProposer(ngram(k=3, low=2, high=2)).propose(request([1, 7, 7, 7]), 3) == [7, 7, 7]
+    assert Lookup(ngram(k=5, low=2, high=2)).propose_one(request([3, 4, 3, 4]), 5) == [3, 4, 3, 4, 3]
+    assert Lookup(ngram(k=3, low=2, high=2)).propose_one(request([1, 7, 7, 7]), 3) == [7, 7, 7]
+
+
+def test_one_proposer_interface_proposes_for_a_batch_of_requests() -> None:
+    """Prompt lookup and the draft model's reservation both answer spec_decode.proposer.Proposer: drafts per request,
+    in order, each within its own limit."""
+    from lmserve.spec_decode.proposer import ReservedPositions
+    from lmserve.step import PLACEHOLDER_TOKEN_ID
+
+    looping, plain = request([3, 4, 3, 4]), request([1, 2, 3, 4, 5])
+    assert NgramProposer(ngram(k=5, low=2, high=2)).propose([looping, plain, looping], [5, 3, 2]) == \
+        [[3, 4, 3, 4, 3], [], [3, 4]]
+    reserve = ReservedPositions(SpeculativeConfig.from_json({"model": "/some/draft", "num_speculative_tokens": 3}))
+    assert reserve.propose([looping, plain, looping], [5, 1, 0]) == [[PLACEHOLDER_TOKEN_ID] * 3, [PLACEHOLDER_TOKEN_ID], []]
 
 
 def test_lookup_follows_the_output_as_it_grows() -> None:
-    proposer = NgramProposer(ngram(k=2, low=2, high=2))
+    proposer = Lookup(ngram(k=2, low=2, high=2))
     r = request([1, 2, 3, 4, 5, 6] * 20)  # a long prompt: the mirror grows past its first allocation
-    assert proposer.propose(r, 2) == [1, 2]
+    assert proposer.propose_one(r, 2) == [1, 2]
     r.output_token_ids += [1, 2]
-    assert proposer.propose(r, 2) == [3, 4]
+    assert proposer.propose_one(r, 2) == [3, 4]
     r.output_token_ids += [9, 9, 9]
-    assert proposer.propose(r, 2) == [9, 9]  # [9, 9] occurred before, followed by the loop of 9s
+    assert proposer.propose_one(r, 2) == [9, 9]  # [9, 9] occurred before, followed by the loop of 9s
     r.output_token_ids += [8]
     proposer.drop(r.request_id)
-    assert proposer.propose(r, 2) == []  # rebuilt from the request after a drop: [9, 8] never occurred
+    assert proposer.propose_one(r, 2) == []  # rebuilt from the request after a drop: [9, 8] never occurred
 
 
 def test_lookup_matches_a_brute_force_search_on_random_sequences() -> None:
@@ -80,7 +100,7 @@ def test_lookup_matches_a_brute_force_search_on_random_sequences() -> None:
                     extended.append(extended[at + len(expected)])
                     expected.append(extended[at + len(expected)])
                 break
-        got = NgramProposer(ngram(k, low, high)).propose(request(tokens), k)
+        got = Lookup(ngram(k, low, high)).propose_one(request(tokens), k)
         assert got == expected, (trial, tokens, low, high, k)
 
 
@@ -324,7 +344,7 @@ class CountingMatcher:
 
 
 def test_the_grammar_vets_drafts_and_is_left_as_it_was() -> None:
-    from lmserve.engine.speculation import vetted
+    from lmserve.spec_decode.speculator import vetted
 
     matcher = CountingMatcher({1, 2, 3})
     matcher.accepted = [9]  # what the request's output already put through it

@@ -207,17 +207,30 @@ def test_the_counters_reach_prometheus(spec: LLM) -> None:
     assert samples[first] == stats.spec_decode_num_accepted_tokens_per_pos[0] > 0
 
 
-def test_a_draft_model_gives_the_plain_greedy_tokens(plain: LLM) -> None:
+def test_a_draft_model_gives_the_plain_greedy_tokens(plain: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model drafting for itself: every guess is the target's own greedy choice (up to the float
     differences of a one-row pass and a verifying pass), so nearly all are kept; the output equals plain decoding,
-    alone and batched, and no block is held after."""
+    alone and batched, and no block is held after. The draft's guesses are the worker's data: the scheduler's plans
+    keep the placeholders it reserved."""
     from lmserve.models import DEFAULT_MODEL, resolve_model
+    from lmserve.step import PLACEHOLDER_TOKEN_ID
 
     draft = {"model": str(resolve_model(DEFAULT_MODEL).path), "num_speculative_tokens": 3}
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy)]
     with LLM(dtype="float32", num_blocks=200, max_num_seqs=64, speculative_config=draft) as llm:
+        plans = []
+        schedule = llm.engine.scheduler.schedule
+
+        def recording():
+            plans.append(schedule())
+            return plans[-1]
+
+        monkeypatch.setattr(llm.engine.scheduler, "schedule", recording)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == expected
+        drafted = [s for plan in plans for s in plan.scheduled if s.draft_token_ids]
+        assert drafted and all(set(s.draft_token_ids) == set(s.token_ids[1:]) == {PLACEHOLDER_TOKEN_ID}
+                               for s in drafted)
         assert llm.generate(PROMPTS[2], greedy)[0].outputs[0].token_ids == expected[2]
         stats = llm.engine.stats()
         assert stats.spec_decode_num_accepted_tokens >= 0.8 * stats.spec_decode_num_draft_tokens > 0

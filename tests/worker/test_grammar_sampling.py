@@ -1,13 +1,15 @@
-"""The runner's grammar sampling: drawing unmasked and redrawing only refused rows gives exactly the masked
-distribution (rejection sampling), the same as masking first."""
+"""The sampler's grammar rule (worker/rejection_sampler.py): drawing unmasked and redrawing only refused rows gives
+exactly the masked distribution (rejection sampling), the same as masking first."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import ScheduledRequest
-from lmserve.worker.model_runner import ModelRunner
+from lmserve.worker.rejection_sampler import RejectionSampler
 from lmserve.worker.sampler import Sampler
 
 ALLOWED = (2, 5)  # the grammar's tokens; the model prefers others
@@ -20,6 +22,10 @@ class TwoTokenGrammar:
         self.masked_first = list(request_ids) if masked_first else []
         self.filled = 0
 
+    @property
+    def request_ids(self) -> Collection[str]:
+        return self.matchers.keys()
+
     def fill(self, request_ids: list[str]) -> torch.Tensor:
         self.filled += len(request_ids)
         return torch.full((len(request_ids), 1), sum(1 << t for t in ALLOWED), dtype=torch.int32)
@@ -29,12 +35,11 @@ class TwoTokenGrammar:
 
 
 def draw(masked_first: bool, n: int = 4000) -> tuple[torch.Tensor, int]:
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.sampler, runner.device, runner.generators = Sampler(), torch.device("cpu"), {}
+    sampler = RejectionSampler(Sampler(), torch.device("cpu"), {})
     params = SamplingParams(temperature=1.0, seed=None)
     rows = [ScheduledRequest(f"r{i}", [1], 0, [0], True, params, [1], []) for i in range(n)]
     grammar = TwoTokenGrammar([r.request_id for r in rows], masked_first)
-    tokens, _ = runner._sample(LOGITS.repeat(n, 1), rows, grammar)
+    tokens, _ = sampler.sample(LOGITS.repeat(n, 1), rows, grammar)
     return torch.bincount(torch.tensor(tokens), minlength=8), grammar.filled
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from lmserve.engine.request import Request
 from lmserve.model_tokenizer import load_tokenizer
 from lmserve.models import resolve_model
 from lmserve.step import GrammarMasks
-from lmserve.structured_output import build_grammar, xgrammar
+from lmserve.structured_output import TokenMatcher, build_grammar, xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ COMPILE_THREADS = 4
 @dataclass
 class GrammarState:
     compiled: Future
-    matcher: Any = None  # xgrammar.GrammarMatcher once compiled
+    matcher: TokenMatcher | None = None  # xgrammar.GrammarMatcher once compiled
     error: str | None = None
     # The token the grammar starts after (StructuredOutputsParams.after_token_id) until the request samples it.
     waiting_for: int | None = None
@@ -139,7 +140,7 @@ def _exact_by_rejection(request: Request) -> bool:
 
 @dataclass
 class GrammarBatch:
-    """One step's constrained requests, for the runner's sampler.
+    """One step's constrained requests, for the runner's sampler (lmserve.step.StepGrammar, with live matchers).
 
     A mask costs up to a millisecond per request (xgrammar checks every token one by one inside a maxLength string,
     and holds the GIL for a single fill), while the model's own choice is almost always allowed. So the runner
@@ -147,7 +148,7 @@ class GrammarBatch:
     needs the mask up front (`masked_first`).
     """
 
-    matchers: dict[str, Any]  # request id -> xgrammar.GrammarMatcher
+    matchers: dict[str, TokenMatcher]  # request id -> xgrammar.GrammarMatcher
     masked_first: list[str]
     batch_matcher: Any
     vocab_size: int
@@ -158,12 +159,22 @@ class GrammarBatch:
         self.batch_matcher.batch_fill_next_token_bitmask([self.matchers[r] for r in request_ids], mask)
         return mask
 
+    @property
+    def request_ids(self) -> Collection[str]:
+        return self.matchers.keys()
+
     def allows(self, request_id: str, token_id: int) -> bool:
         matcher = self.matchers[request_id]
         if not matcher.accept_token(token_id):
             return False
         matcher.rollback(1)  # only a test: the engine accepts the token after the step
         return True
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        return self.matchers[request_id].accept_token(token_id)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        self.matchers[request_id].rollback(num_tokens)
 
     def for_ranks_elsewhere(self) -> GrammarMasks:
         """The same constraints for ranks in other processes, which cannot reach the matchers: every row masked

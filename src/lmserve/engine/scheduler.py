@@ -29,8 +29,8 @@ from lmserve.engine.kv_cache import KVCacheManager
 from lmserve.engine.kv_transfer import KVConnectorScheduler, scheduler_connector
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.engine.request import Request, RequestStatus
-from lmserve.engine.speculation import Speculator
 from lmserve.kv_groups import KVCacheGroups, kv_capacity_tokens
+from lmserve.spec_decode.speculator import Speculator
 from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 

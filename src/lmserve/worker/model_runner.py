@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -18,13 +17,13 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.heap import release_freed_heap, reuse_large_blocks
 from lmserve.models import ModelSource, load_model_config, resolve_model
 from lmserve.outputs import Logprobs
+from lmserve.spec_decode.draft_model import DraftModelProposer, draft_configs
 from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from lmserve.worker.attention import (
     AttentionMetadata,
     ScheduledChunk,
     build_metadata,
 )
-from lmserve.worker.draft_model import DraftModel, draft_configs
 from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_activations, check_quantization
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.kquant_formats import kernel_formats
@@ -43,8 +42,9 @@ from lmserve.worker.quantization import (
     use_block_activations,
     use_prompt_copies,
 )
-from lmserve.worker.sampler import Sampler, token_logprobs
-from lmserve.worker.sampling_metadata import SamplingMetadata, draft_rows, reads_output_token_ids
+from lmserve.worker.rejection_sampler import RejectionSampler, verify
+from lmserve.worker.sampler import Sampler, argmax_rows, token_logprobs
+from lmserve.worker.sampling_metadata import draft_rows
 from lmserve.worker.stored_formats import (
     STORED_BLOCK_TYPES,
     float_fallbacks,
@@ -128,17 +128,21 @@ class ModelRunner:
         self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
         logger.info("decoder layers: %s", self.layer_program)
         self.kv_connector = self._kv_connector(cache_config, source, model_config)
-        self.sampler = Sampler()
         # Each request's token from the last step that sampled it, for a step planned before that token was known
         # (async scheduling: ScheduledRequest.uses_previous_token). Ints: the step already waits for its tokens
         # (ModelRunnerOutput carries them), so filling them in costs no extra device sync on CUDA.
         self.last_sampled: dict[str, int] = {}
+        self.rejection_sampler = RejectionSampler(Sampler(), self.device, self.last_sampled)
         spec = scheduler_config.speculative_config
-        self.drafter = None
+        self.drafter: DraftModelProposer | None = None
         if spec is not None and spec.model is not None:
             draft_model, draft_cache = draft_configs(spec.model, model_config, cache_config, self.num_blocks)
             draft_runner = ModelRunner(draft_model, draft_cache, placement, self.parallel)
-            self.drafter = DraftModel(spec.model, draft_runner, placement, self)
+            if self.device.type == "cpu" and (self.numpy_matmuls or draft_runner.numpy_matmuls):
+                # One process, one CPU placement: with NumPy's BLAS doing either model's matmuls, torch keeps one
+                # thread (its OpenMP workers spinning against BLAS's made every step 3x slower).
+                apply_placement(placement or PlacementConfig(), blas_does_matmuls=True)
+            self.drafter = DraftModelProposer(spec.model, draft_runner, self)
         if self.device.type == "cpu":
             reuse_large_blocks()  # steps' activations from reused heap memory, not fresh pages
 
@@ -304,6 +308,37 @@ class ModelRunner:
         with prompt_rows(batch.prompt_rows):
             return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
+    @torch.inference_mode()
+    def compute_kv(self, batch: BatchInputs) -> None:
+        """This model's K/V for every position of a batch (a draft model's, for the batch its target ran)."""
+        self._hidden_states(batch)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> list[int]:
+        """One generated position a row (token_ids[i] at positions[i], its K/V into block_tables[i]'s blocks): the
+        argmax of each row's next-token logits (a draft model's guesses)."""
+        dev = self.device
+        chunks = [ScheduledChunk(p, 1, blocks) for p, blocks in zip(positions, block_tables, strict=True)]
+        attn = build_metadata(chunks, self.block_size, self.attention_backend, dev, self.dtype)
+        input_ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+        with prompt_rows(PromptRows.from_mask(np.zeros(len(token_ids), dtype=bool))):  # generated rows
+            hidden = self.model(input_ids, torch.as_tensor(positions, device=dev), self.kv_caches, attn)
+        return argmax_rows(self.model.compute_logits(hidden)).tolist()
+
+    def _with_draft_tokens(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step's requests with the draft model's guesses in the positions the scheduler reserved for them
+        (placeholders): copies, which the batch is built from; the scheduler's plan stays as it planned it."""
+        if self.drafter is None:
+            return scheduled
+        reserved = [s for s in scheduled if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID]
+        if not reserved:
+            return scheduled
+        proposals = self.drafter.propose(reserved, [len(s.draft_token_ids) for s in reserved])
+        guesses = {s.request_id: drafts for s, drafts in zip(reserved, proposals, strict=True)}
+        return [s if s.request_id not in guesses else dataclasses.replace(
+                    s, token_ids=[s.token_ids[0], *guesses[s.request_id]], draft_token_ids=guesses[s.request_id])
+                for s in scheduled]
+
     def _score_prompts(self, hidden: torch.Tensor, batch: BatchInputs) -> dict[str, list[Logprobs]]:
         """Each scored prompt token's logprob in the raw model distribution (as vLLM), a slice of rows at a time so
         a long chunk never holds more than PROMPT_LOGPROB_ROWS_PER_SLICE vocabulary-wide rows."""
@@ -374,15 +409,12 @@ class ModelRunner:
             self.last_sampled.pop(request_id, None)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={}) if self.layout.is_driver else None
-        if self.drafter is not None:
-            self.drafter.fill([s for s in scheduler_output.scheduled
-                               if s.draft_token_ids and s.draft_token_ids[0] == PLACEHOLDER_TOKEN_ID])
-        batch = self.prepare_inputs(scheduler_output.scheduled)
+        batch = self.prepare_inputs(self._with_draft_tokens(scheduler_output.scheduled))
         hidden = self._stage_forward(batch)
         if scheduler_output.kv_saves and self.kv_connector is not None:
             self.kv_connector.save(scheduler_output.kv_saves)  # a producer's blocks, now that the step wrote them
         if self.drafter is not None:
-            self.drafter.mirror(batch.input_ids, batch.positions, batch.attn, batch.prompt_rows)
+            self.drafter.mirror(batch)
         if hidden is None:
             return None
         # Every tensor rank of the last stage computes logits (their all-gather needs each); the driver samples.
@@ -393,137 +425,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if not self.layout.is_driver:
             return None
-        token_ids, logprobs = self._sample(logits, batch.sampling, scheduler_output.grammar)
+        token_ids, logprobs = self.rejection_sampler.sample(logits, batch.sampling, scheduler_output.grammar)
         output = ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
-        row = 0
-        while row < len(batch.sampling):
-            r = batch.sampling[row]
-            rid, drafts = r.request_id, r.draft_token_ids
-            if drafts:
-                # The drafts up to the first that this row's own sample differs from, then that sample (or the
-                # sample after the last draft): rejection sampling for a draft that is one fixed guess.
-                kept = 0
-                while kept < len(drafts) and token_ids[row + kept] == drafts[kept]:
-                    kept += 1
-                output.accepted_draft_token_ids[rid] = drafts[:kept]
-                if logprobs[row] is not None:
-                    output.accepted_draft_logprobs[rid] = logprobs[row : row + kept]
-                row += kept
-            output.sampled_token_ids[rid] = token_ids[row]
-            if logprobs[row] is not None:
-                output.logprobs[rid] = logprobs[row]
-            row += 1 + (len(drafts) - kept if drafts else 0)
+        verify(batch.sampling, token_ids, logprobs, output)
         self.last_sampled.update(output.sampled_token_ids)
         return output
-
-    @staticmethod
-    def _row_offsets(rows: list[ScheduledRequest]) -> list[int]:
-        """Each sampling row's place among its request's rows (0 for a request without drafts; a drafted request's
-        rows follow each other)."""
-        offsets: list[int] = []
-        for i, r in enumerate(rows):
-            offsets.append(offsets[-1] + 1 if i and rows[i - 1].request_id == r.request_id else 0)
-        return offsets
-
-    def _metadata(self, rows: list[ScheduledRequest], vocab_size: int, offsets: list[int] | None = None,
-                  attempt: int = 0) -> SamplingMetadata:
-        """`offsets`: each row's place among its request's rows (_row_offsets of the step's rows); `attempt`: 1 for
-        a row drawn again under its grammar's mask."""
-        offsets = self._row_offsets(rows) if offsets is None else offsets
-        return SamplingMetadata.build(
-            params=[r.sampling_params for r in rows],
-            prompt_token_ids=[r.prompt_token_ids for r in rows],
-            output_token_ids=[self._output_token_ids(r) for r in rows],
-            generators=[self._generator(r, offset, attempt) for r, offset in zip(rows, offsets, strict=True)],
-            eos_token_ids=[r.eos_token_ids for r in rows],
-            vocab_size=vocab_size,
-            device=self.device,
-        )
-
-    def _sample(
-        self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: Any
-    ) -> tuple[list[int], list[Logprobs | None]]:
-        """One token per row. Constrained rows (engine.grammar.GrammarBatch) draw without their mask first and again
-        with it only when the grammar refuses the token, which gives the masked distribution exactly for the rows
-        the grammar lets do so; the others are masked before the first draw."""
-        offsets = self._row_offsets(rows)
-        metadata = self._metadata(rows, logits.shape[-1], offsets)
-        row_of = {r.request_id: i for i, r in enumerate(rows)}
-        # Constrained requests with drafts: their first row, handled row by row below.
-        drafted = {} if grammar is None else {
-            r.request_id: i for i, r in enumerate(rows)
-            if r.draft_token_ids and r.request_id in grammar.matchers and row_of[r.request_id] != i
-            and (i == 0 or rows[i - 1].request_id != r.request_id)
-        }
-        if grammar is not None and grammar.masked_first:
-            masked = [rid for rid in grammar.masked_first if rid not in drafted]
-            self._mask(metadata, grammar, [row_of[rid] for rid in masked], masked, len(rows))
-        sampled = self.sampler(logits, metadata)
-        token_ids, logprobs = sampled.token_ids.tolist(), list(sampled.logprobs)
-        if grammar is None:
-            return token_ids, logprobs
-        for rid, first_row in drafted.items():
-            self._sample_drafted_under_grammar(logits, rows, grammar, rid, first_row, token_ids, logprobs)
-        first = set(grammar.masked_first)
-        refused = [rid for rid in grammar.matchers
-                   if rid not in first and rid not in drafted and not grammar.allows(rid, token_ids[row_of[rid]])]
-        if refused:
-            redo = [row_of[rid] for rid in refused]
-            metadata = self._metadata([rows[i] for i in redo], logits.shape[-1], [offsets[i] for i in redo], 1)
-            self._mask(metadata, grammar, list(range(len(redo))), refused, len(redo))
-            again = self.sampler(logits[redo], metadata)
-            for k, (i, token) in enumerate(zip(redo, again.token_ids.tolist(), strict=True)):
-                token_ids[i], logprobs[i] = token, again.logprobs[k]
-        return token_ids, logprobs
-
-    def _sample_drafted_under_grammar(self, logits: torch.Tensor, rows: list[ScheduledRequest], grammar: Any,
-                                      rid: str, first_row: int, token_ids: list[int], logprobs: list) -> None:
-        """A constrained request's drafted rows, in order: row i's token must be one the grammar allows after the
-        drafts before it (the matcher advanced by them, then rolled back), drawn again under the mask where the
-        unmasked draw broke it; rows after the first that differs from its draft are not kept anyway."""
-        drafts = rows[first_row].draft_token_ids
-        matcher = grammar.matchers[rid]
-        advanced = 0
-        for i in range(len(drafts) + 1):
-            row = first_row + i
-            if not grammar.allows(rid, token_ids[row]):
-                metadata = self._metadata([rows[row]], logits.shape[-1], [i], 1)
-                self._mask(metadata, grammar, [0], [rid], 1)
-                again = self.sampler(logits[[row]], metadata)
-                token_ids[row], logprobs[row] = again.token_ids.tolist()[0], again.logprobs[0]
-            if i == len(drafts) or token_ids[row] != drafts[i] or not matcher.accept_token(drafts[i]):
-                break
-            advanced += 1
-        if advanced:
-            matcher.rollback(advanced)
-
-    @staticmethod
-    def _mask(metadata: SamplingMetadata, grammar: Any, rows: list[int], request_ids: list[str], num_rows: int) -> None:
-        mask = grammar.fill(request_ids)
-        full = torch.full((num_rows, mask.shape[1]), -1, dtype=mask.dtype)
-        full[rows] = mask
-        metadata.grammar_bitmask, metadata.grammar_rows = full, rows
-
-    def _output_token_ids(self, r: ScheduledRequest) -> list[int]:
-        """The output tokens before the one the row samples. A row planned before its previous token was known
-        shares the request's list with the engine thread, which may be appending that token right now: when the
-        sampler reads the list, such a row gets the part known when it was planned plus this runner's own token."""
-        if not r.uses_previous_token or not reads_output_token_ids(r.sampling_params):
-            return r.output_token_ids
-        known = r.start_position - len(r.prompt_token_ids)
-        return [*r.output_token_ids[:known], self.last_sampled[r.request_id]]
-
-    def _generator(self, r: ScheduledRequest, offset: int = 0, attempt: int = 0) -> torch.Generator | None:
-        """A seeded row's generator, seeded from (seed, the index of the token the row samples, attempt): a token's
-        draw depends on where it is in the sequence, never on how many draws came before it. One generator a
-        request consumed one number a row, so the drafts a step verified (which depend on the step's budget and free
-        blocks, so on the batch), rejected ones included, moved every later draw; now a seeded request gives the
-        same tokens alone or beside a prefill, with any number of drafts, and after a preemption."""
-        seed = r.sampling_params.seed
-        if seed is None or r.sampling_params.greedy:
-            return None
-        token_index = r.start_position + r.num_tokens - len(r.draft_token_ids) + offset
-        derived = hashlib.blake2b(f"{seed}:{token_index}:{attempt}".encode(), digest_size=8).digest()
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(int.from_bytes(derived, "little") & (2**63 - 1))
-        return gen

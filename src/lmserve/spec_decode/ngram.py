@@ -8,15 +8,19 @@ gives.
 Each request's tokens are mirrored in a growing NumPy array (appended as tokens arrive, never rebuilt), and a lookup
 compares the last token with the whole array once, then extends the matches backwards: O(length) in C per step, not
 O(length x n) in Python.
+
+The engine's proposer (spec_decode/proposer.py's Proposer over the engine's requests): the scheduler asks it for
+one request's drafts at a time, as its step budget allows (speculator.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from lmserve.engine.request import Request
+from lmserve.spec_decode.proposer import TokenHistory
 from lmserve.speculative_config import SpeculativeConfig
 
 
@@ -33,7 +37,10 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self._tokens: dict[str, _Tokens] = {}
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, requests: Sequence[TokenHistory], max_drafts: Sequence[int]) -> list[list[int]]:
+        return [self._lookup(request, k) for request, k in zip(requests, max_drafts, strict=True)]
+
+    def _lookup(self, request: TokenHistory, max_tokens: int) -> list[int]:
         """Up to min(max_tokens, num_speculative_tokens) drafts to follow the request's tokens: those after the
         latest earlier occurrence of its longest suffix of prompt_lookup_min..max tokens that occurred before (where
         they run out at the sequence's end, the repetition they are part of is continued)."""
@@ -73,7 +80,7 @@ class NgramProposer:
     def drop(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
 
-    def _sync(self, request: Request) -> np.ndarray:
+    def _sync(self, request: TokenHistory) -> np.ndarray:
         """The request's tokens as an array, appending what arrived since the last call."""
         held = self._tokens.get(request.request_id)
         total = request.num_tokens

@@ -13,9 +13,9 @@ verified row is a row of compute). When the rate falls below PAUSE_BELOW the req
 its own tokens that doubles on each pause in a row (4, 8, ... 64), then tries again with one draft; one step after a
 pause that keeps fewer than a quarter of its drafts pauses it again, and a step that keeps half of them or more
 resets the pause to 4. Penalties and min_tokens see each
-row's drafts before it as output (worker's ModelRunner._draft_rows). A constrained request's grammar vets its lookup
-drafts here (they are cut at the first token it refuses, and the matcher rolled back), and the runner samples each
-drafted row under the grammar advanced by the drafts before it (ModelRunner._sample_drafted_under_grammar); that
+row's drafts before it as output (worker/sampling_metadata.py's draft_rows). A constrained request's grammar vets its
+lookup drafts here (they are cut at the first token it refuses, and the matcher rolled back), and the runner samples
+each drafted row under the grammar advanced by the drafts before it (worker/rejection_sampler.py); that
 needs the matchers in the runner's process and a draw the mask can follow (greedy or plain temperature), so other
 constrained requests, and requests planned ahead by async scheduling (their newest token is not known yet), decode
 without drafts.
@@ -25,15 +25,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from lmserve.engine.ngram_proposer import NgramProposer
-from lmserve.engine.request import Request
+from lmserve.sampling_params import SamplingParams
+from lmserve.spec_decode.ngram import NgramProposer
+from lmserve.spec_decode.proposer import Proposer, ReservedPositions, TokenHistory
 from lmserve.speculative_config import SpeculativeConfig
-from lmserve.step import PLACEHOLDER_TOKEN_ID
+from lmserve.structured_output import TokenMatcher
 
 PAUSE_BELOW = 0.25
 FIRST_PAUSE = 4
 LONGEST_PAUSE = 64
+
+
+class DraftingGrammar(Protocol):
+    """What drafting reads of a constrained request's grammar (engine.grammar.GrammarState)."""
+
+    matcher: TokenMatcher | None  # None until the grammar compiled
+    waiting_for: int | None  # the token the grammar starts after, until the request samples it
+
+
+class DraftingRequest(TokenHistory, Protocol):
+    """What the speculator reads of a request (engine.request.Request)."""
+
+    sampling_params: SamplingParams
+    grammar: DraftingGrammar | None
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass
@@ -60,12 +79,14 @@ class Speculator:
         """`draft_constrained`: the runner can sample drafted rows under a grammar (its ranks share this process)."""
         self.config = config
         self.draft_constrained = draft_constrained
-        self.proposer = NgramProposer(config)
+        # Prompt lookup proposes here; a draft model proposes in the worker, into the positions reserved here.
+        self.proposer: Proposer[DraftingRequest] = (
+            ReservedPositions(config) if config.model is not None else NgramProposer(config))
         self.pause_below = PAUSE_BELOW  # one attribute, so that benchmarks/speculative_counts.py can try others
         self.gates: dict[str, DraftGate] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def drafts(self, request: Request, room: int) -> list[int]:
+    def drafts(self, request: DraftingRequest, room: int) -> list[int]:
         """Drafts for a decoding request, at most `room` (what the step's budget, max_tokens and max_model_len
         leave beyond its one plain position)."""
         if room <= 0 or (request.grammar is not None and not self._grammar_drafts(request)):
@@ -75,21 +96,21 @@ class Speculator:
             if request.num_output_tokens < gate.paused_until:
                 return []
             room = min(room, max(1, math.ceil(self.config.num_speculative_tokens * gate.acceptance)))
-        if self.config.model is not None:  # the draft model fills these positions in, in the worker
-            return [PLACEHOLDER_TOKEN_ID] * min(room, self.config.num_speculative_tokens)
-        drafts = self.proposer.propose(request, room)
-        if drafts and request.grammar is not None:
+        [drafts] = self.proposer.propose([request], [room])
+        if drafts and request.grammar is not None and self.config.model is None:  # a draft model's come later
+            assert request.grammar.matcher is not None  # _grammar_drafts
             drafts = vetted(request.grammar.matcher, drafts)
         return drafts
 
-    def _grammar_drafts(self, request: Request) -> bool:
+    def _grammar_drafts(self, request: DraftingRequest) -> bool:
         state = request.grammar
+        assert state is not None
         params = request.sampling_params
         plain_draw = params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0)
         return (self.draft_constrained and plain_draw and state.matcher is not None and state.waiting_for is None
                 and not state.matcher.is_terminated())
 
-    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request: DraftingRequest, num_drafts: int, num_accepted: int) -> None:
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
@@ -111,7 +132,7 @@ class Speculator:
         self.gates.pop(request_id, None)
 
 
-def vetted(matcher, drafts: list[int]) -> list[int]:
+def vetted(matcher: TokenMatcher, drafts: list[int]) -> list[int]:
     """The drafts up to the first one the grammar refuses after those before it; the matcher is left as it was."""
     kept = 0
     for token in drafts:
