@@ -37,6 +37,16 @@ class Instance:
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completions)
         self.app.get("/health")(lambda: {"ok": True})
+        self.paths: list[str] = []
+        for path in ("/v1/messages", "/infill", "/v1/messages/count_tokens"):
+            self.app.post(path)(self.echo)
+
+    async def echo(self, request: Request) -> Any:
+        """The coding tools' endpoints: the path, the body and the key as they arrived."""
+        self.paths.append(request.url.path)
+        self.requests.append(await request.json())
+        self.authorizations.append(request.headers.get("x-api-key") or request.headers.get("authorization"))
+        return JSONResponse({"instance": self.name, "path": request.url.path})
 
     async def completions(self, request: Request) -> Any:
         payload = await request.json()
@@ -99,6 +109,12 @@ def test_the_prefill_instance_gets_one_token_and_the_decode_instance_the_request
     responses = {"model": "m", "input": "p", "max_output_tokens": 50, "stream": True}
     assert prefill_request(responses, "/v1/responses") == {"model": "m", "input": "p", "max_output_tokens": 1,
                                                             "stream": False}  # no n: the Responses API has none
+    messages = {"model": "claude-x", "messages": [], "max_tokens": 50, "stream": True, "system": "s"}
+    assert prefill_request(messages, "/v1/messages") == {"model": "claude-x", "messages": [], "max_tokens": 1,
+                                                          "stream": False, "system": "s"}  # no n in Anthropic's API
+    infill = {"input_prefix": "a", "input_suffix": "b", "n_predict": 64, "stream": True}
+    assert prefill_request(infill, "/infill") == {"input_prefix": "a", "input_suffix": "b", "max_tokens": 1,
+                                                  "stream": False}
     chat = {"model": "m", "messages": [], "max_completion_tokens": 50, "max_tokens": 50}
     assert prefill_request(chat) == {"model": "m", "messages": [], "max_completion_tokens": 1, "stream": False,
                                      "n": 1}
@@ -254,3 +270,25 @@ def test_streams_holding_every_decode_connection_starve_neither_prefill_nor_heal
         assert "every connection of this router to its decode instances is busy" in busy.json()["error"]["message"]
         assert [r["prompt"] for r in prefill.requests] == [SLOW, "another"]  # the prefill pool was free
         assert [r["prompt"] for r in decode.requests] == [SLOW]
+
+
+def test_the_coding_tools_endpoints_are_prefilled_and_decoded_as_the_others(one_of_each) -> None:
+    """/v1/messages and /infill go to a prefill instance for one token and then to a decode instance; counting tokens
+    goes to a decode instance alone; Anthropic's x-api-key opens the router as a bearer token does."""
+    prefill, decode, p0, d0 = one_of_each
+    app = build_router_app([p0], [d0], max_body_bytes=1 << 20, api_key="router-key", instance_api_key="inner-key")
+    with ServerThread(app) as router:
+        message = {"model": "claude-x", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+        refused = httpx.post(f"{router.url}/v1/messages", json=message, headers={"x-api-key": "wrong"}, timeout=10)
+        assert refused.status_code == 401 and prefill.requests == decode.requests == []
+        for path, body in (("/v1/messages", message), ("/infill", {"input_prefix": "def f(", "n_predict": 9})):
+            answer = httpx.post(f"{router.url}{path}", json=body, headers={"x-api-key": "router-key"}, timeout=10)
+            assert answer.status_code == 200 and answer.json() == {"instance": "d0", "path": path}
+        counted = httpx.post(f"{router.url}/v1/messages/count_tokens", json={"model": "m", "messages": []},
+                             headers={"authorization": "Bearer router-key"}, timeout=10)
+        assert counted.json() == {"instance": "d0", "path": "/v1/messages/count_tokens"}
+    assert prefill.paths == ["/v1/messages", "/infill"]
+    assert decode.paths == ["/v1/messages", "/infill", "/v1/messages/count_tokens"]
+    assert [r.get("max_tokens") for r in prefill.requests] == [1, 1]
+    assert decode.requests[0] == message and decode.requests[1]["n_predict"] == 9
+    assert set(prefill.authorizations + decode.authorizations) == {"Bearer inner-key"}

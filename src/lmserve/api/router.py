@@ -38,7 +38,8 @@ from lmserve.api.errors import error_response
 from lmserve.api.sse import ClosingEventStream, until_disconnect
 from lmserve.frontend.errors import ClientDisconnected
 
-FORWARDED_HEADERS = ("authorization",)
+# A client's key reaches the instances as it came (Anthropic's clients send x-api-key), with Anthropic's version.
+FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version")
 CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it
 API_KEY_ENV = "LMSERVE_API_KEY"  # the router's own key, where it is not given as --api-key (`ps` shows argv)
 INSTANCE_API_KEY_ENV = "LMSERVE_INSTANCE_API_KEY"
@@ -83,6 +84,13 @@ def prefill_request(payload: dict, path: str = "/v1/completions") -> dict:
     prefill["stream"] = False
     if path == "/v1/responses":  # no n; its length field is max_output_tokens
         prefill["max_output_tokens"] = 1
+        return prefill
+    if path == "/v1/messages":  # Anthropic's: no n, max_tokens required
+        prefill["max_tokens"] = 1
+        return prefill
+    if path == "/infill":  # llama.cpp's: no n; n_predict, or the OpenAI name it also reads
+        prefill.pop("n_predict", None)
+        prefill["max_tokens"] = 1
         return prefill
     prefill["n"] = 1
     if "max_completion_tokens" in prefill:
@@ -153,9 +161,11 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
     app.state.clients = clients
 
     def unauthorized(request: Request) -> Response | None:
-        if api_key is None or bearer_matches(request, api_key):
+        if api_key is None or bearer_matches(request, api_key) or hmac.compare_digest(
+                request.headers.get("x-api-key", "").encode(), api_key.encode()):
             return None
-        return error_response(401, "a valid API key is required: send 'Authorization: Bearer KEY'")
+        return error_response(401, "a valid API key is required: send 'Authorization: Bearer KEY' (or 'x-api-key: "
+                                   "KEY')")
 
     def instance_headers(request: Request) -> dict[str, str]:
         if instance_api_key is not None:
@@ -217,7 +227,10 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
 
         return ClosingEventStream(relay(), close)  # a client gone before the first chunk included
 
-    async def answer(path: str, payload: dict, headers: dict[str, str]) -> Response:
+    async def answer(path: str, payload: dict, headers: dict[str, str], through_prefill: bool = True) -> Response:
+        if not through_prefill:
+            counted = await post(decode, path, payload, headers)
+            return Response(counted.content, counted.status_code, media_type="application/json")
         prefilled = await post(prefill, path, prefill_request(payload, path), headers)
         if prefilled.status_code != 200:
             return Response(prefilled.content, prefilled.status_code, media_type="application/json")
@@ -226,7 +239,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
         decoded = await post(decode, path, payload, headers)
         return Response(decoded.content, decoded.status_code, media_type="application/json")
 
-    async def forward(request: Request, path: str) -> Response:
+    async def forward(request: Request, path: str, through_prefill: bool = True) -> Response:
         if (refused := unauthorized(request)) is not None:
             return refused
         try:
@@ -239,7 +252,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
             return error_response(400, "the request body must be a JSON object")
         headers = instance_headers(request)
         try:
-            return await until_disconnect(answer(path, payload, headers), request)
+            return await until_disconnect(answer(path, payload, headers, through_prefill), request)
         except InstanceFailed as exc:
             return error_response(502, str(exc))
         except PoolExhausted as exc:
@@ -258,6 +271,20 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await forward(request, "/v1/responses")
+
+    # The coding tools' surfaces (docs/coding-clients.md): Anthropic's Messages API and llama.cpp's /infill, prefilled
+    # and decoded as the others; counting a prompt's tokens needs no KV, so one decode instance answers it.
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await forward(request, "/v1/messages")
+
+    @app.post("/infill")
+    async def infill(request: Request) -> Response:
+        return await forward(request, "/infill")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await forward(request, "/v1/messages/count_tokens", through_prefill=False)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
