@@ -104,21 +104,24 @@ class FimTokens:
     file_sep: int | None = None  # <|file_sep|>: each file's header (its name)
     pad: int | None = None
     end: int | None = None  # CodeLlama's ▁<EOT>
+    # Codestral's [SUFFIX] suffix [PREFIX] prefix (mistral-common's encode_fim): the suffix first, no middle token.
+    suffix_first: bool = False
 
     @property
     def stop_ids(self) -> list[int]:
         return [token for token in (self.end, self.pad, self.repo, self.file_sep) if token is not None]
 
 
+CODESTRAL_PREFIX = "[PREFIX]"
 # The GGUF keys llama.cpp writes and reads (llama-arch.cpp), by FimTokens field.
 _GGUF_FIM_KEYS = {"prefix": "fim_pre", "suffix": "fim_suf", "middle": "fim_mid", "pad": "fim_pad",
                   "repo": "fim_rep", "file_sep": "fim_sep"}
 # The token texts of the conventions llama.cpp recognises when a file's metadata names none (llama-vocab.cpp), in its
-# order: Qwen2.5-Coder, StarCoder/StarCoder2/Granite, CodeLlama, DeepSeek-Coder.
+# order: Qwen2.5-Coder, StarCoder/StarCoder2/Granite, CodeLlama, DeepSeek-Coder; then Codestral's control tokens.
 _FIM_TEXTS: dict[str, tuple[str, ...]] = {
-    "prefix": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "▁<PRE>", "<｜fim▁begin｜>", "<PRE>"),
-    "suffix": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "▁<SUF>", "<｜fim▁hole｜>", "<SUF>"),
-    "middle": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "▁<MID>", "<｜fim▁end｜>", "<MID>"),
+    "prefix": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "▁<PRE>", "<｜fim▁begin｜>", "<PRE>", "[PREFIX]"),
+    "suffix": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "▁<SUF>", "<｜fim▁hole｜>", "<SUF>", "[SUFFIX]"),
+    "middle": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "▁<MID>", "<｜fim▁end｜>", "<MID>", "[MIDDLE]"),
     "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
     "repo": ("<|repo_name|>", "<repo-name>", "<reponame>"),
     "file_sep": ("<|file_sep|>", "<file_sep>", "<filename>"),
@@ -138,7 +141,8 @@ def fim_tokens(metadata: dict[str, Any], token_to_id: Any) -> FimTokens | None:
             found[name] = next((token for text in texts if (token := token_to_id(text)) is not None), None)
     if found["prefix"] is None or found["suffix"] is None or found["middle"] is None:
         return None
-    return FimTokens(**found)  # type: ignore[arg-type]
+    suffix_first = found["prefix"] == token_to_id(CODESTRAL_PREFIX)
+    return FimTokens(**found, suffix_first=suffix_first)  # type: ignore[arg-type]
 
 
 def model_fim_tokens(source: ModelSource, tokenizer: transformers.PreTrainedTokenizerBase) -> FimTokens | None:

@@ -32,6 +32,7 @@ def vocabulary(*texts: str) -> dict[str, int]:
      FimTokens(1000, 1002, 1001, file_sep=1004, pad=1003)),
     (["▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"], FimTokens(1000, 1001, 1002, end=1003)),
     (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], FimTokens(1000, 1001, 1002)),
+    (["[PREFIX]", "[MIDDLE]", "[SUFFIX]"], FimTokens(1000, 1002, 1001, suffix_first=True)),  # Codestral
     (["<|im_start|>", "<|fim_prefix|>", "<|fim_suffix|>"], None),  # no middle: no FIM
 ])
 def test_fim_tokens_are_found_by_the_vocabularys_convention(texts: list[str], expected: FimTokens | None) -> None:
@@ -58,6 +59,9 @@ def test_the_prompt_is_laid_out_as_llama_cpps_infill() -> None:
     plain = FimTokens(-1, -2, -3)  # no separators: llama.cpp's snippet line between extra files; a BOS leads
     assert fim_prompt(plain, chars, [99], "p", "s", extra=[("a.py", "A")]) == [
         *chars(SNIPPET_SEPARATOR + "A"), 99, -1, *chars("p"), -2, *chars("s"), -3]
+    codestral = FimTokens(-1, -2, -3, suffix_first=True)  # mistral-common's encode_fim: the suffix first, no middle
+    assert fim_prompt(codestral, chars, [99], "def f(", "):\n", prompt="x") == [
+        99, -2, *chars("):\n"), -1, *chars("def f(x")]
 
 
 def test_what_does_not_fit_is_cut_extra_files_first_then_prefix_and_suffix_3_to_1() -> None:

@@ -7,6 +7,9 @@ DeepSeek-Coder tokens: lmserve.model_tokenizer.fim_tokens):
     [<repo>myproject\\n] [<file_sep>NAME\\nTEXT ...for each input_extra file] [<file_sep>filename\\n]
     [BOS] <PRE> input_prefix prompt <SUF> input_suffix <MID>
 
+(Codestral's, whose tokens are [PREFIX] [SUFFIX] [MIDDLE], as mistral-common's encode_fim: [BOS] [SUFFIX] input_suffix
+[PREFIX] input_prefix prompt.)
+
 The repository and file headers appear only when the vocabulary has those tokens; without a file separator, each
 extra file is preceded by llama.cpp's "\\n\\n--- snippet ---\\n\\n". The generated middle ends at EOS or at the model's
 FIM end, pad, repository or file-separator token. What does not fit the context is cut as llama.cpp cuts it: the
@@ -68,6 +71,8 @@ def fim_prompt(
             suffix_tokens = suffix_tokens[:suffix_take]
         extra_take = max(0, room - fixed - len(prefix_tokens) - len(suffix_tokens))
         extra_tokens = extra_tokens[len(extra_tokens) - min(extra_take, len(extra_tokens)):]
+    if fim.suffix_first:  # Codestral: the middle follows the prefix, with no token of its own
+        return [*extra_tokens, *bos, fim.suffix, *suffix_tokens, fim.prefix, *prefix_tokens, *prompt_tokens]
     return [*extra_tokens, *bos, fim.prefix, *prefix_tokens, *prompt_tokens, fim.suffix, *suffix_tokens, fim.middle]
 
 
