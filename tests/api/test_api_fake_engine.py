@@ -63,7 +63,7 @@ class FakeEngine:
             self.words.append(word)
         return self.vocab[word]
 
-    def tokenize(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool | None = None, split_special_tokens: bool = False) -> list[int]:
         if add_special_tokens is not None:  # the EngineClient's tokenize
             return self.prompt_token_ids(text, add_special_tokens)
         return [self._id(w) for w in text.split()]

@@ -64,6 +64,13 @@ def test_the_prompt_is_laid_out_as_llama_cpps_infill() -> None:
         99, -2, *chars("):\n"), -1, *chars("def f(x")]
 
 
+def test_the_prompt_at_the_cursor_has_its_own_tokenizer() -> None:
+    """llama.cpp parses special tokens' text in /infill's `prompt`, not in the code: two tokenizers."""
+    qwen = FimTokens(-1, -2, -3)
+    ids = fim_prompt(qwen, chars, [], "a", "b", prompt="c", tokenize_prompt=lambda text: [7] * len(text))
+    assert ids == [-1, *chars("a"), 7, -2, *chars("b"), -3]
+
+
 def test_what_does_not_fit_is_cut_extra_files_first_then_prefix_and_suffix_3_to_1() -> None:
     plain = FimTokens(-1, -2, -3)
     kept = fim_prompt(plain, chars, [], "p" * 100, "s" * 100, extra=[("f", "E" * 50)], room=43)
@@ -126,6 +133,31 @@ def test_suffix_and_infill_give_the_same_tokens_whole_and_streamed(fim_server: S
         events = [httpx.Response(200, content=line[6:]).json() for line in r.iter_lines() if line.startswith("data: ")]
     assert "".join(e["content"] for e in events) == infill["content"]
     assert [e["stop"] for e in events][-1] is True and not any(e["stop"] for e in events[:-1])
+
+
+def test_code_that_spells_a_special_token_stays_text(fim_server: Server, fim_model_dir: Path) -> None:
+    """As llama.cpp's /infill tokenizes the code (parse_special=false): `'<|file_sep|>'` in a string literal is text,
+    not the file separator; the `prompt` at the cursor is read with special tokens parsed, as llama.cpp reads it."""
+    code = "SEP = '<|file_sep|>'  # <|endoftext|>\n"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fim_model_dir)
+
+    def encode(text: str, split: bool = False) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split)
+
+    head = encode("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>")
+    tail = [*encode("<|fim_suffix|>"), *encode(SUFFIX), *encode("<|fim_middle|>")]
+    expected = [*head, *encode(code, split=True), *tail]
+    assert len(encode(code, split=True)) > len(encode(code))  # the text is not the special tokens' ids
+    completion = httpx.post(f"{fim_server.base_url}/v1/completions", timeout=60, json={
+        "prompt": code, "suffix": SUFFIX, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}).json()
+    assert completion["usage"]["prompt_tokens"] == len(expected)
+    assert [int(next(iter(e))) for e in completion["choices"][0]["prompt_logprobs"][1:]] == expected[1:]
+    as_prefix = httpx.post(f"{fim_server.base_url}/infill", timeout=60, json={
+        "input_prefix": code, "input_suffix": SUFFIX, "n_predict": 1}).json()
+    as_prompt = httpx.post(f"{fim_server.base_url}/infill", timeout=60, json={
+        "prompt": code, "input_suffix": SUFFIX, "n_predict": 1}).json()
+    assert as_prefix["tokens_evaluated"] == len(expected)
+    assert as_prompt["tokens_evaluated"] == len(head) + len(encode(code)) + len(tail)
 
 
 def test_generation_stops_at_the_file_separator(fim_server: Server, fim_model_dir: Path) -> None:

@@ -11,9 +11,11 @@ DeepSeek-Coder tokens: lmserve.model_tokenizer.fim_tokens):
 [PREFIX] input_prefix prompt.)
 
 The repository and file headers appear only when the vocabulary has those tokens; without a file separator, each
-extra file is preceded by llama.cpp's "\\n\\n--- snippet ---\\n\\n". The generated middle ends at EOS or at the model's
-FIM end, pad, repository or file-separator token. What does not fit the context is cut as llama.cpp cuts it: the
-extra files first (the oldest), then the prefix from its start and the suffix from its end, 3:1.
+extra file is preceded by llama.cpp's "\\n\\n--- snippet ---\\n\\n". The code (prefix, suffix, extra files) is
+tokenized as llama.cpp tokenizes it, a special token's text left as text (`'<|endoftext|>'` in a string literal does
+not end the text); the `prompt` with special tokens parsed, as llama.cpp does. The generated middle ends at EOS or at
+the model's FIM end, pad, repository or file-separator token. What does not fit the context is cut as llama.cpp cuts
+it: the extra files first (the oldest), then the prefix from its start and the suffix from its end, 3:1.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ def no_fim_tokens_error(param: str) -> RequestError:
 
 def fim_prompt(
     fim: FimTokens, tokenize: Tokenize, bos: list[int], prefix: str, suffix: str, prompt: str = "",
-    extra: list[tuple[str, str]] | None = None, room: int | None = None,
+    extra: list[tuple[str, str]] | None = None, room: int | None = None, tokenize_prompt: Tokenize | None = None,
 ) -> list[int]:
-    """The infill prompt's token ids; `room`: how many tokens it may take (None: no limit)."""
+    """The infill prompt's token ids; `room`: how many tokens it may take (None: no limit). `tokenize` reads the
+    code (prefix, suffix, extra files, headers), `tokenize_prompt` the prompt (default: `tokenize`): llama.cpp
+    parses special tokens' text in the prompt only, never in the code."""
     extra_tokens: list[int] = []
     if fim.repo is not None:
         extra_tokens += [fim.repo, *tokenize(REPO_HEADER)]
@@ -60,7 +64,8 @@ def fim_prompt(
         extra_tokens += tokenize(text)
     if fim.file_sep is not None:
         extra_tokens += [fim.file_sep, *tokenize(CURRENT_FILE_HEADER)]
-    prefix_tokens, suffix_tokens, prompt_tokens = tokenize(prefix), tokenize(suffix), tokenize(prompt)
+    prefix_tokens, suffix_tokens = tokenize(prefix), tokenize(suffix)
+    prompt_tokens = (tokenize_prompt or tokenize)(prompt)
     fixed = len(bos) + 3 + len(prompt_tokens)  # BOS, <PRE> <SUF> <MID>, the prompt
     if room is not None:
         core = max(0, room - fixed)

@@ -162,14 +162,17 @@ class OpenAIServing:
                     extra: list[tuple[str, str]] | None = None) -> list[int]:
         """An infill prompt (api/fim.py) in the room the context leaves max_tokens (the rest is cut)."""
 
-        def tokenize(text: str) -> list[int]:
+        def tokenize_code(text: str) -> list[int]:  # as llama.cpp: a special token's text in code stays text
+            return self.client.tokenize(text, add_special_tokens=False, split_special_tokens=True) if text else []
+
+        def tokenize_prompt(text: str) -> list[int]:  # llama.cpp parses special tokens in /infill's `prompt`
             return self.client.tokenize(text, add_special_tokens=False) if text else []
 
         try:
             with_bos, without = self.client.tokenize("\n", True), self.client.tokenize("\n", False)
             bos = with_bos[:len(with_bos) - len(without)]
             room = self.client.max_model_len - (max_tokens if max_tokens is not None else 1)
-            return fim_prompt(fim, tokenize, bos, prefix, suffix, prompt, extra, max(room, 0))
+            return fim_prompt(fim, tokenize_code, bos, prefix, suffix, prompt, extra, max(room, 0), tokenize_prompt)
         except RequestError:
             raise
         except ValueError as exc:

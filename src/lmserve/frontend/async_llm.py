@@ -188,8 +188,9 @@ class AsyncLLM:
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
-        return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens).token_ids
+    def tokenize(self, prompt: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
+        return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens,
+                                       split_special_tokens=split_special_tokens).token_ids
 
     def detokenize(self, token_ids: list[int]) -> str:
         inputs = self._inputs()

@@ -50,8 +50,9 @@ class EngineClient(Protocol):
         """The text of one token on its own (for logprobs)."""
         ...
 
-    def tokenize(self, prompt: str, add_special_tokens: bool) -> list[int]:
-        """The prompt's token ids, checked as generate would (ValueError: too long, not valid text)."""
+    def tokenize(self, prompt: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids, checked as generate would (ValueError: too long, not valid text);
+        split_special_tokens: the text of a special token is tokenized as text, not as that token."""
         ...
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -90,10 +90,12 @@ class InputProcessor:
         )
 
     def tokenize(
-        self, prompt: Prompt, add_special_tokens: bool = True, truncate_to: int | None = None
+        self, prompt: Prompt, add_special_tokens: bool = True, truncate_to: int | None = None,
+        split_special_tokens: bool = False,
     ) -> ProcessedPrompt:
         """truncate_to: SamplingParams.truncate_prompt_tokens, the last k tokens kept (-1: max_model_len); a cut
-        prompt's text is dropped, since the ids no longer spell it."""
+        prompt's text is dropped, since the ids no longer spell it. split_special_tokens: a special token's text
+        (`<|endoftext|>`) stays text, as llama.cpp tokenizes an infill prompt's code (parse_special=false)."""
         keep = self.max_model_len if truncate_to == -1 else truncate_to
         if isinstance(prompt, str):
             if not prompt:
@@ -106,7 +108,8 @@ class InputProcessor:
                     "length of the messages."
                 )
             try:
-                token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                options = {"split_special_tokens": True} if split_special_tokens else {}
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, **options)
             except UnicodeError as exc:
                 raise ValueError(f"prompt is not valid Unicode text: {exc}") from None
             if keep is not None and len(token_ids) > keep:
