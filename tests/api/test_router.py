@@ -240,7 +240,8 @@ def test_hostile_bodies_get_a_json_400_and_reach_no_instance(one_of_each, body: 
     forwarding it failed): now a 400 in OpenAI's shape, and no instance sees it."""
     prefill, decode, p0, d0 = one_of_each
     with ServerThread(build_router_app([p0], [d0], max_body_bytes=1 << 20)) as router:
-        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/infill",
+                     "/v1/messages/count_tokens"):
             answer = httpx.post(f"{router.url}{path}", content=body, timeout=10,
                                 headers={"content-type": "application/json"})
             assert answer.status_code == 400, answer.text

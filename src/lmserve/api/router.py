@@ -40,6 +40,9 @@ from lmserve.frontend.errors import ClientDisconnected
 
 # A client's key reaches the instances as it came (Anthropic's clients send x-api-key), with Anthropic's version.
 FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version")
+# Prefilled on a prefill instance, then decoded: OpenAI's three, and the coding tools' surfaces (docs/coding-clients.md):
+# Anthropic's Messages API and llama.cpp's /infill.
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/infill")
 CLIENT_CLOSED_REQUEST = 499  # nginx's: nobody reads it
 API_KEY_ENV = "LMSERVE_API_KEY"  # the router's own key, where it is not given as --api-key (`ps` shows argv)
 INSTANCE_API_KEY_ENV = "LMSERVE_INSTANCE_API_KEY"
@@ -260,31 +263,15 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], max_body_b
         except ClientDisconnected:  # the call in flight was cancelled: its instance aborts the request
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
+    def route(path: str, through_prefill: bool = True) -> None:
+        async def forward_path(request: Request) -> Response:
+            return await forward(request, path, through_prefill)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+        app.post(path)(forward_path)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await forward(request, "/v1/responses")
-
-    # The coding tools' surfaces (docs/coding-clients.md): Anthropic's Messages API and llama.cpp's /infill, prefilled
-    # and decoded as the others; counting a prompt's tokens needs no KV, so one decode instance answers it.
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await forward(request, "/v1/messages")
-
-    @app.post("/infill")
-    async def infill(request: Request) -> Response:
-        return await forward(request, "/infill")
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        return await forward(request, "/v1/messages/count_tokens", through_prefill=False)
+    for path in GENERATING_PATHS:
+        route(path)
+    route("/v1/messages/count_tokens", through_prefill=False)  # counting a prompt's tokens needs no KV
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
