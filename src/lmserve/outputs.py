@@ -23,6 +23,8 @@ class CompletionOutput:
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string, None for EOS or length
+    # SamplingParams.n_indent ended it (finish_reason "stop", stop_reason None): llama.cpp's stop_type "limit".
+    indent_stop: bool = False
 
     @property
     def finished(self) -> bool:

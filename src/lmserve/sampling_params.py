@@ -20,6 +20,8 @@ MAX_TOKEN_ID_ENTRIES = 2048  # logit_bias entries, stop_token_ids, allowed_token
 MAX_LOGIT_BIAS = 100.0
 MAX_COUNT = 2**31 - 1  # n, max_tokens, min_tokens, top_k: the front-end then bounds them by the model and server
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+# n_indent counts columns of indentation: no code is indented a thousand columns, so more is a client's mistake.
+MAX_INDENT = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -115,6 +117,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len), cut after tokenization.
     truncate_prompt_tokens: int | None = None
+    # llama.cpp's (code completion): after the first newline, the first line indented less than this many spaces and
+    # tabs ends the text, cut at its first other character; 0: off. The front-end applies it, as stop strings.
+    n_indent: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -167,6 +172,7 @@ class SamplingParams:
             check_int("prompt_logprobs", 0, MAX_LOGPROBS)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             check_int("truncate_prompt_tokens", 1, MAX_COUNT)
+        check_int("n_indent", 0, MAX_INDENT)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -37,18 +37,18 @@ def _stream(
 ) -> tuple[list[str], str | None]:
     """Feeds ids (one at a time, or in the given chunk sizes) and collects every delta."""
     deltas: list[str] = []
-    stop = None
+    stopped = False
     pos = 0
     sizes = iter(chunk_sizes or [])
-    while pos < len(ids) and stop is None:
+    while pos < len(ids) and not stopped:
         n = next(sizes, 1)
-        stop = detok.update(ids[pos : pos + n])
+        stopped = detok.update(ids[pos : pos + n])
         pos += n
-        deltas.append(detok.get_delta(finished=stop is not None))
-    if stop is None:
+        deltas.append(detok.get_delta(finished=stopped))
+    if not stopped:
         deltas.append(detok.get_delta(finished=True))
     assert detok.output_text == "".join(deltas)
-    return deltas, stop
+    return deltas, detok.stop_string
 
 
 def _make(
@@ -140,10 +140,10 @@ def test_stop_spanning_tokens(tokenizer: Any) -> None:
 def test_stop_found_mid_batch_trims_later_tokens(tokenizer: Any) -> None:
     ids = _encode(tokenizer, "one two three four five")
     detok = _make(tokenizer, stop=["three"])
-    assert detok.update(ids) == "three"
+    assert detok.update(ids) and detok.stop_string == "three"
     assert detok.get_delta(finished=True) == "one two "
     assert detok.num_output_tokens_used == 3
-    assert detok.update(_encode(tokenizer, " six")) is None  # ignored after the stop
+    assert not detok.update(_encode(tokenizer, " six"))  # ignored after the stop
     assert detok.output_text == "one two "
 
 
@@ -169,7 +169,7 @@ def test_multiple_stops_first_to_appear_wins(tokenizer: Any) -> None:
     assert (found, "".join(deltas)) == ("two", "one ")
     # Same text in one batch: still the earliest occurrence, not the first in the list.
     detok = _make(tokenizer, stop=["four", "two"])
-    assert detok.update(ids) == "two"
+    assert detok.update(ids) and detok.stop_string == "two"
     assert detok.get_delta(finished=True) == "one "
     # A shorter stop that completes first beats a longer one starting at the same place.
     deltas, found = _stream(_make(tokenizer, stop=["three f", "thr"]), ids)
@@ -189,7 +189,7 @@ def test_include_stop_str_in_output(tokenizer: Any) -> None:
 def test_stop_at_first_token(tokenizer: Any, include: bool) -> None:
     ids = _encode(tokenizer, "Hello world")
     detok = _make(tokenizer, stop=["Hello"], include=include)
-    assert detok.update(ids[:1]) == "Hello"
+    assert detok.update(ids[:1]) and detok.stop_string == "Hello"
     assert detok.get_delta(finished=True) == ("Hello" if include else "")
     assert detok.num_output_tokens_used == 1
 

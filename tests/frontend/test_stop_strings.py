@@ -58,7 +58,7 @@ def test_longest_allowed_stop_costs_linear_memory(tokenizer: Any) -> None:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20, f"{peak} bytes for one stop string of {len(stop)} characters"
-    assert detok.update(tokenizer.encode("ab" * 300, add_special_tokens=False)) is None
+    assert not detok.update(tokenizer.encode("ab" * 300, add_special_tokens=False))
     assert detok.get_delta(finished=False) == ""  # all of it may still grow into the stop
-    assert detok.update(tokenizer.encode("c", add_special_tokens=False)) is None
+    assert not detok.update(tokenizer.encode("c", add_special_tokens=False))
     assert detok.get_delta(finished=False) == "ab" * 300 + "c"

@@ -89,7 +89,7 @@ def merge_into(pending: RequestOutput, delta: RequestOutput) -> None:
         old.token_ids.extend(new.token_ids)
         if old.logprobs is not None and new.logprobs:
             old.logprobs.extend(new.logprobs)
-        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        old.finish_reason, old.stop_reason, old.indent_stop = new.finish_reason, new.stop_reason, new.indent_stop
     pending.finished = delta.finished
     pending.num_cached_tokens = delta.num_cached_tokens
     if delta.prompt_logprobs is not None:

@@ -9,7 +9,8 @@ split over tokens) correct.
 
 Stop strings: generation stops at the first stop string to *appear* in the text (the occurrence that
 ends first; among those ending at the same character, the one starting first). That is the only rule
-that does not depend on how the text happened to be split into tokens.
+that does not depend on how the text happened to be split into tokens. llama.cpp's `n_indent` (code
+completion) is checked on the same text, character by character: whichever of the two comes first ends it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import tokenizers
 
-from lmserve.frontend.stop_strings import StopStringMatcher
+from lmserve.frontend.stop_strings import IndentationLimit, StopStringMatcher
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -34,7 +35,7 @@ class IncrementalDetokenizer:
     Call ``update`` with each batch of new token ids, then ``get_delta(finished=...)`` for the text that
     may be sent now. Call ``get_delta(finished=True)`` exactly once when the request ends (stop string,
     EOS, length, abort): it flushes text held back for a partial character or a possible stop string.
-    The deltas concatenate to ``output_text``.
+    The deltas concatenate to ``output_text``. ``n_indent`` > 0: llama.cpp's indentation stop (IndentationLimit).
     """
 
     def __init__(
@@ -45,12 +46,14 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        n_indent: int = 0,
     ) -> None:
         self._decode_ids = _make_decoder(tokenizer, skip_special_tokens)
         self._stops = StopStringMatcher(stop)
         self._include_stop = include_stop_str_in_output
         # As vLLM: a stop string counts only in the text of output tokens after the first min_tokens.
         self._min_tokens = min_tokens
+        self._indentation = IndentationLimit(n_indent) if n_indent > 0 else None
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if context and self._decode_ids(context).endswith(_REPLACEMENT_CHAR):
@@ -68,6 +71,7 @@ class IncrementalDetokenizer:
         self._sent: list[str] = []  # text already returned by get_delta
         self._unsent: list[str] = []  # text released from hold-back, not yet returned
         self._stop_string: str | None = None
+        self._indent_stop = False
         self._finished = False
 
     @property
@@ -87,24 +91,35 @@ class IncrementalDetokenizer:
         """The stop string that ended the output, if any."""
         return self._stop_string
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Consumes new tokens; returns the stop string if one was found (later tokens are ignored)."""
-        if self._stop_string is not None or self._finished:
-            return None
+    @property
+    def stopped_by_indent(self) -> bool:
+        """Whether a line indented less than n_indent ended the output."""
+        return self._indent_stop
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the text itself ended the output (a stop string or n_indent), not the engine."""
+        return self._stop_string is not None or self._indent_stop
+
+    def update(self, new_token_ids: Sequence[int]) -> bool:
+        """Consumes new tokens; returns whether a stop string or n_indent ended the text (later tokens are
+        ignored; ``stop_string`` and ``stopped_by_indent`` say which)."""
+        if self.stopped or self._finished:
+            return False
         for token_id in new_token_ids:
             self._num_output_tokens += 1
             self._window.append(token_id)
             text = self._decode_new(final=False)
             # Checked per token so that tokens after the stop are not counted as used.
-            if text and self._add_text(text) is not None:
-                return self._stop_string
-        return None
+            if text and self._add_text(text):
+                return True
+        return False
 
     def get_delta(self, finished: bool) -> str:
         """Returns the text that may be sent now; with ``finished`` also everything still held back."""
         if finished and not self._finished:
             self._finished = True
-            if self._stop_string is None:
+            if not self.stopped:
                 # A partial character at the very end is emitted as U+FFFD, as a full decode would.
                 text = self._decode_new(final=True)
                 if text:
@@ -141,25 +156,30 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
         return new_text
 
-    def _add_text(self, text: str) -> str | None:
-        """Appends decoded text, checks for stop strings and releases what cannot become one."""
-        if not self._stops.stops:
-            self._pending += text
-            self._release(len(self._pending))
-            return None
+    def _add_text(self, text: str) -> bool:
+        """Appends decoded text, checks for stop strings and n_indent, releases what cannot become a stop string;
+        returns whether the text has ended."""
+        report = self._num_output_tokens > self._min_tokens
+        cut = self._indentation.feed(text, report) if self._indentation is not None else None
+        if cut is not None:
+            text = text[:cut]  # a stop string that ends before the cut still ends the text first
         old_len = len(self._pending)
         buf = self._pending + text
-        match = self._stops.feed(text, report=self._num_output_tokens > self._min_tokens)
+        match = self._stops.feed(text, report) if self._stops.stops else None
         if match is not None:
             end, stop = match
             self._stop_string = stop
             end += old_len  # in buf
             self._pending = buf[: end if self._include_stop else end - len(stop)]
             self._release(len(self._pending))
-            return stop
+            return True
         self._pending = buf
+        if cut is not None:
+            self._indent_stop = True
+            self._release(len(buf))  # the text ends here: nothing can become a stop string any more
+            return True
         self._release(len(buf) - self._stops.hold_back())
-        return None
+        return False
 
     def _release(self, n: int) -> None:
         """Moves the first ``n`` characters of the pending text to the sendable text."""

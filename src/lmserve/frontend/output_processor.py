@@ -1,4 +1,5 @@
-"""Turns engine outputs (token ids) into text deltas per request: detokenize, find stop strings, fan n>1 back in."""
+"""Turns engine outputs (token ids) into text deltas per request: detokenize, find stop strings (and llama.cpp's
+n_indent), fan n>1 back in."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class ParentState:
 @dataclass
 class ProcessedOutputs:
     deltas: list[RequestOutput]  # per parent: only the new text / tokens of children that changed
-    requests_to_abort: list[str]  # children that a stop string ended in the front-end
+    requests_to_abort: list[str]  # children that a stop string or n_indent ended in the front-end
 
 
 def child_request_id(parent_id: str, index: int, n: int) -> str:
@@ -73,7 +74,7 @@ class OutputProcessor:
             child_id = child_request_id(parent_id, index, len(child_params))
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
-                params.skip_special_tokens, params.min_tokens,
+                params.skip_special_tokens, params.min_tokens, params.n_indent,
             )
             output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
             child = ChildState(child_id, parent, index, params, detokenizer, output)
@@ -105,8 +106,8 @@ class OutputProcessor:
             child = self.children.get(eo.request_id)
             if child is None or child.output.finished:
                 continue  # a stop string already ended it, or its client went away
-            delta = self._apply(child, eo)
-            if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str) and eo.finish_reason is None:
+            delta, stopped_here = self._apply(child, eo)
+            if stopped_here and eo.finish_reason is None:  # the engine would go on computing it
                 to_abort.append(child.request_id)
             parent = child.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, eo.num_cached_tokens)
@@ -123,15 +124,20 @@ class OutputProcessor:
             out.finished = parent.finished
         return ProcessedOutputs(list(deltas.values()), to_abort)
 
-    def _apply(self, child: ChildState, eo: EngineCoreOutput) -> CompletionOutput:
+    def _apply(self, child: ChildState, eo: EngineCoreOutput) -> tuple[CompletionOutput, bool]:
+        """The child's delta, and whether its text ended it here (a stop string or n_indent)."""
         full = child.output
-        stop = child.detokenizer.update(eo.new_token_ids)
+        detokenizer = child.detokenizer
+        stopped = detokenizer.update(eo.new_token_ids)
         new_tokens = eo.new_token_ids
         new_logprobs = eo.new_logprobs
-        if stop is not None:
-            keep = child.detokenizer.num_output_tokens_used - len(full.token_ids)
+        if stopped:
+            keep = detokenizer.num_output_tokens_used - len(full.token_ids)
             new_tokens, new_logprobs = new_tokens[:keep], new_logprobs[:keep]
-            full.finish_reason, full.stop_reason = "stop", stop
+            # n_indent: "stop", as the model's own end: the middle is complete (llama.cpp says "limit", whose
+            # OpenAI finish_reason "length" would tell a client the text was cut short and to ask for more).
+            full.finish_reason, full.stop_reason = "stop", detokenizer.stop_string
+            full.indent_stop = detokenizer.stopped_by_indent
         elif eo.finish_reason is not None:
             full.finish_reason, full.stop_reason = eo.finish_reason, eo.stop_reason
         text = child.detokenizer.get_delta(finished=full.finished)
@@ -146,4 +152,5 @@ class OutputProcessor:
             logprobs=list(new_logprobs) if full.logprobs is not None else None,
             finish_reason=full.finish_reason,
             stop_reason=full.stop_reason,
-        )
+            indent_stop=full.indent_stop,
+        ), stopped

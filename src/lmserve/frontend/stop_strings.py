@@ -1,4 +1,5 @@
-"""Finding stop strings in streamed text in time linear in the text, whatever the stop strings are.
+"""Finding stop strings in streamed text in time linear in the text, whatever the stop strings are; and
+llama.cpp's other text stop for code, `n_indent` (IndentationLimit).
 
 One Knuth–Morris–Pratt automaton per stop string: its state is the longest suffix of the text so far that is a
 prefix of the stop string. A state equal to the stop's length is a match; the largest state below it is how many
@@ -55,3 +56,45 @@ class StopStringMatcher:
     def hold_back(self) -> int:
         """Characters at the end of the text fed so far that are a proper prefix of some stop string."""
         return max(self._states, default=0)
+
+
+class IndentationLimit:
+    """llama.cpp's `n_indent` (tools/server/server-context.cpp, process_token): once a newline has been generated,
+    the first line whose indentation (spaces and tabs) is less than `n_indent` ends the text, cut at that line's
+    first other character. As llama.cpp, the newline and the line's blanks are kept, an empty line counts as
+    indented 0 (its first other character is the newline, or the `\r` of a CRLF), the first line (the rest of the
+    cursor's line) is never checked, and 0 turns the rule off.
+
+    Unlike llama.cpp, every line is checked as its first other character arrives: llama.cpp looks at one line per
+    sampled token, a token behind, so it can miss a line when a token holds two newlines or the text ends. And since
+    what precedes the cut is kept whatever comes next, no text needs holding back for this rule."""
+
+    BLANKS = " \t"
+
+    def __init__(self, n_indent: int) -> None:
+        self.n_indent = n_indent
+        # Blanks so far at the start of the current line; None once its first other character has come (and on the
+        # first line, which is never checked).
+        self._indent: int | None = None
+
+    def feed(self, text: str, report: bool = True) -> int | None:
+        """Consumes `text`; with `report`, returns the index in `text` of the first character of the first line
+        indented less than n_indent (the text ends before it). Without `report` such lines are passed over
+        (min_tokens not reached yet)."""
+        if self.n_indent <= 0:
+            return None
+        index = 0
+        while index < len(text):
+            if self._indent is None:  # the rest of the line does not matter: on to the next one
+                newline = text.find("\n", index)
+                if newline < 0:
+                    return None
+                self._indent, index = 0, newline + 1
+            elif text[index] in self.BLANKS:
+                self._indent += 1
+                index += 1
+            else:  # the line's first other character (a newline itself for an empty line: it is looked at again)
+                under, self._indent = self._indent < self.n_indent, None
+                if under and report:
+                    return index
+        return None
