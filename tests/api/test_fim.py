@@ -6,6 +6,7 @@ without FIM tokens (the default one) answers 400."""
 from __future__ import annotations
 
 import copy
+import itertools
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,3 +211,113 @@ def test_a_keystroke_later_the_prefix_cache_serves_the_unchanged_start(fim_serve
         assert answer.status_code == 200, answer.text
     hits = httpx.get(f"{url}/debug/engine").json()["prefix_cache_hits"] - before
     assert hits >= answer.json()["tokens_evaluated"] // 2, hits
+
+
+# What the scripted model below writes after <|fim_middle|>, one token a piece (every piece a different token):
+# a first line indented less than n_indent=4 (never checked), two lines indented enough, then "  return" whose
+# blanks are split over two tokens ("\n " and " return"), then more lines that must never be sent.
+SCRIPT = ["acc", " =", " ", "0", "\n   ", " for", " item", " in", " values", ":", "\n       ", " acc", " +=", " it",
+          "em", "\n ", " return", " result", "\n\n", "def", " after", "_", "cut", "():", "\n    ", " print", "(\"",
+          "never", " sent", "\")", "\n"]
+CUT_TOKEN = SCRIPT.index(" return")
+KEPT = "".join(SCRIPT[:CUT_TOKEN]) + " "  # the under-indented line's blanks are kept, as llama.cpp keeps them
+
+
+@pytest.fixture(scope="module")
+def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """A tiny Qwen2 with Qwen2.5-Coder's FIM tokens that writes SCRIPT after <|fim_middle|>, then <|file_sep|>,
+    whatever the prompt: its layers add nothing (attention and MLP outputs zero), each scripted token's embedding is
+    a dimension of its own, and the output head maps that dimension to the next token. (The random tiny model writes
+    no lines to cut.)"""
+    import torch
+
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_FIM})
+    chain = [tokenizer.convert_tokens_to_ids("<|fim_middle|>")]
+    for piece in SCRIPT:
+        (token_id,) = tokenizer.encode(piece, add_special_tokens=False)
+        chain.append(token_id)
+    chain.append(tokenizer.convert_tokens_to_ids("<|file_sep|>"))
+    assert len(set(chain)) == len(chain) and len(chain) - 1 <= TINY_SIZES["hidden_size"]
+    config = transformers.Qwen2Config(**{**TINY_SIZES, "vocab_size": len(tokenizer)},
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for dim, (token_id, next_id) in enumerate(itertools.pairwise(chain)):
+            model.model.embed_tokens.weight[token_id] = 0.0
+            model.model.embed_tokens.weight[token_id, dim] = 1.0
+            model.lm_head.weight[next_id, dim] = 2.0  # logit 16 after the final norm, every other logit 0
+    directory = tmp_path_factory.mktemp("scripted-fim")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tmp_path_factory: pytest.TempPathFactory, scripted_model_dir: Path) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("scripted"), "--model", str(scripted_model_dir), "--dtype",
+                          "float32", "--max-model-len", "256", "--served-model-name", "scripted")
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def infill_stream(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}/infill", timeout=60, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [httpx.Response(200, content=line[6:]).json() for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_n_indent_cuts_the_middle_at_the_first_line_indented_less(scripted_server: Server) -> None:
+    """llama.cpp's n_indent through /infill, whole and streamed, and through `suffix`: the text ends where the
+    under-indented line's text starts, no later line is sent, the engine stops computing, and stop_type is
+    llama.cpp's "limit" while OpenAI's finish_reason is "stop"."""
+    url = scripted_server.base_url
+    body = {"input_prefix": "def total(values):\n", "input_suffix": "\n", "n_predict": 64, "temperature": 0}
+    full = httpx.post(f"{url}/infill", timeout=60, json=body).json()
+    assert full["content"] == "".join(SCRIPT) and full["stop_type"] == "eos"  # the script, to <|file_sep|>
+
+    steps_before = httpx.get(f"{url}/debug/engine", timeout=10).json()["num_steps"]
+    cut = httpx.post(f"{url}/infill", timeout=60, json={**body, "n_indent": 4}).json()
+    steps = httpx.get(f"{url}/debug/engine", timeout=10).json()["num_steps"] - steps_before
+    assert cut["content"] == KEPT
+    assert (cut["stop_type"], cut["stopping_word"], cut["tokens_predicted"]) == ("limit", "", CUT_TOKEN + 1)
+    assert steps < len(SCRIPT) - 4, f"{steps} engine steps: the request ran on after the cut"
+
+    events = infill_stream(url, {**body, "n_indent": 4})
+    assert "".join(e["content"] for e in events) == KEPT  # streamed as whole, not a character after the cut
+    assert events[-1]["stop"] is True and events[-1]["stop_type"] == "limit"
+    assert events[-1]["tokens_predicted"] == CUT_TOKEN + 1
+
+    choice = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": body["input_prefix"], "suffix": "\n", "max_tokens": 64, "temperature": 0, "n_indent": 4,
+    }).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (KEPT, "stop", None)
+
+    # 0 is off; an indentation every line meets cuts nothing; a stop string before the cut still wins
+    assert httpx.post(f"{url}/infill", timeout=60, json={**body, "n_indent": 0}).json()["content"] == "".join(SCRIPT)
+    assert httpx.post(f"{url}/infill", timeout=60, json={**body, "n_indent": 1}).json()["content"] == "".join(
+        SCRIPT[:SCRIPT.index("\n\n")]) + "\n"  # the empty line is indented 0
+    worded = httpx.post(f"{url}/infill", timeout=60, json={**body, "n_indent": 4, "stop": [" item"]}).json()
+    assert (worded["content"], worded["stop_type"], worded["stopping_word"]) == ("acc = 0\n    for", "word", " item")
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/infill", {"input_prefix": "x", "n_indent": -1}),
+    ("/infill", {"input_prefix": "x", "n_indent": 10**6}),
+    ("/infill", {"input_prefix": "x", "n_indent": "4"}),
+    ("/v1/completions", {"prompt": "x", "suffix": "y", "n_indent": -4}),
+    ("/v1/completions", {"prompt": "x", "n_indent": 2.5}),
+])
+def test_a_bad_n_indent_is_a_400_naming_it(fim_server: Server, path: str, body: dict) -> None:
+    answer = httpx.post(f"{fim_server.base_url}{path}", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert "n_indent" in error["message"] and error["param"] == "n_indent", error

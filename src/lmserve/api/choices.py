@@ -47,6 +47,7 @@ class ChoiceState:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    indent_stop: bool = False  # n_indent ended it (llama.cpp's /infill says stop_type "limit")
     prefix_len: int = 0  # characters of echoed prompt before the generated text
     num_chars: int = 0  # where the next token starts in the choice's text, for completions' text_offset
     prompt_logprobs_sent: bool = False  # a stream sends the echoed prompt's logprobs once, with its text
@@ -84,6 +85,7 @@ class Choices:
             state.logprobs.extend(child.logprobs or ())
             state.finish_reason = child.finish_reason or state.finish_reason
             state.stop_reason = child.stop_reason if child.finish_reason else state.stop_reason
+            state.indent_stop = state.indent_stop or child.indent_stop
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         """Folds in one whole output (from a final_only request group)."""

@@ -109,11 +109,13 @@ class InfillRequest(BaseModel):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # llama.cpp's code-completion stop (what llama.vscode sends: the cursor line's indentation): after the first
+    # newline, a line indented less ends the middle (lmserve.frontend.stop_strings.IndentationLimit); 0: off.
+    n_indent: int | None = None
     # What editors (llama.vscode, llama.vim) send that changes nothing here: lmserve's prefix cache is always on,
     # it has no slots, and it keeps no time limits per request.
     cache_prompt: bool | None = None
     id_slot: int | None = None
-    n_indent: int | None = None
     t_max_prompt_ms: int | None = None
     t_max_predict_ms: int | None = None
     samplers: list[str] | None = Field(default=None, max_length=32)
@@ -130,25 +132,25 @@ class InfillRequest(BaseModel):
         for ours, theirs in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
                              ("min_p", "min_p"), ("seed", "seed"), ("stop", "stop"),
                              ("repeat_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
-                             ("frequency_penalty", "frequency_penalty")):
+                             ("frequency_penalty", "frequency_penalty"), ("n_indent", "n_indent")):
             if getattr(self, ours) is not None:
                 fields[theirs] = getattr(self, ours)
         return fields
 
 
-def stop_type(finish_reason: str | None, stop_reason: int | str | None) -> str:
-    """llama.cpp's stop_type: eos, limit or word."""
-    if finish_reason == "length":
+def stop_type(finish_reason: str | None, stop_reason: int | str | None, indent_stop: bool = False) -> str:
+    """llama.cpp's stop_type: eos, limit or word (an n_indent stop is a "limit" to llama.cpp, as max_tokens)."""
+    if finish_reason == "length" or indent_stop:
         return "limit"
     return "word" if isinstance(stop_reason, str) else "eos"
 
 
 def infill_body(model: str, content: str, tokens: list[int], finish_reason: str | None, stop_reason: int | str | None,
-                num_prompt_tokens: int, num_generated: int) -> dict[str, Any]:
+                num_prompt_tokens: int, num_generated: int, indent_stop: bool = False) -> dict[str, Any]:
     """llama.cpp's /infill answer (whole, or a stream's last event)."""
     return {"index": 0, "content": content, "tokens": tokens, "id_slot": 0, "stop": True, "model": model,
             "tokens_predicted": num_generated, "tokens_evaluated": num_prompt_tokens, "truncated": False,
-            "stop_type": stop_type(finish_reason, stop_reason),
+            "stop_type": stop_type(finish_reason, stop_reason, indent_stop),
             "stopping_word": stop_reason if isinstance(stop_reason, str) else ""}
 
 

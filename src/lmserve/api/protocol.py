@@ -191,16 +191,18 @@ class _SamplingRequest(OpenAIRequestModel):
         return self
 
     def _build_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None, **own: Any
     ) -> SamplingParams:
         """`defaults`: the model's default sampling (--generation-config), for the fields the request left unset.
-        A default max_tokens is applied by the front-end, which caps it by the room the prompt leaves (as vLLM)."""
+        A default max_tokens is applied by the front-end, which caps it by the room the prompt leaves (as vLLM).
+        `own`: SamplingParams fields of one endpoint's request alone."""
         kwargs: dict[str, Any] = dict(defaults or {})
         uses_default_length = "max_tokens" in kwargs and not self.model_fields_set & {"max_tokens",
                                                                                        "max_completion_tokens"}
         kwargs["max_tokens"] = None if uses_default_length else max_tokens
         kwargs.update({name: value for name in _PASSTHROUGH_FIELDS if (value := getattr(self, name)) is not None})
         kwargs.update(logprobs=logprobs, logit_bias=self._token_logit_bias())
+        kwargs.update({name: value for name, value in own.items() if value is not None})
         try:
             kwargs["structured_outputs"] = structured_outputs_of(
                 self.response_format, self.structured_outputs,
@@ -253,6 +255,8 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool | None = True  # vLLM's: false leaves out the BOS the tokenizer would add
     # OpenAI's fill-in-the-middle: the text after the insertion point; the prompt is the text before it (api/fim.py).
     suffix: str | None = None
+    # llama.cpp's, which its completion endpoints accept too: a later line indented less ends the text (SamplingParams).
+    n_indent: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -289,7 +293,8 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         # As vLLM: echo with logprobs scores the prompt too; max_tokens 0 runs one step whose token is dropped.
-        params = self._build_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults)
+        params = self._build_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults,
+                                             n_indent=self.n_indent)
         if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = self.logprobs
         return params

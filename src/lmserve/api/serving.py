@@ -229,10 +229,15 @@ class OpenAIServing:
         group, choices, completion = await asyncio.to_thread(self._infill, req, raw)
         num_prompt_tokens = len(group.prompts[0])
 
+        def indent_stop() -> bool:  # llama.cpp's stop_type tells n_indent's stop from EOS
+            state = choices.states.get(0)
+            return state is not None and state.indent_stop
+
         def whole() -> BaseModel:
             (choice,), usage = choices.final_choices(), choices.usage()
             return InfillBody(**infill_body(self.model_name, choice.text, [], choice.finish_reason,
-                                            choice.stop_reason, num_prompt_tokens, usage.completion_tokens))
+                                            choice.stop_reason, num_prompt_tokens, usage.completion_tokens,
+                                            indent_stop()))
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -245,7 +250,7 @@ class OpenAIServing:
                             if choice.finish_reason is not None:
                                 finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
                 last = infill_body(self.model_name, "", [], finish_reason, stop_reason, num_prompt_tokens,
-                                   choices.usage().completion_tokens)
+                                   choices.usage().completion_tokens, indent_stop())
                 yield sse(InfillBody(**last))
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band (sse_error logs the unexpected)
                 yield sse_error(exc)
