@@ -9,8 +9,9 @@ benchmarks/gguf_peers.py starts them: lmserve with --max-model-len 4096, llama-s
 --kv-unified), each answering:
   parse:   CASES, short Python files with one function's body removed: the middle asked for at temperature 0,
            max 128 tokens, through lmserve's /v1/completions `suffix`, lmserve's /infill and llama.cpp's /infill;
-           how many files prefix + middle + suffix pass ast.parse, as the middle comes and cut where llama.cpp's
-           n_indent (the body's indentation, as llama.vscode sends it) would stop it;
+           how many files prefix + middle + suffix pass ast.parse, as the middle comes and with n_indent (the
+           body's indentation, as llama.vscode sends it) sent to the server, which cuts the middle; and whether
+           that equals llama.cpp's rule applied here to the middle that came without it (indent_cut);
   same:    lmserve's /infill and `suffix` give the same text for every case (and how many agree with llama.cpp's);
   prompt:  the prompt each server builds, token ids: llama.cpp's /infill answers its prompt as text ("prompt") and
            its length ("tokens_evaluated"); that text through llama.cpp's own /tokenize (special tokens parsed) must
@@ -23,7 +24,8 @@ benchmarks/gguf_peers.py starts them: lmserve with --max-model-len 4096, llama-s
            the server's warm-up on other text) against the median of the rest. lmserve twice: /infill, then
            /v1/completions `suffix` with a cache_salt (so the second pass starts uncached too); llama.cpp /infill
            (its prompt cache is on by default, as editors rely on).
-Prints a JSON summary at the end (--json FILE writes it too).
+Prints a JSON summary at the end (--json FILE writes it too). --parse-only: the parse part alone (no prompt
+comparison, no editor workload).
 """
 
 from __future__ import annotations
@@ -380,16 +382,17 @@ def split_case(source: str, function: str) -> tuple[str, str, str]:
 
 
 def indent_cut(middle: str, n_indent: int) -> str:
-    """The middle as llama.cpp's `n_indent` (llama.vscode sends it) stops it: at the first line after the first
-    whose indentation is less than n_indent (server-context.cpp); lmserve accepts n_indent and ignores it."""
-    lines = middle.splitlines(keepends=True)
-    kept = lines[:1]
-    for line in lines[1:]:
+    """The middle as llama.cpp's `n_indent` (llama.vscode sends it) stops it (server-context.cpp): at the first line
+    after the first whose indentation (spaces, tabs) is less than n_indent, cut at its first other character (its
+    blanks kept; an empty line's first character is its newline). Both servers now do this themselves."""
+    lines = middle.split("\n")
+    kept = [lines[0]]
+    for number, line in enumerate(lines[1:], 1):
         indent = len(line) - len(line.lstrip(" \t"))
-        if indent < n_indent and indent < len(line):
-            break
+        if indent < n_indent and (indent < len(line) or number < len(lines) - 1):  # the last: no newline after it
+            return "\n".join([*kept, line[:indent]])
         kept.append(line)
-    return "".join(kept)
+    return middle
 
 
 def body_indent(prefix: str) -> int:
@@ -560,42 +563,41 @@ def fim_probes() -> list[dict[str, Any]]:
     return probes + PROMPT_PROBES
 
 
-def run_lmserve(model: str, prompts_only: bool) -> dict[str, Any]:
-    server = Server("lmserve", model)
-    try:
-        warm_up(server)
-        result: dict[str, Any] = {"ready_s": server.ready_s}
-        result["prompts_server"] = [lmserve_prompt_from_server(server, probe) for probe in fim_probes()]
-        if prompts_only:
-            return result
-        result["editor_infill"] = editor_ttft(server, "/infill")
-        result["editor_suffix"] = editor_ttft(server, "/v1/completions", {"cache_salt": "second"})
-        suffix_texts, infill_texts = [], []
-        for source, name in CASES:
-            prefix, _, suffix = split_case(source, name)
-            suffix_texts.append(server.suffix_completion(prefix, suffix)["choices"][0]["text"])
-            infill_texts.append(server.infill(prefix, suffix)["content"])
-        result["suffix_texts"], result["infill_texts"] = suffix_texts, infill_texts
-        return result
-    finally:
-        server.close()
+def middles(server: Server) -> dict[str, list[Any]]:
+    """Each case's middle through /infill (and lmserve's `suffix`), as it comes and with n_indent sent (the body's
+    indentation); /infill's stop_type with n_indent."""
+    out: dict[str, list[Any]] = {}
+    for source, name in CASES:
+        prefix, _, suffix = split_case(source, name)
+        n_indent = body_indent(prefix)
+        if server.kind == "lmserve":
+            out.setdefault("suffix_texts", []).append(server.suffix_completion(prefix, suffix)["choices"][0]["text"])
+            choice = server.suffix_completion(prefix, suffix, n_indent=n_indent)["choices"][0]
+            out.setdefault("suffix_texts_n_indent", []).append(choice["text"])
+            out.setdefault("suffix_finish_n_indent", []).append(choice["finish_reason"])
+        out.setdefault("infill_texts", []).append(server.infill(prefix, suffix)["content"])
+        answer = server.infill(prefix, suffix, n_indent=n_indent)
+        out.setdefault("infill_texts_n_indent", []).append(answer["content"])
+        out.setdefault("infill_stop_type_n_indent", []).append(answer["stop_type"])
+    return out
 
 
-def run_llama(model: str, prompts_only: bool) -> dict[str, Any]:
-    server = Server("llama", model)
+def run_server(kind: str, model: str, prompts_only: bool, parse_only: bool) -> dict[str, Any]:
+    server = Server(kind, model)
     try:
-        warm_up(server)
         result: dict[str, Any] = {"ready_s": server.ready_s}
-        result["prompts"] = [llama_prompt(server, probe) for probe in fim_probes()]
-        if prompts_only:
-            return result
-        result["editor_infill"] = editor_ttft(server, "/infill")
-        texts = []
-        for source, name in CASES:
-            prefix, _, suffix = split_case(source, name)
-            texts.append(server.infill(prefix, suffix)["content"])
-        result["infill_texts"] = texts
-        return result
+        if not parse_only:
+            warm_up(server)
+            if kind == "lmserve":
+                result["prompts_server"] = [lmserve_prompt_from_server(server, probe) for probe in fim_probes()]
+            else:
+                result["prompts"] = [llama_prompt(server, probe) for probe in fim_probes()]
+            if prompts_only:
+                return result
+            result["editor_infill"] = editor_ttft(server, "/infill")
+            if kind == "lmserve":
+                result["editor_suffix"] = editor_ttft(server, "/v1/completions", {"cache_salt": "second"})
+        return result | middles(server)
     finally:
         server.close()
 
@@ -605,21 +607,63 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--json", help="also write the summary (and every middle) here")
     parser.add_argument("--prompts-only", action="store_true", help="the prompt comparison alone (no generation)")
+    parser.add_argument("--parse-only", action="store_true",
+                        help="the parse part alone (no prompt comparison, no editor workload)")
     args = parser.parse_args()
     assert len(CASES) >= 20
     splits = [split_case(source, name) for source, name in CASES]
     for prefix, body, suffix in splits:  # each case parses whole and fails without its body
         assert parses(prefix + body + suffix) and not parses(prefix + suffix)
 
-    lm = run_lmserve(args.model, args.prompts_only)
+    lm = run_server("lmserve", args.model, args.prompts_only, args.parse_only)
     if args.json:  # kept should llama.cpp's part fail
         Path(args.json + ".lmserve").write_text(json.dumps(lm))
-    llama = run_llama(args.model, args.prompts_only)
-    local = [lmserve_prompt_in_process(args.model, probe) for probe in fim_probes()]
+    llama = run_server("llama", args.model, args.prompts_only, args.parse_only)
 
-    def parsed(texts: list[str], cut: bool = False) -> int:
-        return sum(parses(prefix + (indent_cut(text, body_indent(prefix)) if cut else text) + suffix)
-                   for (prefix, _, suffix), text in zip(splits, texts, strict=True))
+    def parsed(texts: list[str]) -> int:
+        return sum(parses(prefix + text + suffix) for (prefix, _, suffix), text in zip(splits, texts, strict=True))
+
+    def cut_here(texts: list[str]) -> list[str]:
+        return [indent_cut(text, body_indent(prefix)) for (prefix, _, _), text in zip(splits, texts, strict=True)]
+
+    def same(a: list[str], b: list[str]) -> int:
+        return sum(x == y for x, y in zip(a, b, strict=True))
+
+    def parse_summary() -> dict[str, Any]:
+        return {
+            "parse_ok": {"lmserve suffix": parsed(lm["suffix_texts"]), "lmserve /infill": parsed(lm["infill_texts"]),
+                         "llama.cpp /infill": parsed(llama["infill_texts"])},
+            "parse_ok_n_indent_sent": {"lmserve suffix": parsed(lm["suffix_texts_n_indent"]),
+                                       "lmserve /infill": parsed(lm["infill_texts_n_indent"]),
+                                       "llama.cpp /infill": parsed(llama["infill_texts_n_indent"])},
+            # the server's cut against llama.cpp's rule applied here to the middle that came without n_indent
+            "n_indent_middle == indent_cut(middle)": {
+                "lmserve suffix": same(lm["suffix_texts_n_indent"], cut_here(lm["suffix_texts"])),
+                "lmserve /infill": same(lm["infill_texts_n_indent"], cut_here(lm["infill_texts"])),
+                "llama.cpp /infill": same(llama["infill_texts_n_indent"], cut_here(llama["infill_texts"]))},
+            "stop_type_n_indent": {"lmserve /infill": lm["infill_stop_type_n_indent"],
+                                   "llama.cpp /infill": llama["infill_stop_type_n_indent"]},
+            "finish_reason_n_indent": {"lmserve suffix": lm["suffix_finish_n_indent"]},
+            "lmserve /infill == suffix": same(lm["infill_texts"], lm["suffix_texts"]),
+            "lmserve /infill == suffix (n_indent)": same(lm["infill_texts_n_indent"], lm["suffix_texts_n_indent"]),
+            "lmserve == llama.cpp (text)": same(lm["infill_texts"], llama["infill_texts"]),
+            "lmserve == llama.cpp (text, n_indent)": same(lm["infill_texts_n_indent"], llama["infill_texts_n_indent"]),
+        }
+
+    def all_middles() -> dict[str, list[str]]:
+        return {"lmserve suffix": lm["suffix_texts"], "lmserve /infill": lm["infill_texts"],
+                "llama.cpp /infill": llama["infill_texts"], "lmserve suffix n_indent": lm["suffix_texts_n_indent"],
+                "lmserve /infill n_indent": lm["infill_texts_n_indent"],
+                "llama.cpp /infill n_indent": llama["infill_texts_n_indent"]}
+
+    if args.parse_only:
+        summary = {"model": args.model, "cases": len(CASES), **parse_summary(),
+                   "ready_s": {"lmserve": lm["ready_s"], "llama.cpp": llama["ready_s"]}}
+        print(json.dumps(summary, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps({**summary, "middles": all_middles()}, indent=1))
+        return
+    local = [lmserve_prompt_in_process(args.model, probe) for probe in fim_probes()]
 
     prompt_rows = []
     for i, (probe, reference, mine, from_server) in enumerate(
@@ -652,23 +696,13 @@ def main() -> None:
     if args.prompts_only:
         print(json.dumps(summary, indent=1))
         return
-    summary |= {
-        "parse_ok": {"lmserve suffix": parsed(lm["suffix_texts"]), "lmserve /infill": parsed(lm["infill_texts"]),
-                     "llama.cpp /infill": parsed(llama["infill_texts"])},
-        "parse_ok_cut_at_n_indent": {"lmserve suffix": parsed(lm["suffix_texts"], cut=True),
-                                     "lmserve /infill": parsed(lm["infill_texts"], cut=True),
-                                     "llama.cpp /infill": parsed(llama["infill_texts"], cut=True)},
-        "lmserve /infill == suffix": sum(a == b for a, b in zip(lm["infill_texts"], lm["suffix_texts"], strict=True)),
-        "lmserve == llama.cpp (text)": sum(a == b for a, b in zip(lm["infill_texts"], llama["infill_texts"],
-                                                                  strict=True)),
+    summary |= parse_summary() | {
         "editor_ttft": {"lmserve /infill": lm["editor_infill"], "lmserve suffix": lm["editor_suffix"],
                         "llama.cpp /infill": llama["editor_infill"]},
     }
     print(json.dumps(summary, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps({**summary, "middles": {
-            "lmserve suffix": lm["suffix_texts"], "lmserve /infill": lm["infill_texts"],
-            "llama.cpp /infill": llama["infill_texts"]}}, indent=1))
+        Path(args.json).write_text(json.dumps({**summary, "middles": all_middles()}, indent=1))
 
 
 if __name__ == "__main__":
