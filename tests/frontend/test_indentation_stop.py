@@ -50,8 +50,8 @@ def cut_streamed(pieces: list[str], n_indent: int) -> str:
 @given(text=st.text(" \t\n\rab", max_size=40), n_indent=st.integers(0, 4), data=st.data())
 def test_the_cut_is_llama_cpps_however_the_text_is_split(text: str, n_indent: int, data: st.DataObject) -> None:
     """One character per token (then two tokens without text, as an end of generation), llama.cpp's loop keeps
-    exactly what IndentationLimit keeps fed in any pieces. (With longer tokens llama.cpp looks a token late and can
-    miss a line: IndentationLimit looks at every line.)"""
+    exactly what IndentationLimit keeps fed in any pieces. (With longer tokens llama.cpp checks one line per token
+    and can leave the last lines unchecked: IndentationLimit looks at every line.)"""
     expected = llama_cpp_n_indent([*text, "", ""], n_indent)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]

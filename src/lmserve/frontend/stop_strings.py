@@ -66,8 +66,9 @@ class IndentationLimit:
     cursor's line) is never checked, and 0 turns the rule off.
 
     Unlike llama.cpp, every line is checked as its first other character arrives: llama.cpp looks at one line per
-    sampled token, a token behind, so it can miss a line when a token holds two newlines or the text ends. And since
-    what precedes the cut is kept whatever comes next, no text needs holding back for this rule."""
+    sampled token (the first a token late), so lines that come several to a token wait their turn and the last ones
+    go unchecked when generation ends first. And since what precedes the cut is kept whatever comes next, no text
+    needs holding back for this rule (llama.cpp's stream sends the cut line's first token before it cuts)."""
 
     BLANKS = " \t"
 
