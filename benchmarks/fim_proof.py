@@ -25,7 +25,9 @@ benchmarks/gguf_peers.py starts them: lmserve with --max-model-len 4096, llama-s
            /v1/completions `suffix` with a cache_salt (so the second pass starts uncached too); llama.cpp /infill
            (its prompt cache is on by default, as editors rely on).
 Prints a JSON summary at the end (--json FILE writes it too). --parse-only: the parse part alone (no prompt
-comparison, no editor workload).
+comparison, no editor workload); with --n-indent-only, only the /infill middles with n_indent (no uncut middles, no
+`suffix`). --threads N: lmserve's --engine-threads and llama-server's -t (on a machine shared with other work, one
+thread each spares them waiting for each other's threads at every barrier; the middles do not depend on it).
 """
 
 from __future__ import annotations
@@ -412,11 +414,14 @@ def parses(text: str) -> bool:
 class Server:
     """One server started as gguf_peers starts it; `kind` is "lmserve" or "llama"."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, threads: int | None = None) -> None:
         self.kind, self.port = kind, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         started = time.perf_counter()
-        self.proc = start(kind, model, self.port, [])
+        if threads is None:
+            self.proc = start(kind, model, self.port, [])
+        else:
+            self.proc = start(kind, model, self.port, ["--engine-threads", str(threads)], llama_threads=threads)
         try:
             self.ready_s = wait_ready(self.port, self.proc, started)
         except BaseException:
@@ -563,27 +568,30 @@ def fim_probes() -> list[dict[str, Any]]:
     return probes + PROMPT_PROBES
 
 
-def middles(server: Server) -> dict[str, list[Any]]:
+def middles(server: Server, n_indent_only: bool = False) -> dict[str, list[Any]]:
     """Each case's middle through /infill (and lmserve's `suffix`), as it comes and with n_indent sent (the body's
-    indentation); /infill's stop_type with n_indent."""
+    indentation); /infill's stop_type with n_indent. `n_indent_only`: /infill with n_indent alone."""
     out: dict[str, list[Any]] = {}
     for source, name in CASES:
         prefix, _, suffix = split_case(source, name)
         n_indent = body_indent(prefix)
+        answer = server.infill(prefix, suffix, n_indent=n_indent)
+        out.setdefault("infill_texts_n_indent", []).append(answer["content"])
+        out.setdefault("infill_stop_type_n_indent", []).append(answer["stop_type"])
+        if n_indent_only:
+            continue
         if server.kind == "lmserve":
             out.setdefault("suffix_texts", []).append(server.suffix_completion(prefix, suffix)["choices"][0]["text"])
             choice = server.suffix_completion(prefix, suffix, n_indent=n_indent)["choices"][0]
             out.setdefault("suffix_texts_n_indent", []).append(choice["text"])
             out.setdefault("suffix_finish_n_indent", []).append(choice["finish_reason"])
         out.setdefault("infill_texts", []).append(server.infill(prefix, suffix)["content"])
-        answer = server.infill(prefix, suffix, n_indent=n_indent)
-        out.setdefault("infill_texts_n_indent", []).append(answer["content"])
-        out.setdefault("infill_stop_type_n_indent", []).append(answer["stop_type"])
     return out
 
 
-def run_server(kind: str, model: str, prompts_only: bool, parse_only: bool) -> dict[str, Any]:
-    server = Server(kind, model)
+def run_server(kind: str, model: str, prompts_only: bool, parse_only: bool, n_indent_only: bool = False,
+               threads: int | None = None) -> dict[str, Any]:
+    server = Server(kind, model, threads)
     try:
         result: dict[str, Any] = {"ready_s": server.ready_s}
         if not parse_only:
@@ -597,7 +605,7 @@ def run_server(kind: str, model: str, prompts_only: bool, parse_only: bool) -> d
             result["editor_infill"] = editor_ttft(server, "/infill")
             if kind == "lmserve":
                 result["editor_suffix"] = editor_ttft(server, "/v1/completions", {"cache_salt": "second"})
-        return result | middles(server)
+        return result | middles(server, n_indent_only)
     finally:
         server.close()
 
@@ -609,16 +617,21 @@ def main() -> None:
     parser.add_argument("--prompts-only", action="store_true", help="the prompt comparison alone (no generation)")
     parser.add_argument("--parse-only", action="store_true",
                         help="the parse part alone (no prompt comparison, no editor workload)")
+    parser.add_argument("--n-indent-only", action="store_true",
+                        help="with --parse-only: only the /infill middles with n_indent")
+    parser.add_argument("--threads", type=int, help="lmserve's --engine-threads and llama-server's -t")
     args = parser.parse_args()
+    if args.n_indent_only and not args.parse_only:
+        parser.error("--n-indent-only goes with --parse-only")
     assert len(CASES) >= 20
     splits = [split_case(source, name) for source, name in CASES]
     for prefix, body, suffix in splits:  # each case parses whole and fails without its body
         assert parses(prefix + body + suffix) and not parses(prefix + suffix)
 
-    lm = run_server("lmserve", args.model, args.prompts_only, args.parse_only)
+    lm = run_server("lmserve", args.model, args.prompts_only, args.parse_only, args.n_indent_only, args.threads)
     if args.json:  # kept should llama.cpp's part fail
         Path(args.json + ".lmserve").write_text(json.dumps(lm))
-    llama = run_server("llama", args.model, args.prompts_only, args.parse_only)
+    llama = run_server("llama", args.model, args.prompts_only, args.parse_only, args.n_indent_only, args.threads)
 
     def parsed(texts: list[str]) -> int:
         return sum(parses(prefix + text + suffix) for (prefix, _, suffix), text in zip(splits, texts, strict=True))
@@ -656,6 +669,21 @@ def main() -> None:
                 "lmserve /infill n_indent": lm["infill_texts_n_indent"],
                 "llama.cpp /infill n_indent": llama["infill_texts_n_indent"]}
 
+    if args.n_indent_only:
+        summary = {"model": args.model, "cases": len(CASES),
+                   "parse_ok_n_indent_sent": {"lmserve /infill": parsed(lm["infill_texts_n_indent"]),
+                                              "llama.cpp /infill": parsed(llama["infill_texts_n_indent"])},
+                   "stop_type_n_indent": {"lmserve /infill": lm["infill_stop_type_n_indent"],
+                                          "llama.cpp /infill": llama["infill_stop_type_n_indent"]},
+                   "lmserve == llama.cpp (text, n_indent)": same(lm["infill_texts_n_indent"],
+                                                                 llama["infill_texts_n_indent"]),
+                   "ready_s": {"lmserve": lm["ready_s"], "llama.cpp": llama["ready_s"]}}
+        print(json.dumps(summary, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps({**summary, "middles": {
+                "lmserve /infill n_indent": lm["infill_texts_n_indent"],
+                "llama.cpp /infill n_indent": llama["infill_texts_n_indent"]}}, indent=1))
+        return
     if args.parse_only:
         summary = {"model": args.model, "cases": len(CASES), **parse_summary(),
                    "ready_s": {"lmserve": lm["ready_s"], "llama.cpp": llama["ready_s"]}}

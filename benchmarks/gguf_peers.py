@@ -73,7 +73,7 @@ def tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-def start(server: str, model: str, port: int, lmserve_args: list[str]) -> subprocess.Popen:
+def start(server: str, model: str, port: int, lmserve_args: list[str], llama_threads: int = 2) -> subprocess.Popen:
     if server.startswith("lmserve"):
         command = [str(VENV_BIN / "lmserve"), "serve", model, "--port", str(port), "--max-model-len", "4096",
                    *lmserve_args, *LMSERVE_VARIANTS[server]]
@@ -83,7 +83,7 @@ def start(server: str, model: str, port: int, lmserve_args: list[str]) -> subpro
         repack = [] if os.environ.get("LLAMA_REPACK") == "1" else ["--no-repack"]
         # --kv-unified: the 8 slots share the 8,192 positions, so that --prefill's 2,000-token prompt fits one slot
         # (without it each slot holds 1,024); the cache's size is the same.
-        command = [str(LLAMA_SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+        command = [str(LLAMA_SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(llama_threads),
                    "-c", "8192", "--parallel", "8", "--cont-batching", "--kv-unified", *repack]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
