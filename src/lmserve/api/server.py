@@ -22,6 +22,7 @@ from lmserve import __version__
 from lmserve.api.anthropic import AnthropicErrorRoute, CountTokensRequest, MessagesRequest
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
+from lmserve.api.embeddings import EmbeddingRequest, create_embedding
 from lmserve.api.errors import ErrorMappingRoute, ModelNotFoundError, NotFoundError, exception_to_response
 from lmserve.api.fim import InfillRequest
 from lmserve.api.middleware import (
@@ -101,6 +102,14 @@ async def messages(raw: Request) -> Response:
 async def count_message_tokens(raw: Request) -> Response:
     req = await parse_body(raw, CountTokensRequest, raw.app.state.max_request_body_bytes)
     return JSONResponse(await asyncio.to_thread(_serving(raw).count_message_tokens, req))
+
+
+@v1.post("/embeddings")
+async def embeddings(raw: Request) -> Response:
+    req = await parse_body(raw, EmbeddingRequest, raw.app.state.max_request_body_bytes)
+    serving = _serving(raw)
+    serving.check_model(req.model)
+    return await create_embedding(serving.client, serving.model_name, serving.recorder, req, raw)
 
 
 @plain.post("/infill")
