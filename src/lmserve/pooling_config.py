@@ -65,15 +65,23 @@ def _st_pooling(directory: Path, module: dict[str, Any]) -> str:
     return chosen[0]
 
 
-def load_pooling_config(source: ModelSource, gguf_pooling: str | None = None) -> PoolingConfig:
-    """The model's pooling. `gguf_pooling`: a GGUF header's pooling type (llama.cpp's `pooling_type`), read by
-    the caller, which a GGUF file carries instead of sentence-transformers' modules."""
+# llama.cpp's enum llama_pooling_type, which a GGUF header writes as ARCH.pooling_type (rank: a reranker's head).
+GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
+def load_pooling_config(source: ModelSource) -> PoolingConfig:
+    """The model's pooling: sentence-transformers' modules in an HF directory, the header's pooling_type in a GGUF
+    (normalised, as llama.cpp's embeddings are by default)."""
     config = read_config_dict(source)
     dims = config.get("matryoshka_dimensions") or ()
     matryoshka = tuple(int(d) for d in dims) if isinstance(dims, list) else ()
     any_dims = bool(config.get("is_matryoshka")) and not matryoshka
     if source.kind != "hf":
-        return PoolingConfig(gguf_pooling or "cls", True, matryoshka, any_dims)
+        pooling = GGUF_POOLING_TYPES.get(int(config.get("pooling_type", 2)))
+        if pooling is None:
+            raise ValueError(f"{source.path}: pooling_type {config.get('pooling_type')} is not one lmserve runs "
+                             f"(llama.cpp's {', '.join(f'{k} {v}' for k, v in GGUF_POOLING_TYPES.items())})")
+        return PoolingConfig(pooling, True, matryoshka, any_dims)
     modules = _st_modules(source.path)
     if modules is None:
         return PoolingConfig("cls", True, matryoshka, any_dims)

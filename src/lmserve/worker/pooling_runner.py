@@ -26,6 +26,7 @@ from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
 from lmserve.worker.models.bert import BertModel
+from lmserve.worker.models.nomic_bert import NomicBertModel
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.pooler import pool
 
@@ -59,8 +60,21 @@ class PoolingModelRunner:
         self.max_model_len = min(model_config.max_model_len or native_len, native_len)  # learned positions end there
         self.pooling = load_pooling_config(source)
         torch.manual_seed(model_config.seed)
-        model = BertModel(self.hf_config).to(device=self.device, dtype=self.dtype)
-        model.load_weights(load_weights(source, self.dtype))
+        if self.hf_config.model_type == "nomic_bert":
+            if source.kind != "gguf":
+                raise ValueError(f"{source.path}: nomic-bert runs from GGUF files (llama.cpp's tensor names); its "
+                                 "Hugging Face checkpoints need remote code")
+            if getattr(self.hf_config, "is_causal", False):
+                raise ValueError(f"{source.path}: a causal nomic-bert is not an encoder lmserve runs")
+            model: BertModel | NomicBertModel = NomicBertModel(self.hf_config)
+            model.load_gguf(source.path)
+            model.to(device=self.device, dtype=self.dtype)
+        elif source.kind == "gguf":
+            raise ValueError(f"{source.path}: BERT runs from Hugging Face directories (sentence-transformers' layout); "
+                             "its GGUF files are not read yet")
+        else:
+            model = BertModel(self.hf_config).to(device=self.device, dtype=self.dtype)
+            model.load_weights(load_weights(source, self.dtype))
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
         self.hidden_size = self.hf_config.hidden_size
