@@ -65,3 +65,30 @@ def reference_embeddings(directory: Path, texts: list[str] | list[list[int]], po
                   "max": lambda h: h.max(0).values}[pooling](hidden)
         vectors.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
     return torch.stack(vectors)
+
+
+def save_tiny_cross_encoder(directory: Path, seed: int = 0) -> Path:
+    """A random BertForSequenceClassification with one label (a reranker), as sentence-transformers' CrossEncoder
+    saves one (no modules.json)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = bert_tokenizer()
+    config = transformers.BertConfig(vocab_size=len(tokenizer), **TINY_BERT, num_labels=1)
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+            if "token_type" in name:  # make the second segment's type matter
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@torch.inference_mode()
+def reference_scores(directory: Path, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    """sigmoid of transformers' BertForSequenceClassification logit for each pair alone (CrossEncoder's score)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.BertForSequenceClassification.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    return torch.stack([torch.sigmoid(model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0]) for a, b in pairs])

@@ -30,6 +30,8 @@ class PoolingConfig:
     # Matryoshka sizes the model was trained for: () none (a `dimensions` request is refused), ("any",) any size.
     matryoshka_dimensions: tuple[int, ...] = field(default_factory=tuple)
     any_dimensions: bool = False
+    # "embed": a vector per text (/v1/embeddings); "score": a cross-encoder's relevance per pair (/v1/rerank, /v1/score).
+    task: str = "embed"
 
     def accepts_dimensions(self, dimensions: int, hidden_size: int) -> bool:
         if not 1 <= dimensions <= hidden_size:
@@ -73,6 +75,8 @@ def load_pooling_config(source: ModelSource) -> PoolingConfig:
     """The model's pooling: sentence-transformers' modules in an HF directory, the header's pooling_type in a GGUF
     (normalised, as llama.cpp's embeddings are by default)."""
     config = read_config_dict(source)
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        return PoolingConfig("cls", normalize=False, task="score")  # the [CLS] row through the classifier head
     dims = config.get("matryoshka_dimensions") or ()
     matryoshka = tuple(int(d) for d in dims) if isinstance(dims, list) else ()
     any_dims = bool(config.get("is_matryoshka")) and not matryoshka

@@ -21,3 +21,6 @@ class PoolingParams:
     dimensions: int | None = None
     # Keep the last k prompt tokens (-1: the model's length); None: a longer prompt is refused.
     truncate_prompt_tokens: int | None = None
+    # A cross-encoder's pair (rerank, score): the prompt's positions from here on are the second text (BERT's token
+    # type 1, the document); None: one text.
+    second_segment_start: int | None = None

@@ -80,3 +80,21 @@ def test_a_directory_without_sentence_transformers_files_pools_cls_normalised(tm
     directory = save_tiny_bert(tmp_path / "bert", "mean")
     (directory / "modules.json").unlink()
     assert load_pooling_config(resolve_model(str(directory))) == PoolingConfig("cls", normalize=True)
+
+
+def test_a_cross_encoders_scores_match_transformers(tmp_path: Path) -> None:
+    from embedding_models import reference_scores, save_tiny_cross_encoder
+
+    directory = save_tiny_cross_encoder(tmp_path / "reranker")
+    assert load_pooling_config(resolve_model(str(directory))).task == "score"
+    runner = PoolingModelRunner(ModelConfig(model=str(directory), dtype="float32"), CacheConfig())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    pairs = [("search query", "a document about retrieval"), ("hello", "world"), ("the cat", "sat on the mat")]
+    encoded = [tokenizer(a, b) for a, b in pairs]
+    starts = [e["token_type_ids"].index(1) for e in encoded]
+    ours = torch.stack(runner.embed([e["input_ids"] for e in encoded], None, starts))[:, 0]
+    expected = reference_scores(directory, pairs)
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+    # The token types matter: the same ids read as one text score differently.
+    as_one_text = torch.stack(runner.embed([e["input_ids"] for e in encoded]))[:, 0]
+    assert not torch.allclose(as_one_text, expected, atol=1e-4)

@@ -25,7 +25,7 @@ from lmserve.pooling_config import load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
-from lmserve.worker.models.bert import BertModel
+from lmserve.worker.models.bert import BertCrossEncoder, BertModel
 from lmserve.worker.models.nomic_bert import NomicBertModel
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.pooler import pool
@@ -66,14 +66,15 @@ class PoolingModelRunner:
                                  "Hugging Face checkpoints need remote code")
             if getattr(self.hf_config, "is_causal", False):
                 raise ValueError(f"{source.path}: a causal nomic-bert is not an encoder lmserve runs")
-            model: BertModel | NomicBertModel = NomicBertModel(self.hf_config)
+            model: BertModel | BertCrossEncoder | NomicBertModel = NomicBertModel(self.hf_config)
             model.load_gguf(source.path)
             model.to(device=self.device, dtype=self.dtype)
         elif source.kind == "gguf":
             raise ValueError(f"{source.path}: BERT runs from Hugging Face directories (sentence-transformers' layout); "
                              "its GGUF files are not read yet")
         else:
-            model = BertModel(self.hf_config).to(device=self.device, dtype=self.dtype)
+            model = BertCrossEncoder(self.hf_config) if self.pooling.task == "score" else BertModel(self.hf_config)
+            model.to(device=self.device, dtype=self.dtype)
             model.load_weights(load_weights(source, self.dtype))
         self.model = model.eval()
         self.vocab_size = self.hf_config.vocab_size
@@ -91,12 +92,24 @@ class PoolingModelRunner:
                     self.dtype, self.device, time.perf_counter() - started)
 
     @torch.inference_mode()
-    def embed(self, prompts: list[list[int]], dimensions: list[int | None] | None = None) -> list[torch.Tensor]:
-        """The pooled vectors of whole prompts, in one forward pass."""
+    def embed(self, prompts: list[list[int]], dimensions: list[int | None] | None = None,
+              second_segments: list[int | None] | None = None) -> list[torch.Tensor]:
+        """The pooled vectors of whole prompts, in one forward pass (a cross-encoder's: its relevance, one value).
+        second_segments: per prompt, where its second text starts (token type 1), or None."""
         seq_lens = [len(p) for p in prompts]
         input_ids = torch.as_tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
-        positions = torch.as_tensor(np.concatenate([np.arange(n) for n in seq_lens]), device=self.device)
-        hidden = self.model(input_ids, positions, seq_lens)
+        positions_np = np.concatenate([np.arange(n) for n in seq_lens])
+        positions = torch.as_tensor(positions_np, device=self.device)
+        token_types = None
+        if second_segments is not None and any(s is not None for s in second_segments):
+            starts = np.repeat([n if s is None else s for s, n in zip(second_segments, seq_lens, strict=True)],
+                               seq_lens)
+            token_types = torch.as_tensor((positions_np >= starts).astype(np.int64), device=self.device)
+        if isinstance(self.model, BertCrossEncoder):
+            hidden = self.model.bert(input_ids, positions, seq_lens, token_types)
+            return list(self.model.scores(hidden, seq_lens))
+        hidden = self.model(input_ids, positions, seq_lens, token_types) if token_types is not None \
+            else self.model(input_ids, positions, seq_lens)
         return pool(hidden, seq_lens, self.pooling, dimensions or [None] * len(prompts))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -107,7 +120,8 @@ class PoolingModelRunner:
             if s.pooling_params is None or s.start_position != 0:
                 raise RuntimeError(f"request {s.request_id!r} is not a whole pooling prompt: an encoder computes "
                                    "each request in one step")
-        vectors = self.embed([s.token_ids for s in scheduled], [s.pooling_params.dimensions for s in scheduled])
+        vectors = self.embed([s.token_ids for s in scheduled], [s.pooling_params.dimensions for s in scheduled],
+                             [s.pooling_params.second_segment_start for s in scheduled])
         return ModelRunnerOutput(sampled_token_ids={}, pooled={
             s.request_id: v.cpu().numpy().astype("<f4").tobytes() for s, v in zip(scheduled, vectors, strict=True)})
 

@@ -29,10 +29,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # One segment: token type 0 everywhere (sentence-transformers encodes one text at a time).
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        # One text: token type 0 everywhere (sentence-transformers encodes one text at a time); a cross-encoder's
+        # pair: 1 for the second text's rows.
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+        types = self.token_type_embeddings.weight[0] if token_types is None else self.token_type_embeddings(token_types)
+        return self.LayerNorm(hidden + types)
 
 
 class BertSelfAttention(nn.Module):
@@ -131,8 +134,9 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
             hidden = layer(hidden, seq_lens)
         return hidden
@@ -152,3 +156,42 @@ class BertModel(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} BERT weight(s): {', '.join(missing[:5])}")
+
+
+class BertCrossEncoder(nn.Module):
+    """BertForSequenceClassification with one label (a reranker: ms-marco MiniLM, BGE-reranker of the BERT kind): the
+    [CLS] row through the pooler (dense, tanh) and the classifier; relevance = sigmoid(logit), as sentence-transformers'
+    CrossEncoder and vLLM's score give it."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if getattr(config, "num_labels", 1) != 1:
+            raise ValueError(f"a sequence classifier with {config.num_labels} labels: lmserve serves rerankers (one "
+                             "label, a relevance score)")
+        self.bert = BertModel(config)
+        self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+
+    def scores(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """One relevance in [0, 1] per sequence, from hidden [rows, hidden] of sequences one after another."""
+        starts = torch.tensor([0, *seq_lens[:-1]], device=hidden.device).cumsum(0)
+        cls_rows = hidden[starts]
+        return torch.sigmoid(self.classifier(torch.tanh(self.pooler_dense(cls_rows))).float())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        head = {"bert.pooler.dense.weight": self.pooler_dense.weight, "bert.pooler.dense.bias": self.pooler_dense.bias,
+                "classifier.weight": self.classifier.weight, "classifier.bias": self.classifier.bias}
+        found: set[str] = set()
+
+        def encoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name in head:
+                    with torch.no_grad():
+                        head[name].copy_(tensor)
+                    found.add(name)
+                else:
+                    yield name, tensor
+
+        self.bert.load_weights(encoder_weights())
+        if missing := sorted(set(head) - found):
+            raise ValueError(f"the checkpoint lacks the classification head's {', '.join(missing)}")
