@@ -125,3 +125,9 @@ def test_generating_routes_are_refused_on_an_embedding_model(server: Server) -> 
         response = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert "embedding model" in response.json()["error"]["message"]
+
+
+def test_rerank_on_an_embedding_model_is_a_400(server: Server) -> None:
+    response = httpx.post(f"{server.base_url}/v1/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert "embedding model" in response.json()["error"]["message"]

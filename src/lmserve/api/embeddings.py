@@ -114,6 +114,9 @@ async def create_embedding(client: EngineClient, model_name: str, recorder: Stat
     if client.pooling is None:
         raise RequestError(f"the model {model_name!r} generates text: it has no embeddings (serve an embedding "
                            "model, such as a BERT sentence-transformers directory, for /v1/embeddings)", "model")
+    if client.pooling.task != "embed":
+        raise RequestError(f"the model {model_name!r} is a reranker (a cross-encoder): it scores pairs of texts "
+                           "on /v1/rerank and /v1/score, and has no embeddings", "model")
     inputs = req.inputs()
     _check_dimensions(client, req.dimensions)
     # Texts tokenized first (off the event loop), so that the tokens of all inputs are bounded before the engine

@@ -27,7 +27,13 @@ from lmserve.engine.messages import (
     StepOutputs,
 )
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
-from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
+from lmserve.frontend.input_processor import (
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    InputProcessor,
+    Prompt,
+    PromptTooLongError,
+    child_params,
+)
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
 from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids, tokenizer_fim_tokens
@@ -199,6 +205,21 @@ class AsyncLLM:
     def tokenize(self, prompt: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
         return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens,
                                        split_special_tokens=split_special_tokens).token_ids
+
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """A cross-encoder's input: both texts as the tokenizer joins a pair ([CLS] first [SEP] second [SEP] for
+        BERT), and where the second starts. ValueError when a text is empty or the pair does not fit the model."""
+        inputs = self._inputs()
+        if not first or not second:
+            raise ValueError("a text of the pair is empty")
+        max_chars = self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        if len(first) + len(second) > max_chars:
+            raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                     f"the pair has {len(first) + len(second)} characters, more than fit.")
+        encoded = self.tokenizer(first, second, return_token_type_ids=True)
+        token_ids, types = list(encoded["input_ids"]), list(encoded["token_type_ids"])
+        inputs.check_pooling_length(len(token_ids))
+        return token_ids, types.index(1) if 1 in types else len(token_ids)
 
     def detokenize(self, token_ids: list[int]) -> str:
         inputs = self._inputs()

@@ -50,6 +50,11 @@ class EngineClient(Protocol):
         generative model; cancelling the call aborts the request."""
         ...
 
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """A cross-encoder's pair of texts as one prompt, and the position where the second text starts
+        (ValueError: empty, or too long for the model)."""
+        ...
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
         add_special_tokens: bool = False,
