@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +20,9 @@ from lmserve.models import resolve_model
 from lmserve.pooling_config import is_pooling_model
 from lmserve.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from lmserve.worker.model_runner import ModelRunner, resolve_device
-from lmserve.worker.pooling_runner import PoolingModelRunner
+
+if TYPE_CHECKING:
+    from lmserve.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class Worker:
         # An encoder makes this a pooling runner (vLLM's --runner pooling, chosen from the model as vLLM does).
         self.runner: ModelRunner | PoolingModelRunner
         if is_pooling_model(resolve_model(config.model.model)):
+            from lmserve.worker.pooling_runner import PoolingModelRunner  # only an encoder's engine needs it
+
             self.runner = PoolingModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
                                              scheduler_config=config.scheduler)
         else:
@@ -65,7 +70,7 @@ class Worker:
         return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
                           prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups,
                           layer_program=runner.layer_program,
-                          runner="pooling" if isinstance(runner, PoolingModelRunner) else "generate")
+                          runner=getattr(runner, "runner", "generate"))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)

@@ -14,7 +14,16 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
+
+# transformers' names for the activations BERT configs use (its ACT2FN), without importing transformers in the engine.
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
 
 # The weights a BertModel checkpoint holds that an embedding does not use: the [CLS] pooler head (sentence-
 # transformers pools by its own module), a masked-LM head, the position ids buffer some checkpoints save.
@@ -89,7 +98,9 @@ class BertIntermediate(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"BERT with hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(hidden))
