@@ -131,3 +131,22 @@ def test_rerank_on_an_embedding_model_is_a_400(server: Server) -> None:
     response = httpx.post(f"{server.base_url}/v1/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
     assert "embedding model" in response.json()["error"]["message"]
+
+
+def test_embeddings_are_counted_as_requests_with_no_generated_tokens(server: Server, oai: openai.OpenAI) -> None:
+    def metric(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    before = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    response = oai.embeddings.create(model=MODEL, input=TEXTS[:3])
+    after = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert metric(after, "lmserve:prompt_tokens_total") - metric(before, "lmserve:prompt_tokens_total") == \
+        response.usage.prompt_tokens
+    assert metric(after, "lmserve:e2e_request_latency_seconds_count") - \
+        metric(before, "lmserve:e2e_request_latency_seconds_count") == 3
+    assert metric(after, "lmserve:generation_tokens_total") == metric(before, "lmserve:generation_tokens_total")
+    assert metric(after, "lmserve:time_to_first_token_seconds_count") == \
+        metric(before, "lmserve:time_to_first_token_seconds_count")
+    assert metric(after, "lmserve:request_params_max_tokens_count") == \
+        metric(before, "lmserve:request_params_max_tokens_count")

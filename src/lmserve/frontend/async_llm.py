@@ -302,7 +302,7 @@ class AsyncLLM:
         self._check_queue_room(1)
         processed = inputs.tokenize(prompt, truncate_to=params.truncate_prompt_tokens, pooling=True)
         inputs.check_pooling_length(len(processed.token_ids))
-        self.timelines.add(request_id, [request_id], arrival, now(), len(processed.token_ids), 0)
+        self.timelines.add(request_id, [request_id], arrival, now(), len(processed.token_ids))  # no max_tokens
         future = self._pooled[request_id] = asyncio.get_running_loop().create_future()
         finished = False
         try:
