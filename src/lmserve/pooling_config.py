@@ -32,6 +32,9 @@ class PoolingConfig:
     any_dimensions: bool = False
     # "embed": a vector per text (/v1/embeddings); "score": a cross-encoder's relevance per pair (/v1/rerank, /v1/score).
     task: str = "embed"
+    # sentence_bert_config.json's max_seq_length: the length the model was trained for, which sentence-transformers
+    # cuts every text to; the server's max_model_len (as vLLM takes it). None: the model's positions decide.
+    max_seq_length: int | None = None
 
     def accepts_dimensions(self, dimensions: int, hidden_size: int) -> bool:
         if not 1 <= dimensions <= hidden_size:
@@ -89,13 +92,22 @@ def load_pooling_config(source: ModelSource) -> PoolingConfig:
     modules = _st_modules(source.path)
     if modules is None:
         return PoolingConfig("cls", True, matryoshka, any_dims)
+    max_seq_length = _st_max_seq_length(source.path)
     kinds = [str(m.get("type", "")) for m in modules]
     unknown = [k for k in kinds if k.startswith("sentence_transformers.models.") and k not in (
         _POOLING_MODULE, _NORMALIZE_MODULE, "sentence_transformers.models.Transformer")]
     if unknown:
         raise ValueError(f"{source.path}/modules.json: lmserve does not run the module(s) {', '.join(unknown)}")
     pooling = next((_st_pooling(source.path, m) for m in modules if m.get("type") == _POOLING_MODULE), "cls")
-    return PoolingConfig(pooling, _NORMALIZE_MODULE in kinds, matryoshka, any_dims)
+    return PoolingConfig(pooling, _NORMALIZE_MODULE in kinds, matryoshka, any_dims, max_seq_length=max_seq_length)
+
+
+def _st_max_seq_length(directory: Path) -> int | None:
+    path = directory / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_seq_length")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def is_pooling_model(source: ModelSource) -> bool:

@@ -98,3 +98,13 @@ def test_a_cross_encoders_scores_match_transformers(tmp_path: Path) -> None:
     # The token types matter: the same ids read as one text score differently.
     as_one_text = torch.stack(runner.embed([e["input_ids"] for e in encoded]))[:, 0]
     assert not torch.allclose(as_one_text, expected, atol=1e-4)
+
+
+def test_sentence_transformers_max_seq_length_is_the_default_length(tmp_path: Path) -> None:
+    directory = save_tiny_bert(tmp_path / "bert", "mean")  # 128 learned positions
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": False}))
+    assert load_pooling_config(resolve_model(str(directory))).max_seq_length == 32
+    assert PoolingModelRunner(ModelConfig(model=str(directory)), CacheConfig()).max_model_len == 32
+    # --max-model-len may ask for more, up to the learned positions.
+    runner = PoolingModelRunner(ModelConfig(model=str(directory), max_model_len=1000), CacheConfig())
+    assert runner.max_model_len == 128

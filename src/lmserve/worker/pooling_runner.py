@@ -57,8 +57,11 @@ class PoolingModelRunner:
         source = resolve_model(model_config.model)
         self.hf_config = load_model_config(source)
         native_len = int(self.hf_config.max_position_embeddings)
-        self.max_model_len = min(model_config.max_model_len or native_len, native_len)  # learned positions end there
         self.pooling = load_pooling_config(source)
+        # Learned positions end at native_len; a sentence-transformers model was trained up to its max_seq_length
+        # (vLLM takes it as the default length too). A longer input is a 400, or cut with truncate_prompt_tokens.
+        default_len = min(native_len, self.pooling.max_seq_length or native_len)
+        self.max_model_len = min(model_config.max_model_len or default_len, native_len)
         torch.manual_seed(model_config.seed)
         if self.hf_config.model_type == "nomic_bert":
             if source.kind != "gguf":
