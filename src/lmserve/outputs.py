@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 
@@ -57,3 +58,8 @@ class PoolingOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as Python floats (vLLM's outputs.embedding)."""
+        return list(struct.unpack(f"<{len(self.vector) // 4}f", self.vector))

@@ -108,3 +108,19 @@ def test_sentence_transformers_max_seq_length_is_the_default_length(tmp_path: Pa
     # --max-model-len may ask for more, up to the learned positions.
     runner = PoolingModelRunner(ModelConfig(model=str(directory), max_model_len=1000), CacheConfig())
     assert runner.max_model_len == 128
+
+
+def test_the_offline_llm_embeds_as_the_server_does(tmp_path: Path) -> None:
+    from lmserve.frontend.llm import LLM
+    from lmserve.pooling_params import PoolingParams
+
+    directory = save_tiny_bert(tmp_path / "bert", "mean")
+    with LLM(str(directory), dtype="float32", max_num_batched_tokens=16) as llm:  # several steps for the batch
+        outputs = llm.embed(TEXTS)
+        ours = torch.tensor([o.embedding for o in outputs])
+        expected = reference_embeddings(directory, token_ids(directory, TEXTS))
+        assert torch.nn.functional.cosine_similarity(ours, expected).min() >= 0.9999
+        assert [o.prompt_token_ids for o in outputs] == token_ids(directory, TEXTS)
+        with pytest.raises(ValueError, match="dimensions=16"):
+            llm.embed("hello", PoolingParams(dimensions=16))  # the model declares no Matryoshka sizes
+        assert not llm.engine.has_unfinished_requests()
