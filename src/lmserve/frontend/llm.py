@@ -8,11 +8,11 @@ from typing import Any, Self
 
 from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
+from lmserve.engine.request import Request
 from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids
 from lmserve.generation_config import default_sampling
-from lmserve.engine.request import Request
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.outputs import PoolingOutput, RequestOutput
 from lmserve.plan.layout import check_layout
