@@ -15,6 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmserve.worker.models.layers import (
+    Linear,  # nn.Linear whose float32 CPU products go through NumPy's BLAS
+)
+
 # transformers' names for the activations BERT configs use (its ACT2FN), without importing transformers in the engine.
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -52,9 +56,9 @@ class BertSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query = Linear(config.hidden_size, config.hidden_size)
+        self.key = Linear(config.hidden_size, config.hidden_size)
+        self.value = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         return encoder_attention(self.query(hidden), self.key(hidden), self.value(hidden), seq_lens, self.num_heads)
@@ -77,7 +81,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 class BertSelfOutput(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -97,7 +101,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = Linear(config.hidden_size, config.intermediate_size)
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BERT with hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[config.hidden_act]
@@ -109,7 +113,7 @@ class BertIntermediate(nn.Module):
 class BertOutput(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dense = Linear(config.intermediate_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -180,8 +184,8 @@ class BertCrossEncoder(nn.Module):
             raise ValueError(f"a sequence classifier with {config.num_labels} labels: lmserve serves rerankers (one "
                              "label, a relevance score)")
         self.bert = BertModel(config)
-        self.pooler_dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.pooler_dense = Linear(config.hidden_size, config.hidden_size)
+        self.classifier = Linear(config.hidden_size, 1)
 
     def scores(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """One relevance in [0, 1] per sequence, from hidden [rows, hidden] of sequences one after another."""

@@ -17,17 +17,18 @@ from torch import nn
 
 from lmserve.gguf_file import read_gguf_header, read_gguf_tensor
 from lmserve.worker.models.bert import encoder_attention
+from lmserve.worker.models.layers import Linear
 
 
 class NomicBertLayer(nn.Module):
     def __init__(self, hidden: int, intermediate: int, eps: float) -> None:
         super().__init__()
-        self.attn_qkv = nn.Linear(hidden, 3 * hidden, bias=False)
-        self.attn_output = nn.Linear(hidden, hidden, bias=False)
+        self.attn_qkv = Linear(hidden, 3 * hidden, bias=False)
+        self.attn_output = Linear(hidden, hidden, bias=False)
         self.attn_output_norm = nn.LayerNorm(hidden, eps=eps)
-        self.ffn_up = nn.Linear(hidden, intermediate, bias=False)
-        self.ffn_gate = nn.Linear(hidden, intermediate, bias=False)
-        self.ffn_down = nn.Linear(intermediate, hidden, bias=False)
+        self.ffn_up = Linear(hidden, intermediate, bias=False)
+        self.ffn_gate = Linear(hidden, intermediate, bias=False)
+        self.ffn_down = Linear(intermediate, hidden, bias=False)
         self.layer_output_norm = nn.LayerNorm(hidden, eps=eps)
 
 
