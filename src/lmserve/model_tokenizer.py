@@ -226,6 +226,39 @@ _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenize
                      "tokenizer.ggml.merges", "tokenizer.ggml.precompiled_charsmap")
 
 
+# llama.cpp's converter writes a WordPiece vocabulary with a "phantom space": a word's first piece as "\u2581word", a
+# continuation ("##ing") as "ing", special tokens ("[CLS]") as they are.
+_PHANTOM_SPACE = "\u2581"
+
+
+def _wordpiece_from_gguf(metadata: dict[str, Any]) -> transformers.PreTrainedTokenizerBase:
+    """A BERT WordPiece tokenizer (llama.cpp's "bert" vocabulary, as nomic-bert's and bert's GGUF files hold it):
+    the vocabulary back in its original spelling, lower-casing as the uncased BERT vocabularies these files carry
+    (llama.cpp's WPM tokenizer lower-cases too), [CLS] ... [SEP] around each text."""
+    import transformers
+
+    tokens = metadata["tokenizer.ggml.tokens"]
+    vocab: dict[str, int] = {}
+    for token_id, token in enumerate(tokens):
+        if token.startswith(_PHANTOM_SPACE):
+            original = token[len(_PHANTOM_SPACE):]
+        elif token.startswith("[") and token.endswith("]"):
+            original = token
+        else:
+            original = "##" + token
+        vocab.setdefault(original, token_id)
+
+    def special(key: str, default: str) -> str:
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None else default
+
+    return transformers.BertTokenizer(
+        vocab=vocab, do_lower_case=True, unk_token=special("unknown_token_id", "[UNK]"),
+        cls_token=special("bos_token_id", "[CLS]"), sep_token=special("seperator_token_id", "[SEP]"),
+        pad_token=special("padding_token_id", "[PAD]"), mask_token="[MASK]",
+    )
+
+
 def _converted_from_gguf(path: Path) -> transformers.PreTrainedTokenizerFast:
     """What `PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)` builds, step for step as transformers'
     get_gguf_tokenizer and convert_gguf_tokenizer do it (tested equal), with two costs left out of a first start:
@@ -236,6 +269,8 @@ def _converted_from_gguf(path: Path) -> transformers.PreTrainedTokenizerFast:
     from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
 
     metadata = {**read_gguf_header(path).metadata, **read_gguf_arrays(path, _TOKENIZER_ARRAYS)}
+    if metadata.get("tokenizer.ggml.model") == "bert":
+        return _wordpiece_from_gguf(metadata)
     grouped = {
         group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
         for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()

@@ -203,6 +203,11 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
               "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 50279, "rms_norm_eps": 1e-5,
               "pad_token_id": 1, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
               "clip_qkv": None},
+    # llama.cpp's nomic-bert (nomic-embed-text): a GGUF-only architecture here (its HF checkpoints need remote code).
+    "nomic_bert": {"vocab_size": 30522, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                   "num_attention_heads": 12, "num_key_value_heads": None, "head_dim": None,
+                   "max_position_embeddings": 2048, "layer_norm_eps": 1e-12, "bos_token_id": None,
+                   "eos_token_id": None, "pooling_type": 1},
     "phi3": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
              "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096,
              "original_max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000, "rms_norm_eps": 1e-5,
@@ -320,9 +325,11 @@ GGUF_EXTRA_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "nomic_bert": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.layer_norm_epsilon": "layer_norm_eps",
+                   "pooling_type": "pooling_type", "attention.causal": "is_causal"},
 }
 # llama.cpp's architecture names that differ from transformers' model types.
-_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "nomic-bert": "nomic_bert"}
 
 
 def gguf_model_type(arch: str, metadata: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 
@@ -46,3 +47,21 @@ class RequestOutput:
     metrics: dict | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (an embedding): vLLM's PoolingRequestOutput, its vector as the engine sends it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    vector: bytes  # float32, little-endian
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as Python floats (vLLM's outputs.embedding)."""
+        return list(struct.unpack(f"<{len(self.vector) // 4}f", self.vector))

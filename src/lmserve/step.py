@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from lmserve.kv_groups import KVCacheGroups
 from lmserve.outputs import Logprobs
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 
 # The token of a position planned before it was sampled (async scheduling): the runner fills in its own last sample.
@@ -46,6 +47,9 @@ class ScheduledRequest:
     # Speculative decoding: the guesses for the tokens after this step's first one (its last len(...) positions);
     # every position samples, and the runner keeps the drafts up to the first one its own samples refuse.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A pooling request: token_ids is its whole prompt (a bidirectional encoder sees every position at once), and the
+    # runner returns its pooled vector (ModelRunnerOutput.pooled) instead of sampling.
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +160,8 @@ class ModelRunnerOutput:
     # Of those, the requests whose load failed (a block file missing or short): they compute those positions.
     failed_kv_loads: list[str] = field(default_factory=list)
     failed_kv_saves: int = 0  # blocks this rank could not store since its last report (a full or failing disk)
+    # Per pooling request of the step: its vector, float32 little-endian (a pooling runner's output).
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -171,3 +177,5 @@ class WorkerInfo:
     prompt_rows_computed_apart: bool = False
     kv_groups: KVCacheGroups | None = None  # the layers' KV-cache groups (sliding windows in tables of their own)
     layer_program: str = ""  # how the decoder layers run (ModelRunner.layer_program), for the engine's log and tests
+    # "pooling": an encoder's runner (worker/pooling_runner.py) that holds no KV cache; requests are pooling ones.
+    runner: str = "generate"

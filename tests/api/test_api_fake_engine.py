@@ -53,6 +53,8 @@ class FakeEngine:
         self.on_step = None
         self.default_sampling: dict[str, Any] = {}
         self.fim_tokens = None  # no fill-in-the-middle tokens (tests/api/test_fim.py gives some)
+        self.pooling = None  # a generative model: no embeddings
+        self.embedding_size = 0
         self.num_outputs: dict[str, int] = {}  # request id -> outputs yielded so far
         self.timelines: dict[str, list[RequestTimeline]] = {}
 
@@ -697,3 +699,9 @@ def test_bad_requests_do_not_disturb_others(server: ServerThread, oai: openai.Op
             assert client.post("/v1/completions", json=bad).status_code == 400
         text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events if e.startswith("data: {"))
     assert text == " ".join([FOREVER] * 15)
+
+
+def test_embeddings_on_a_generative_model_are_a_400_naming_the_model(oai: openai.OpenAI, engine: FakeEngine) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.embeddings.create(model=MODEL, input=["hello world"])
+    assert refused.value.body["param"] == "model" and "generates text" in refused.value.body["message"]

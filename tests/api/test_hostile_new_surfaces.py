@@ -209,6 +209,8 @@ def test_the_key_comes_from_the_environment_and_guards_the_api_docs(server: Serv
         for path in ("/docs", "/redoc", "/openapi.json", "/v1/models"):
             assert anonymous.get(path).status_code == 401, path
         assert anonymous.get("/health").status_code == 200
+        for path in ("/rerank", "/v1/rerank", "/v1/score", "/v1/embeddings"):  # the retrieval routes too
+            assert anonymous.post(path, json={}).status_code == 401, path
     with httpx.Client(base_url=server.base_url, timeout=10, headers={"Authorization": f"Bearer {KEY}"}) as keyed:
         assert keyed.get("/openapi.json").json()["info"]["title"] == "lmserve"
 

@@ -22,8 +22,8 @@ from lmserve.metrics.clock import now
 # Paths that need the API key when one is set; /health, /metrics and /version stay open for probes and scrapers,
 # and the dashboard page and its static files load without it (the page then asks for the key). The API docs are
 # guarded: they list every route and schema, which tells an unauthenticated visitor what to try.
-PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize", "/infill", "/docs", "/redoc",
-                      "/openapi.json")
+PROTECTED_PREFIXES = ("/v1/", "/debug/", "/dashboard/api/", "/tokenize", "/detokenize", "/infill", "/rerank", "/docs",
+                      "/redoc", "/openapi.json")
 
 
 class ApiKeyMiddleware:

@@ -22,6 +22,7 @@ from lmserve import __version__
 from lmserve.api.anthropic import AnthropicErrorRoute, CountTokensRequest, MessagesRequest
 from lmserve.api.body import parse_body
 from lmserve.api.dashboard import router as dashboard_router
+from lmserve.api.embeddings import EmbeddingRequest, create_embedding
 from lmserve.api.errors import ErrorMappingRoute, ModelNotFoundError, NotFoundError, exception_to_response
 from lmserve.api.fim import InfillRequest
 from lmserve.api.middleware import (
@@ -39,6 +40,7 @@ from lmserve.api.protocol import (
     TokenizeRequest,
 )
 from lmserve.api.responses import ResponsesRequest
+from lmserve.api.scoring import RerankRequest, ScoreRequest, create_rerank, create_score
 from lmserve.api.serving import OpenAIServing, ToolConfig
 from lmserve.api.sse import json_response
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -101,6 +103,38 @@ async def messages(raw: Request) -> Response:
 async def count_message_tokens(raw: Request) -> Response:
     req = await parse_body(raw, CountTokensRequest, raw.app.state.max_request_body_bytes)
     return JSONResponse(await asyncio.to_thread(_serving(raw).count_message_tokens, req))
+
+
+@v1.post("/embeddings")
+async def embeddings(raw: Request) -> Response:
+    req = await parse_body(raw, EmbeddingRequest, raw.app.state.max_request_body_bytes)
+    serving = _serving(raw)
+    serving.check_model(req.model)
+    return await create_embedding(serving.client, serving.model_name, serving.recorder, req, raw)
+
+
+@v1.post("/rerank")
+async def rerank(raw: Request) -> Response:
+    """Jina's and Cohere's rerank shape (vLLM's /v1/rerank, llama.cpp's /rerank): api/scoring.py."""
+    req = await parse_body(raw, RerankRequest, raw.app.state.max_request_body_bytes)
+    serving = _serving(raw)
+    serving.check_model(req.model)
+    return await create_rerank(serving.client, serving.model_name, serving.recorder, req, raw)
+
+
+@plain.post("/rerank")
+async def rerank_unversioned(raw: Request) -> Response:
+    require_engine_ready(raw)
+    return await rerank(raw)
+
+
+@v1.post("/score")
+async def score(raw: Request) -> Response:
+    """vLLM's /v1/score: text_1 against text_2 on a cross-encoder."""
+    req = await parse_body(raw, ScoreRequest, raw.app.state.max_request_body_bytes)
+    serving = _serving(raw)
+    serving.check_model(req.model)
+    return await create_score(serving.client, serving.model_name, serving.recorder, req, raw)
 
 
 @plain.post("/infill")

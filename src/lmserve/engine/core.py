@@ -48,12 +48,13 @@ class EngineCore:
         source = resolve_model(config.model.model)
         # All of the model's EOS ids (config and generation_config.json); requests carry their own copy.
         self.eos_token_ids = model_eos_token_ids(source, load_model_config(source))
-        self.grammar = GrammarManager(config.model.tokenizer or config.model.model, info.vocab_size,
-                                      self.eos_token_ids)
+        pooling = info.runner == "pooling"  # an encoder: no grammars (nothing is sampled), no KV cache
+        self.grammar = None if pooling else GrammarManager(config.model.tokenizer or config.model.model,
+                                                           info.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len, self.grammar,
                                    key_generated_blocks=info.prompt_rows_computed_apart, kv_groups=info.kv_groups,
                                    draft_constrained=self.executor.in_process,
-                                   world_size=config.parallel.world_size)
+                                   world_size=config.parallel.world_size, pooling=pooling)
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
         self._finished_not_sent: set[str] = set()
         self.last_step: StepRecord | None = None

@@ -87,7 +87,7 @@ class EngineCoreProc:
                 request_id=message.request_id, prompt_token_ids=message.prompt_token_ids,
                 sampling_params=message.sampling_params, eos_token_ids=message.eos_token_ids,
                 priority=message.priority, arrival_time=message.arrival_time, parent_id=message.parent_id,
-                index=message.index, cache_salt=message.cache_salt,
+                index=message.index, cache_salt=message.cache_salt, pooling_params=message.pooling_params,
             )
             try:
                 engine.add_request(request)

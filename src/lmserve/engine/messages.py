@@ -6,6 +6,7 @@ import msgspec
 
 from lmserve.engine.outputs import EngineCoreOutput
 from lmserve.metrics.stats import EngineStats, StepRecord
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     parent_id: str | None = None  # for a child of an n>1 request
     index: int = 0
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
+    pooling_params: PoolingParams | None = None  # a pooling request (an embedding): no decode, one vector back
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -20,3 +20,5 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     # Sent once, with the first generated token: the logprob of each prompt token after the first.
     prompt_logprobs: list[Logprobs] | None = None
+    # A pooling request's vector: float32, little-endian (OpenAI's base64 embedding is these bytes, encoded).
+    pooled: bytes | None = None

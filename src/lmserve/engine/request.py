@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmserve.outputs import Logprobs
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class Request:
     # Scored prompt tokens (sampling_params.prompt_logprobs): entry i is token i + 1's, given tokens 0..i.
     prompt_logprobs: list[Logprobs] = field(default_factory=list)
     grammar: Any = None  # engine.grammar.GrammarState of a constrained request (structured_outputs)
+    # A pooling request: its whole prompt in one step, a pooled vector instead of a token, then it ends.
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

@@ -46,13 +46,17 @@ class Scheduler:
         kv_groups: KVCacheGroups | None = None,
         draft_constrained: bool = True,
         world_size: int = 1,
+        pooling: bool = False,
     ) -> None:
         """`grammar`: compiles and advances constrained requests' grammars (None: no structured output).
         `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager).
         `kv_groups`: the model's KV-cache groups (None: one, full attention). `draft_constrained`: speculative
         drafts for constrained requests (the runner shares this process's grammar matchers). `world_size`: the
-        engine's ranks, each of which stores its own part of a transferred block (--kv-transfer-config)."""
+        engine's ranks, each of which stores its own part of a transferred block (--kv-transfer-config).
+        `pooling`: the runner is a pooling runner (an encoder, worker/pooling_runner.py) that keeps no KV cache:
+        every request is a pooling request, scheduled whole in one step, and no block is ever allocated for it."""
         self.config = scheduler_config
+        self.pooling = pooling
         self.grammar = grammar
         # Outputs made outside a step's update (a grammar that failed to compile): returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -60,7 +64,7 @@ class Scheduler:
         self.kv_groups = kv_groups
         windows = kv_groups.windows if kv_groups is not None else (0,)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, key_generated_blocks,
+            max(num_blocks, 1) if pooling else num_blocks, cache_config.block_size,  # a pooling runner's: unused cache_config.enable_prefix_caching, key_generated_blocks,
             windows=windows, max_chunk_tokens=scheduler_config.max_num_batched_tokens,
         )
         # A request longer than the whole pool could never be admitted again once preempted, so the pool caps
@@ -68,7 +72,7 @@ class Scheduler:
         self.kv_capacity = kv_capacity_tokens(num_blocks, cache_config.block_size, max_model_len, kv_groups,
                                               scheduler_config.max_num_batched_tokens)
         self.configured_max_model_len = max_model_len
-        self.max_model_len = min(max_model_len, self.kv_capacity)
+        self.max_model_len = max_model_len if pooling else min(max_model_len, self.kv_capacity)
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         self.waiting: deque[Request] = deque()  # in admission order (see _enqueue)
         self.running: list[Request] = []  # in admission order, which is the order they get positions
@@ -101,6 +105,9 @@ class Scheduler:
                 f"the prompt has {request.num_prompt_tokens} tokens, more than max_model_len="
                 f"{self.max_model_len}{why}"
             )
+        if (request.pooling_params is not None) != self.pooling:
+            raise ValueError("this model is an embedding model: it serves pooling requests (/v1/embeddings) only"
+                             if self.pooling else "this model generates text: it serves no pooling requests")
         if request.sampling_params.structured_outputs is not None:
             if self.grammar is None:
                 raise ValueError("this engine has no grammar support for structured_outputs")
@@ -280,13 +287,15 @@ class Scheduler:
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
             group_block_ids=(self.kv_cache_manager.group_block_ids(request.request_id)
                              if self.kv_cache_manager.num_groups > 1 else []),
-            samples=placeholder or bool(drafts) or start + num_new_tokens == request.num_tokens,
+            samples=request.pooling_params is None and (placeholder or bool(drafts)
+                                                        or start + num_new_tokens == request.num_tokens),
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             uses_previous_token=placeholder,
             draft_token_ids=drafts or [],
+            pooling_params=request.pooling_params,
         )
         if request.num_prompt_logprobs_missing:
             # Position p's logits score prompt token p + 1; positions scored before a preemption are not redone.
@@ -327,8 +336,10 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING or request.kv_loading:
-                continue  # preempted earlier in this loop, or its stored blocks are still being read in
+            if request.status != RequestStatus.RUNNING or request.kv_loading or request.pooling_params is not None:
+                # Preempted earlier in this loop, its stored blocks still being read in, or a pooling request (its
+                # one step is in flight: it ends when that step's output comes back).
+                continue
             placeholder = False
             if self._in_flight[request.request_id]:
                 num_new, placeholder = self._ahead(request)
@@ -362,6 +373,11 @@ class Scheduler:
             request = self._next_admissible()
             if request is None:
                 break
+            if request.pooling_params is not None:
+                if not self._admit_pooling(request, budget, scheduled):
+                    break
+                budget -= request.num_tokens
+                continue
             hits, num_hit = kv.get_computed_blocks(request, record_stats=False)
             # Admit only when the whole remaining prompt fits in blocks nobody else was promised, so an admitted
             # prefill is never preempted by its own later chunks, nor by another admitted prefill's.
@@ -412,6 +428,21 @@ class Scheduler:
             output.grammar = self.grammar.batch(sampling)
         return output
 
+    def _admit_pooling(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest]) -> bool:
+        """A pooling request runs its whole prompt in one step (bidirectional attention needs every position at
+        once), from the step's token budget, with no KV blocks: the encoder's K/V live only inside its forward pass
+        (worker/pooling_runner.py), so nothing is allocated, nothing enters the prefix cache and nothing is left to
+        free. A prompt longer than the budget runs alone in a step of its own rather than never (add_request bounds
+        it by max_model_len). Head-of-line: when it does not fit, nobody behind it jumps ahead."""
+        if request.num_tokens > budget and scheduled:
+            return False
+        self.waiting.remove(request)
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled[request.request_id] = self._schedule_one(request, request.num_tokens)
+        return True
+
     # ---- results -------------------------------------------------------------------------------------------
 
     def update_from_output(
@@ -441,6 +472,14 @@ class Scheduler:
                 self._in_flight.pop(rid, None)
             request = self.requests.get(rid)
             if request is None:
+                continue
+            if planned.pooling_params is not None:
+                pooled = runner_output.pooled.get(rid)
+                if pooled is not None:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    output = self._output(request, [])
+                    output.pooled = pooled
+                    outputs.append(output)
                 continue
             request.prompt_logprobs.extend(runner_output.prompt_logprobs.get(planned.request_id, ()))
             token = runner_output.sampled_token_ids.get(planned.request_id)

@@ -27,16 +27,24 @@ from lmserve.engine.messages import (
     StepOutputs,
 )
 from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError, QueueFullError
-from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
+from lmserve.frontend.input_processor import (
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    InputProcessor,
+    Prompt,
+    PromptTooLongError,
+    child_params,
+)
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
 from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids, tokenizer_fim_tokens
 from lmserve.generation_config import default_sampling
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
-from lmserve.models import resolve_model
-from lmserve.outputs import RequestOutput
+from lmserve.models import read_config_dict, resolve_model
+from lmserve.outputs import PoolingOutput, RequestOutput
 from lmserve.plan.layout import check_layout
+from lmserve.pooling_config import PoolingConfig, is_pooling_model, load_pooling_config
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import GrammarError, check_structured_outputs
 
@@ -132,6 +140,11 @@ class AsyncLLM:
         # Engine requests sent but not yet in any step: what --max-queued-requests counts.
         self.queued: set[str] = set()
         self.model_name = served_model_name or config.model.model
+        # An encoder makes this server a pooling runner (vLLM's --runner pooling): /v1/embeddings, no generation.
+        source = resolve_model(config.model.model)
+        self.pooling: PoolingConfig | None = load_pooling_config(source) if is_pooling_model(source) else None
+        self.embedding_size = int(read_config_dict(source).get("hidden_size", 0)) if self.pooling else 0
+        self._pooled: dict[str, asyncio.Future[bytes]] = {}  # pooling requests in the engine -> their vector
         # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
         # Started first: it loads the model while this process loads the tokenizer.
         self.engine = make_engine_client(config, log_level)
@@ -183,6 +196,7 @@ class AsyncLLM:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any],
         add_special_tokens: bool = False,
     ) -> list[int]:
+        self._check_generates()
         return self._inputs().render_chat(messages, add_generation_prompt, template_kwargs, add_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
@@ -191,6 +205,21 @@ class AsyncLLM:
     def tokenize(self, prompt: str, add_special_tokens: bool, split_special_tokens: bool = False) -> list[int]:
         return self._inputs().tokenize(prompt, add_special_tokens=add_special_tokens,
                                        split_special_tokens=split_special_tokens).token_ids
+
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """A cross-encoder's input: both texts as the tokenizer joins a pair ([CLS] first [SEP] second [SEP] for
+        BERT), and where the second starts. ValueError when a text is empty or the pair does not fit the model."""
+        inputs = self._inputs()
+        if not first or not second:
+            raise ValueError("a text of the pair is empty")
+        max_chars = self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        if len(first) + len(second) > max_chars:
+            raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                     f"the pair has {len(first) + len(second)} characters, more than fit.")
+        encoded = self.tokenizer(first, second, return_token_type_ids=True)
+        token_ids, types = list(encoded["input_ids"]), list(encoded["token_type_ids"])
+        inputs.check_pooling_length(len(token_ids))
+        return token_ids, types.index(1) if 1 in types else len(token_ids)
 
     def detokenize(self, token_ids: list[int]) -> str:
         inputs = self._inputs()
@@ -209,6 +238,7 @@ class AsyncLLM:
 
         `arrival_time` (a lmserve.metrics.clock stamp) is when the request reached the caller; default: now.
         """
+        self._check_generates()
         inputs = self._inputs()
         arrival = now() if arrival_time is None else arrival_time
         if request_id in self.streams:
@@ -248,6 +278,50 @@ class AsyncLLM:
                 self.timelines.abort(request_id)
                 self._abort_now(request_id)
             self.output_processor.remove(request_id)
+
+    def _check_generates(self) -> None:
+        if self.pooling is not None:
+            raise ValueError(f"the model {self.model_name!r} is an embedding model: it serves /v1/embeddings, not "
+                             "text generation (serve a generative model for completions and chat)")
+
+    async def embed(
+        self, prompt: Prompt, params: PoolingParams, request_id: str, priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> PoolingOutput:
+        """One prompt's pooled vector: a pooling request through the same engine queue, token budget and timelines
+        as a generation, that ends with its vector. ValueError for bad input (a prompt longer than the model, a
+        generative model); cancelling the call aborts the request."""
+        if self.pooling is None:
+            raise ValueError(f"the model {self.model_name!r} generates text: it has no embeddings (serve an "
+                             "embedding model, such as a BERT sentence-transformers directory, for /v1/embeddings)")
+        inputs = self._inputs()
+        arrival = now() if arrival_time is None else arrival_time
+        if request_id in self.streams or request_id in self._pooled:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        inputs.check_params(SamplingParams(max_tokens=1), priority)  # the scheduling policy's priority rule
+        self._check_queue_room(1)
+        processed = inputs.tokenize(prompt, truncate_to=params.truncate_prompt_tokens, pooling=True)
+        inputs.check_pooling_length(len(processed.token_ids))
+        self.timelines.add(request_id, [request_id], arrival, now(), len(processed.token_ids))  # no max_tokens
+        future = self._pooled[request_id] = asyncio.get_running_loop().create_future()
+        finished = False
+        try:
+            self.queued.add(request_id)
+            self._send(AddRequest(request_id, processed.token_ids, SamplingParams(max_tokens=1), [], priority,
+                                  arrival, pooling_params=params))
+            vector = await future
+            finished = True
+            return PoolingOutput(request_id, processed.token_ids, vector)
+        finally:
+            self._pooled.pop(request_id, None)
+            self.queued.discard(request_id)
+            if not finished:
+                self.timelines.abort(request_id)
+                if not self.errored:
+                    try:
+                        self._send(AbortRequests([request_id]))
+                    except EngineDeadError:
+                        pass
 
     async def abort(self, request_id: str) -> None:
         self.timelines.abort(request_id)
@@ -360,6 +434,8 @@ class AsyncLLM:
             self.queued.difference_update(message.step.decode)
         for finished in (o.request_id for o in message.outputs if o.finish_reason is not None):
             self.queued.discard(finished)
+        if self._pooled:
+            self._deliver_pooled(message)
         if message.step is not None and self.on_step is not None:
             try:
                 self.on_step(message.step)
@@ -381,6 +457,18 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(delta)
 
+    def _deliver_pooled(self, message: StepOutputs) -> None:
+        """Pooling requests' vectors to their callers; an output without one (an abort) fails the call."""
+        for output in message.outputs:
+            future = self._pooled.get(output.request_id)
+            if future is None or future.done():
+                continue
+            if output.pooled is not None:
+                self.timelines.on_text(output.request_id, True, 0, output.finish_reason)
+                future.set_result(output.pooled)
+            elif output.finish_reason is not None:
+                future.set_exception(ValueError(f"the engine ended the request ({output.finish_reason})"))
+
     async def _watch_engine(self) -> None:
         while self.engine.is_alive:
             await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
@@ -396,6 +484,9 @@ class AsyncLLM:
         self._ready.set()
         for stream in self.streams.values():
             stream.fail(EngineDeadError(reason))
+        for future in self._pooled.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))

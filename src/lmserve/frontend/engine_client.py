@@ -8,7 +8,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from lmserve.metrics.stats import RequestTimeline, StepRecord
 from lmserve.model_tokenizer import FimTokens
-from lmserve.outputs import RequestOutput
+from lmserve.outputs import PoolingOutput, RequestOutput
+from lmserve.pooling_config import PoolingConfig
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 
 
@@ -23,6 +25,9 @@ class EngineClient(Protocol):
     default_sampling: dict[str, Any]
     # The model's fill-in-the-middle tokens (GGUF metadata or the vocabulary's convention); None: it has none.
     fim_tokens: FimTokens | None
+    # An embedding model's pooling (then this server is a pooling runner: embed, no generate); None: generative.
+    pooling: PoolingConfig | None
+    embedding_size: int  # the length of an embedding model's vectors (0 for a generative model)
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0,
@@ -35,6 +40,19 @@ class EngineClient(Protocol):
         Raises ValueError (PromptTooLongError included) for bad input before yielding anything, EngineDeadError if
         the engine dies mid-request. Closing the iterator (or cancelling the task iterating it) aborts the request.
         """
+        ...
+
+    async def embed(
+        self, prompt: str | list[int], params: PoolingParams, request_id: str, priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> PoolingOutput:
+        """One input's pooled vector (a pooling request through the engine). ValueError for bad input or a
+        generative model; cancelling the call aborts the request."""
+        ...
+
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """A cross-encoder's pair of texts as one prompt, and the position where the second text starts
+        (ValueError: empty, or too long for the model)."""
         ...
 
     def render_chat(

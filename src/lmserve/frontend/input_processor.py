@@ -91,11 +91,11 @@ class InputProcessor:
 
     def tokenize(
         self, prompt: Prompt, add_special_tokens: bool = True, truncate_to: int | None = None,
-        split_special_tokens: bool = False,
+        split_special_tokens: bool = False, pooling: bool = False,
     ) -> ProcessedPrompt:
         """truncate_to: SamplingParams.truncate_prompt_tokens, the last k tokens kept (-1: max_model_len); a cut
         prompt's text is dropped, since the ids no longer spell it. split_special_tokens: a special token's text
-        (`<|endoftext|>`) stays text, as llama.cpp tokenizes an infill prompt's code (parse_special=false)."""
+        (`<|endoftext|>`) stays text, as llama.cpp tokenizes an infill prompt's code (parse_special=false). pooling: the prompt needs no room to generate (up to max_model_len tokens)."""
         keep = self.max_model_len if truncate_to == -1 else truncate_to
         if isinstance(prompt, str):
             if not prompt:
@@ -120,7 +120,8 @@ class InputProcessor:
             raise ValueError("prompt is empty")
         if keep is not None:
             token_ids = token_ids[-keep:]
-        self._check_prompt_fits(len(token_ids))  # before the per-token check below
+        # Before the per-token check below.
+        self.check_pooling_length(len(token_ids)) if pooling else self._check_prompt_fits(len(token_ids))
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
@@ -147,6 +148,14 @@ class InputProcessor:
                 f"length of the messages or completion (max_tokens={params.max_tokens})."
             )
         return params
+
+    def check_pooling_length(self, num_prompt_tokens: int) -> None:
+        """A pooling prompt needs no room to generate: up to max_model_len tokens."""
+        if num_prompt_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"{self._context_length()} However, your input has {num_prompt_tokens} tokens. Please reduce the "
+                "length of the input (or set truncate_prompt_tokens)."
+            )
 
     def _check_prompt_fits(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens >= self.max_model_len:

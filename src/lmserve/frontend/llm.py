@@ -8,13 +8,16 @@ from typing import Any, Self
 
 from lmserve.config import DEFAULT_MODEL, make_engine_config
 from lmserve.engine.core import EngineCore
+from lmserve.engine.request import Request
 from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids
 from lmserve.generation_config import default_sampling
-from lmserve.models import resolve_model
-from lmserve.outputs import RequestOutput
+from lmserve.models import read_config_dict, resolve_model
+from lmserve.outputs import PoolingOutput, RequestOutput
 from lmserve.plan.layout import check_layout
+from lmserve.pooling_config import is_pooling_model, load_pooling_config
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import check_structured_outputs
 
@@ -116,6 +119,39 @@ class LLM:
             for conv in conversations  # type: ignore[arg-type]
         ]
         return self.generate(ids, sampling_params)
+
+    def embed(self, prompts: Prompt | dict | Sequence[Prompt | dict],
+              pooling_params: PoolingParams | None = None) -> list[PoolingOutput]:
+        """Each prompt's pooled vector (an embedding model, vLLM's LLM.embed), in prompt order, in one continuous
+        batch. Texts are tokenized with the model's special tokens, as the server's /v1/embeddings does."""
+        source = resolve_model(self.config.model.model)
+        if not is_pooling_model(source):
+            raise ValueError(f"the model {self.config.model.model!r} generates text: it has no embeddings")
+        params = pooling_params or PoolingParams()
+        if params.dimensions is not None:
+            pooling, size = load_pooling_config(source), int(read_config_dict(source)["hidden_size"])
+            if not pooling.accepts_dimensions(params.dimensions, size):
+                raise ValueError(f"invalid pooling parameter dimensions={params.dimensions}: the model declares "
+                                 f"{list(pooling.matryoshka_dimensions) or 'no'} Matryoshka dimensions")
+        if isinstance(prompts, str | dict) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        added: list[tuple[str, list[int]]] = []
+        try:
+            for prompt in prompts:  # type: ignore[union-attr]
+                processed = self.input_processor.tokenize(plain_prompt(prompt), pooling=True,
+                                                          truncate_to=params.truncate_prompt_tokens)
+                request_id = f"embed-{next(self._ids)}"
+                self.engine.add_request(Request(request_id, processed.token_ids, SamplingParams(max_tokens=1),
+                                                pooling_params=params))
+                added.append((request_id, processed.token_ids))
+        except Exception:
+            self.engine.abort_requests([request_id for request_id, _ in added])  # one bad prompt fails the call
+            raise
+        vectors: dict[str, bytes] = {}
+        while self.engine.has_unfinished_requests():
+            vectors.update((o.request_id, o.pooled) for o in self.engine.step() if o.pooled is not None)
+        return [PoolingOutput(request_id, token_ids, vectors[request_id]) for request_id, token_ids in added]
 
     def stream(self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields text deltas of one request as the engine produces them."""

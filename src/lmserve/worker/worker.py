@@ -9,14 +9,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmserve.config import EngineConfig, PlacementConfig, cpu_share
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import destroy_parallel_groups, init_parallel_groups
+from lmserve.models import resolve_model
+from lmserve.pooling_config import is_pooling_model
 from lmserve.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from lmserve.worker.model_runner import ModelRunner, resolve_device
+
+if TYPE_CHECKING:
+    from lmserve.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +52,25 @@ class Worker:
             if shared and self.local_rank == 0 and parallel_config.data_parallel_rank == parallel_config.local_replicas.start:
                 logger.warning(shared)
         self.parallel = init_parallel_groups(self.layout, init_method, device)
-        self.runner = ModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
-                                  scheduler_config=config.scheduler,
-                                  expert_parallel=parallel_config.enable_expert_parallel)
+        # An encoder makes this a pooling runner (vLLM's --runner pooling, chosen from the model as vLLM does).
+        self.runner: ModelRunner | PoolingModelRunner
+        if is_pooling_model(resolve_model(config.model.model)):
+            from lmserve.worker.pooling_runner import PoolingModelRunner  # only an encoder's engine needs it
+
+            self.runner = PoolingModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
+                                             scheduler_config=config.scheduler)
+        else:
+            self.runner = ModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
+                                      scheduler_config=config.scheduler,
+                                      expert_parallel=parallel_config.enable_expert_parallel)
 
     @property
     def info(self) -> WorkerInfo:
         runner = self.runner
         return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
                           prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups,
-                          layer_program=runner.layer_program)
+                          layer_program=runner.layer_program,
+                          runner=getattr(runner, "runner", "generate"))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)

@@ -1,0 +1,117 @@
+"""How an embedding model turns its hidden states into one vector, as its files say (no torch).
+
+A sentence-transformers directory lists its modules in `modules.json`: the transformer, a Pooling module whose
+`config.json` names the pooling (mean, CLS token, last token, max), and an optional Normalize module. A directory
+without those files is pooled as vLLM pools a bare encoder: CLS token, normalised. `dimensions` are the Matryoshka
+sizes the model declares in config.json (`matryoshka_dimensions`, or `is_matryoshka` for any size), as vLLM reads them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmserve.models import ModelSource, read_config_dict
+
+POOLING_TYPES = ("mean", "cls", "last", "max")
+# sentence-transformers' Pooling config keys -> lmserve's pooling names (its own precedence: CLS, max, mean, last).
+_ST_POOLING_KEYS = (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
+                    ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_lasttoken", "last"))
+_NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
+_POOLING_MODULE = "sentence_transformers.models.Pooling"
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    pooling: str = "cls"  # one of POOLING_TYPES
+    normalize: bool = True
+    # Matryoshka sizes the model was trained for: () none (a `dimensions` request is refused), ("any",) any size.
+    matryoshka_dimensions: tuple[int, ...] = field(default_factory=tuple)
+    any_dimensions: bool = False
+    # "embed": a vector per text (/v1/embeddings); "score": a cross-encoder's relevance per pair (/v1/rerank, /v1/score).
+    task: str = "embed"
+    # sentence_bert_config.json's max_seq_length: the length the model was trained for, which sentence-transformers
+    # cuts every text to; the server's max_model_len (as vLLM takes it). None: the model's positions decide.
+    max_seq_length: int | None = None
+
+    def accepts_dimensions(self, dimensions: int, hidden_size: int) -> bool:
+        if not 1 <= dimensions <= hidden_size:
+            return False
+        return self.any_dimensions or dimensions in self.matryoshka_dimensions
+
+
+def _st_modules(directory: Path) -> list[dict[str, Any]] | None:
+    path = directory / "modules.json"
+    if not path.is_file():
+        return None
+    modules = json.loads(path.read_text())
+    if not isinstance(modules, list):
+        raise ValueError(f"{path}: expected a list of modules")  # noqa: TRY004 - a bad model file, as any other
+    return modules
+
+
+def _st_pooling(directory: Path, module: dict[str, Any]) -> str:
+    path = directory / str(module.get("path", "")) / "config.json"
+    settings = json.loads(path.read_text())
+    if isinstance(settings.get("pooling_mode"), str):  # newer sentence-transformers write the name itself
+        name = {"lasttoken": "last", "max_tokens": "max", "mean_tokens": "mean"}.get(settings["pooling_mode"],
+                                                                                    settings["pooling_mode"])
+        if name in POOLING_TYPES:
+            return name
+    chosen = [name for key, name in _ST_POOLING_KEYS if settings.get(key)]
+    others = [key for key in ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+              if settings.get(key)]
+    # sentence-transformers concatenates the vectors of several modes; no model people serve asks for that.
+    if len(chosen) != 1 or others:
+        raise ValueError(f"{path}: lmserve runs one pooling mode of {', '.join(POOLING_TYPES)}; this asks for "
+                         f"{', '.join(chosen + others) or 'none'}")
+    return chosen[0]
+
+
+# llama.cpp's enum llama_pooling_type, which a GGUF header writes as ARCH.pooling_type (rank: a reranker's head).
+GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
+def load_pooling_config(source: ModelSource) -> PoolingConfig:
+    """The model's pooling: sentence-transformers' modules in an HF directory, the header's pooling_type in a GGUF
+    (normalised, as llama.cpp's embeddings are by default)."""
+    config = read_config_dict(source)
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        return PoolingConfig("cls", normalize=False, task="score")  # the [CLS] row through the classifier head
+    dims = config.get("matryoshka_dimensions") or ()
+    matryoshka = tuple(int(d) for d in dims) if isinstance(dims, list) else ()
+    any_dims = bool(config.get("is_matryoshka")) and not matryoshka
+    if source.kind != "hf":
+        pooling = GGUF_POOLING_TYPES.get(int(config.get("pooling_type", 2)))
+        if pooling is None:
+            raise ValueError(f"{source.path}: pooling_type {config.get('pooling_type')} is not one lmserve runs "
+                             f"(llama.cpp's {', '.join(f'{k} {v}' for k, v in GGUF_POOLING_TYPES.items())})")
+        return PoolingConfig(pooling, True, matryoshka, any_dims)
+    modules = _st_modules(source.path)
+    if modules is None:
+        return PoolingConfig("cls", True, matryoshka, any_dims)
+    max_seq_length = _st_max_seq_length(source.path)
+    kinds = [str(m.get("type", "")) for m in modules]
+    unknown = [k for k in kinds if k.startswith("sentence_transformers.models.") and k not in (
+        _POOLING_MODULE, _NORMALIZE_MODULE, "sentence_transformers.models.Transformer")]
+    if unknown:
+        raise ValueError(f"{source.path}/modules.json: lmserve does not run the module(s) {', '.join(unknown)}")
+    pooling = next((_st_pooling(source.path, m) for m in modules if m.get("type") == _POOLING_MODULE), "cls")
+    return PoolingConfig(pooling, _NORMALIZE_MODULE in kinds, matryoshka, any_dims, max_seq_length=max_seq_length)
+
+
+def _st_max_seq_length(directory: Path) -> int | None:
+    path = directory / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_seq_length")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def is_pooling_model(source: ModelSource) -> bool:
+    """Whether the model is an encoder the server runs as a pooling runner (config.POOLING_MODEL_TYPES)."""
+    from lmserve.config import POOLING_MODEL_TYPES
+
+    return read_config_dict(source).get("model_type") in POOLING_MODEL_TYPES

@@ -1,0 +1,137 @@
+"""The runner of a pooling model (an encoder: BERT): each scheduled request is a whole prompt, and the step returns
+one pooled vector per request instead of a sampled token.
+
+Why no paged KV cache here: an encoder's attention is bidirectional, so a request is computed in one forward pass over
+its whole prompt and its K/V are never read again (no decode follows, and a prefix's K/V depend on the tokens after
+it, so the prefix cache could never reuse them either). Writing them into pool blocks only to free them after the step
+would cost memory bandwidth and a share of the pool for nothing: the runner keeps K/V inside the forward pass, holds
+no block pool, and the scheduler allocates no block for a pooling request (engine/scheduler.py, _admit_pooling). The
+token budget, max_num_seqs, queues, aborts and timelines are the same as for generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
+from lmserve.distributed.layout import RankLayout
+from lmserve.distributed.parallel_state import ParallelGroups
+from lmserve.models import load_model_config, resolve_model
+from lmserve.pooling_config import load_pooling_config
+from lmserve.step import ModelRunnerOutput, SchedulerOutput
+from lmserve.worker.loader import load_weights
+from lmserve.worker.model_runner import resolve_device, resolve_dtype
+from lmserve.worker.models.bert import BertCrossEncoder, BertModel
+from lmserve.worker.models.layers import NUMPY_BLAS
+from lmserve.worker.models.nomic_bert import NomicBertModel
+from lmserve.worker.placement import apply_placement
+from lmserve.worker.pooler import pool
+
+logger = logging.getLogger(__name__)
+
+
+class PoolingModelRunner:
+    """ModelRunner's interface (execute, and what WorkerInfo reads) for an encoder."""
+
+    runner = "pooling"
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 placement: PlacementConfig | None = None, parallel: ParallelGroups | None = None,
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        self.parallel = parallel or ParallelGroups(RankLayout(0))
+        self.layout = self.parallel.layout
+        if self.layout.world_size > 1:
+            raise ValueError("an embedding model runs on one rank: --tensor-parallel-size and "
+                             "--pipeline-parallel-size must be 1 (use --data-parallel-size for more throughput)")
+        if model_config.quantization not in (None, "auto", "none"):
+            raise ValueError(f"--quantization {model_config.quantization} is not supported for embedding models: "
+                             "they run float weights")
+        started = time.perf_counter()
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        if self.device.type == "cpu":
+            # float32 products through NumPy's BLAS (layers.Linear), as the decoders' runner does: measured on 4
+            # prompts of 300 tokens of nomic-embed-text, 15 s against 24-29 s with torch's (2026-12-07, an AVX2 EPYC
+            # under a load of 10 from other jobs: the ratio, not the times); torch then keeps one thread.
+            apply_placement(placement or PlacementConfig(),
+                            blas_does_matmuls=self.dtype == torch.float32 and NUMPY_BLAS)
+        source = resolve_model(model_config.model)
+        self.hf_config = load_model_config(source)
+        native_len = int(self.hf_config.max_position_embeddings)
+        self.pooling = load_pooling_config(source)
+        # Learned positions end at native_len; a sentence-transformers model was trained up to its max_seq_length
+        # (vLLM takes it as the default length too). A longer input is a 400, or cut with truncate_prompt_tokens.
+        default_len = min(native_len, self.pooling.max_seq_length or native_len)
+        self.max_model_len = min(model_config.max_model_len or default_len, native_len)
+        torch.manual_seed(model_config.seed)
+        if self.hf_config.model_type == "nomic_bert":
+            if source.kind != "gguf":
+                raise ValueError(f"{source.path}: nomic-bert runs from GGUF files (llama.cpp's tensor names); its "
+                                 "Hugging Face checkpoints need remote code")
+            if getattr(self.hf_config, "is_causal", False):
+                raise ValueError(f"{source.path}: a causal nomic-bert is not an encoder lmserve runs")
+            model: BertModel | BertCrossEncoder | NomicBertModel = NomicBertModel(self.hf_config)
+            model.load_gguf(source.path)
+            model.to(device=self.device, dtype=self.dtype)
+        elif source.kind == "gguf":
+            raise ValueError(f"{source.path}: BERT runs from Hugging Face directories (sentence-transformers' layout); "
+                             "its GGUF files are not read yet")
+        else:
+            model = BertCrossEncoder(self.hf_config) if self.pooling.task == "score" else BertModel(self.hf_config)
+            model.to(device=self.device, dtype=self.dtype)
+            model.load_weights(load_weights(source, self.dtype))
+        self.model = model.eval()
+        self.vocab_size = self.hf_config.vocab_size
+        self.hidden_size = self.hf_config.hidden_size
+        # What WorkerInfo reads of a runner: no block pool, nothing computed apart, no layer program, no transfer.
+        self.num_blocks = 0
+        self.kv_bytes_per_block = 0
+        self.kv_groups = None
+        self.prompt_copies = False
+        self.layer_program = "encoder from Python (no KV cache)"
+        self.kv_connector = None
+        self.quantization = "none"
+        logger.info("loaded %s (%s encoder, %s pooling%s, %s, %s) in %.1fs", source.name,
+                    self.hf_config.model_type, self.pooling.pooling, ", normalised" if self.pooling.normalize else "",
+                    self.dtype, self.device, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def embed(self, prompts: list[list[int]], dimensions: list[int | None] | None = None,
+              second_segments: list[int | None] | None = None) -> list[torch.Tensor]:
+        """The pooled vectors of whole prompts, in one forward pass (a cross-encoder's: its relevance, one value).
+        second_segments: per prompt, where its second text starts (token type 1), or None."""
+        seq_lens = [len(p) for p in prompts]
+        input_ids = torch.as_tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        positions_np = np.concatenate([np.arange(n) for n in seq_lens])
+        positions = torch.as_tensor(positions_np, device=self.device)
+        token_types = None
+        if second_segments is not None and any(s is not None for s in second_segments):
+            starts = np.repeat([n if s is None else s for s, n in zip(second_segments, seq_lens, strict=True)],
+                               seq_lens)
+            token_types = torch.as_tensor((positions_np >= starts).astype(np.int64), device=self.device)
+        if isinstance(self.model, BertCrossEncoder):
+            hidden = self.model.bert(input_ids, positions, seq_lens, token_types)
+            return list(self.model.scores(hidden, seq_lens))
+        hidden = self.model(input_ids, positions, seq_lens, token_types) if token_types is not None \
+            else self.model(input_ids, positions, seq_lens)
+        return pool(hidden, seq_lens, self.pooling, dimensions or [None] * len(prompts))
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        for s in scheduled:
+            if s.pooling_params is None or s.start_position != 0:
+                raise RuntimeError(f"request {s.request_id!r} is not a whole pooling prompt: an encoder computes "
+                                   "each request in one step")
+        vectors = self.embed([s.token_ids for s in scheduled], [s.pooling_params.dimensions for s in scheduled],
+                             [s.pooling_params.second_segment_start for s in scheduled])
+        return ModelRunnerOutput(sampled_token_ids={}, pooled={
+            s.request_id: v.cpu().numpy().astype("<f4").tobytes() for s, v in zip(scheduled, vectors, strict=True)})
+
+    def expert_load(self) -> dict[str, list[int]]:
+        return {}
