@@ -15,6 +15,7 @@ from lmserve.config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    EngineConfig,
     add_engine_args,
     add_model_argument,
     engine_kwargs,
@@ -90,6 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.parallel.data_parallel_start_rank and not args.headless:
         raise ValueError(f"--data-parallel-start-rank {config.parallel.data_parallel_start_rank}: machines other "
                          "than the front-end's run only their replicas; add --headless")
+    more_models = pooling_models(args)
+    if more_models and args.headless:
+        raise ValueError("--embedding-model and --rerank-model are served by the front-end's machine: not with "
+                         "--headless")
     if args.headless:
         from lmserve.headless import run_headless
 
@@ -105,10 +110,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser),
         allowed_origins=args.allowed_origins, engine_death_grace=engine_death_grace, **http_limits(args),
+        more_models=more_models,
     ))
     from lmserve.process_exit import exit_closed
 
     exit_closed(code)  # serve() stopped the engine and closed the sockets: the interpreter's teardown adds nothing
+
+
+# The chat model's engine settings that an embedding model or reranker served beside it takes too; the rest (its
+# tokenizer, length, quantization, layout, speculative decoding, memory and CPUs) are the chat model's own.
+SHARED_ENGINE_SETTINGS = ("dtype", "device", "seed", "block_size", "enforce_eager", "attention_backend",
+                          "max_num_batched_tokens", "max_num_seqs", "scheduling_policy")
+
+
+def pooling_models(args: argparse.Namespace) -> list[tuple[EngineConfig, str | None]]:
+    """The engine configs and served names of --embedding-model and --rerank-model (each its own engine process,
+    with the KV memory and CPUs of the --pooling-* flags)."""
+    from lmserve.config import make_engine_config
+    from lmserve.config_values import cpus_not_here, parse_cpus
+
+    found = [(flag, model, name) for flag, model, name in (
+        ("--embedding-model", args.embedding_model, args.embedding_model_name),
+        ("--rerank-model", args.rerank_model, args.rerank_model_name)) if model]
+    if not found:
+        return []
+    shared = {flat: value for flat, value in engine_kwargs(args).items() if flat in SHARED_ENGINE_SETTINGS}
+    if problem := cpus_not_here(parse_cpus(args.pooling_engine_cpus)):
+        raise ValueError(f"--pooling-engine-cpus: {problem}")
+    for flag, model, _ in found:
+        _check_pooling_task(flag, model)
+    return [(make_engine_config(model, **shared, kv_cache_memory=args.pooling_kv_cache_memory,
+                                engine_threads=args.pooling_engine_threads, engine_cpus=args.pooling_engine_cpus),
+             name) for _, model, name in found]
+
+
+def _check_pooling_task(flag: str, model: str) -> None:
+    """An embedding model for --embedding-model, a cross-encoder for --rerank-model: told before any engine starts."""
+    from lmserve.models import resolve_model
+    from lmserve.pooling_config import is_pooling_model, load_pooling_config
+
+    source = resolve_model(model)
+    task = load_pooling_config(source).task if is_pooling_model(source) else "generate"
+    wanted = "embed" if flag == "--embedding-model" else "score"
+    if task != wanted:
+        what = {"generate": "a generative model (serve it as the chat model)", "embed": "an embedding model",
+                "score": "a reranker (a cross-encoder)"}[task]
+        raise ValueError(f"{flag} {model}: this is {what}")
 
 
 def http_limits(args: argparse.Namespace) -> dict[str, float | int]:
@@ -214,6 +261,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
                           "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
+    models = srv.add_argument_group(
+        "more models", "serve an embedding model and a reranker beside the chat model, each in an engine process of "
+        "its own; a request's `model` picks one (docs/embeddings.md)")
+    models.add_argument("--embedding-model", default=None, metavar="MODEL",
+                        help="an embedding model for /v1/embeddings (a sentence-transformers directory or GGUF)")
+    models.add_argument("--embedding-model-name", default=None, metavar="NAME",
+                        help="its name in the API (default: the --embedding-model argument)")
+    models.add_argument("--rerank-model", default=None, metavar="MODEL",
+                        help="a reranker (cross-encoder) for /v1/rerank and /v1/score")
+    models.add_argument("--rerank-model-name", default=None, metavar="NAME",
+                        help="its name in the API (default: the --rerank-model argument)")
+    models.add_argument("--pooling-kv-cache-memory", default="512MiB", metavar="SIZE",
+                        help="KV memory of each of these models' engines, e.g. 512MiB (default: %(default)s; the "
+                             "chat model's is --kv-cache-memory)")
+    models.add_argument("--pooling-engine-threads", type=_positive_int, default=None, metavar="N",
+                        help="compute threads of each of these models' engines (default: one per CPU it may use)")
+    models.add_argument("--pooling-engine-cpus", default=None, metavar="CPUS",
+                        help="CPUs these models' engines run on, e.g. '6-7' (default: all; give the chat model "
+                             "--engine-cpus apart from them so that the engines do not compete)")
     srv.add_argument("--headless", action="store_true",
                      help="on machines other than the front-end's: run only this machine's ranks (--nnodes, "
                           "--node-rank; node 0's engine configures them) or data-parallel replicas "

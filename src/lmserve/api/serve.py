@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Sequence
 
 from lmserve.api.tool_parsers import ToolConfig
 from lmserve.config import (
@@ -87,9 +88,14 @@ async def serve(
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY,
+    more_models: Sequence[tuple[EngineConfig, str | None]] = (),
 ) -> int:
     """Runs until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1, `engine_death_grace` seconds
-    later) or the address cannot be bound (exit code 1)."""
+    later) or the address cannot be bound (exit code 1).
+
+    `more_models`: other models to serve beside `config`'s (--embedding-model, --rerank-model), each in an engine
+    process of its own, named by its served name (None: its model argument). Then one dead engine fails its own model's requests (503) and
+    /health, and the others go on serving; the server exits once every engine is dead."""
     try:
         listening = bind_listening_socket(host, port)
     except PortUnavailable as exc:
@@ -98,10 +104,21 @@ async def serve(
     first_name = served_model_name[0] if isinstance(served_model_name, list) else served_model_name
     llm = AsyncLLM(config, served_model_name=first_name, log_level=log_level.upper(),
                    max_queued_requests=max_queued_requests)
+    others: list[AsyncLLM] = []
+    try:
+        # Each model's engine process loads its weights while the next one starts.
+        for other, name in more_models:
+            others.append(AsyncLLM(other, served_model_name=name, log_level=log_level.upper(),
+                                   max_queued_requests=max_queued_requests))
+    except BaseException:
+        for started in (llm, *others):
+            await started.shutdown()
+        raise
     if api_cpus:
-        # After the engine process has started: it keeps its own placement (config.placement).
+        # After the engine processes have started: they keep their own placement (config.placement).
         os.sched_setaffinity(0, api_cpus)
-    llm.start()
+    for started in (llm, *others):
+        started.start()
     # The web stack only now, with the engine process already loading the model: its imports (FastAPI, uvicorn, the
     # API's schemas, ~1 s) overlap the engine's start-up instead of delaying it.
     import uvicorn
@@ -111,7 +128,7 @@ async def serve(
 
     app = build_app(llm, api_key=api_key, served_model_name=served_model_name, request_log=request_log,
                     max_request_body_bytes=max_request_body_bytes, tools=tools, allowed_origins=allowed_origins,
-                    body_timeout=body_timeout)
+                    body_timeout=body_timeout, more_models=others)
     server = uvicorn.Server(
         uvicorn_config(app, header_timeout=header_timeout, limit_concurrency=limit_concurrency, host=host, port=port,
                        log_level=log_level, timeout_graceful_shutdown=3)
@@ -119,22 +136,30 @@ async def serve(
     app.state.is_shutting_down = lambda: server.should_exit  # long-lived streams (the dashboard) end on it
     exit_code = 0
 
+    engines = [llm, *others]
+
     def on_engine_dead() -> None:
         nonlocal exit_code
         if server.should_exit:
             return  # already stopping: a SIGTERM to the process group reached the engine too
+        if not all(engine.errored for engine in engines):
+            dead = [engine.model_name for engine in engines if engine.errored]
+            logger.error("the engine of %s died: its requests and /health answer 503; the other models go on "
+                         "serving", ", ".join(map(repr, dead)))
+            return
         exit_code = 1
         asyncio.get_running_loop().call_later(engine_death_grace, setattr, server, "should_exit", True)
 
-    llm.on_engine_dead = on_engine_dead
+    for engine in engines:
+        engine.on_engine_dead = on_engine_dead
     try:
         await server.serve(sockets=[listening])
     except ShutdownRequested:
         pass
     finally:
-        await llm.shutdown()
+        await asyncio.gather(*(engine.shutdown() for engine in engines))
         app.state.recorder.close()
         listening.close()
     if exit_code:
-        logger.error("exiting because the engine died: %s", llm.dead_reason)
+        logger.error("exiting because the engine died: %s", "; ".join(engine.dead_reason for engine in engines))
     return exit_code

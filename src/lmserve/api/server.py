@@ -41,26 +41,34 @@ from lmserve.api.protocol import (
 )
 from lmserve.api.responses import ResponsesRequest
 from lmserve.api.scoring import RerankRequest, ScoreRequest, create_rerank, create_score
+from lmserve.api.served_models import ServedModels, Task
 from lmserve.api.serving import OpenAIServing, ToolConfig
 from lmserve.api.sse import json_response
 from lmserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from lmserve.frontend.engine_client import EngineClient
-from lmserve.frontend.errors import EngineDeadError, EngineNotReadyError
+from lmserve.metrics.prometheus import merged_registry
 from lmserve.metrics.recorder import StatsRecorder
+from lmserve.metrics.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
 
 def _serving(request: Request) -> OpenAIServing:
+    """The primary model's serving (the only one, unless --embedding-model or --rerank-model add others)."""
     return request.app.state.serving
 
 
+def _models(request: Request) -> ServedModels:
+    return request.app.state.models
+
+
+def _route(request: Request, model: str | None, task: Task | None = None) -> OpenAIServing:
+    """The serving the request's `model` names (api/served_models.py)."""
+    return _models(request).pick(model, task)
+
+
 def require_engine_ready(request: Request) -> None:
-    client = _serving(request).client
-    if client.errored:
-        raise EngineDeadError("the engine process has died; restart the server")
-    if not client.is_ready:
-        raise EngineNotReadyError("the engine is still starting; retry shortly")
+    _models(request).check_any_ready()
 
 
 v1 = APIRouter(prefix="/v1", route_class=ErrorMappingRoute, dependencies=[Depends(require_engine_ready)])
@@ -72,19 +80,19 @@ messages_api = APIRouter(prefix="/v1", route_class=AnthropicErrorRoute, dependen
 @v1.post("/completions")
 async def completions(raw: Request) -> Response:
     req = await parse_body(raw, CompletionRequest, raw.app.state.max_request_body_bytes)
-    return await _serving(raw).create_completion(req, raw)
+    return await _route(raw, req.model, "generate").create_completion(req, raw)
 
 
 @v1.post("/chat/completions")
 async def chat_completions(raw: Request) -> Response:
     req = await parse_body(raw, ChatCompletionRequest, raw.app.state.max_request_body_bytes)
-    return await _serving(raw).create_chat_completion(req, raw)
+    return await _route(raw, req.model, "generate").create_chat_completion(req, raw)
 
 
 @v1.post("/responses")
 async def responses(raw: Request) -> Response:
     req = await parse_body(raw, ResponsesRequest, raw.app.state.max_request_body_bytes)
-    return await _serving(raw).create_response(req, raw)
+    return await _route(raw, req.model, "generate").create_response(req, raw)
 
 
 @v1.get("/responses/{response_id}")
@@ -96,19 +104,19 @@ async def get_response(response_id: str) -> Response:
 @messages_api.post("/messages")
 async def messages(raw: Request) -> Response:
     req = await parse_body(raw, MessagesRequest, raw.app.state.max_request_body_bytes)
-    return await _serving(raw).create_message(req, raw)
+    return await _route(raw, req.model, "generate").create_message(req, raw)
 
 
 @messages_api.post("/messages/count_tokens")
 async def count_message_tokens(raw: Request) -> Response:
     req = await parse_body(raw, CountTokensRequest, raw.app.state.max_request_body_bytes)
-    return JSONResponse(await asyncio.to_thread(_serving(raw).count_message_tokens, req))
+    return JSONResponse(await asyncio.to_thread(_route(raw, req.model, "generate").count_message_tokens, req))
 
 
 @v1.post("/embeddings")
 async def embeddings(raw: Request) -> Response:
     req = await parse_body(raw, EmbeddingRequest, raw.app.state.max_request_body_bytes)
-    serving = _serving(raw)
+    serving = _route(raw, req.model, "embed")
     serving.check_model(req.model)
     return await create_embedding(serving.client, serving.model_name, serving.recorder, req, raw)
 
@@ -117,7 +125,7 @@ async def embeddings(raw: Request) -> Response:
 async def rerank(raw: Request) -> Response:
     """Jina's and Cohere's rerank shape (vLLM's /v1/rerank, llama.cpp's /rerank): api/scoring.py."""
     req = await parse_body(raw, RerankRequest, raw.app.state.max_request_body_bytes)
-    serving = _serving(raw)
+    serving = _route(raw, req.model, "score")
     serving.check_model(req.model)
     return await create_rerank(serving.client, serving.model_name, serving.recorder, req, raw)
 
@@ -132,7 +140,7 @@ async def rerank_unversioned(raw: Request) -> Response:
 async def score(raw: Request) -> Response:
     """vLLM's /v1/score: text_1 against text_2 on a cross-encoder."""
     req = await parse_body(raw, ScoreRequest, raw.app.state.max_request_body_bytes)
-    serving = _serving(raw)
+    serving = _route(raw, req.model, "score")
     serving.check_model(req.model)
     return await create_score(serving.client, serving.model_name, serving.recorder, req, raw)
 
@@ -142,7 +150,7 @@ async def infill(raw: Request) -> Response:
     """llama.cpp's fill-in-the-middle endpoint (llama.vscode, llama.vim): api/fim.py."""
     require_engine_ready(raw)
     req = await parse_body(raw, InfillRequest, raw.app.state.max_request_body_bytes)
-    return await _serving(raw).create_infill(req, raw)
+    return await _route(raw, req.model, "generate").create_infill(req, raw)
 
 
 @plain.post("/tokenize")
@@ -150,36 +158,36 @@ async def tokenize(raw: Request) -> Response:
     require_engine_ready(raw)
     req = await parse_body(raw, TokenizeRequest, raw.app.state.max_request_body_bytes)
     # Messages go through the chat template (Python): on a worker thread, as a chat request's do.
-    return json_response(await asyncio.to_thread(_serving(raw).tokenize, req))
+    return json_response(await asyncio.to_thread(_route(raw, req.model).tokenize, req))
 
 
 @plain.post("/detokenize")
 async def detokenize(raw: Request) -> Response:
     require_engine_ready(raw)
     req = await parse_body(raw, DetokenizeRequest, raw.app.state.max_request_body_bytes)
-    return json_response(_serving(raw).detokenize(req))
+    return json_response(_route(raw, req.model).detokenize(req))
 
 
 @v1.get("/models")
 async def models(raw: Request) -> Response:
-    serving = _serving(raw)
-    cards = [ModelCard(id=name, max_model_len=serving.client.max_model_len) for name in serving.model_names]
+    cards = [ModelCard(id=name, max_model_len=serving.client.max_model_len)
+             for serving in _models(raw) for name in serving.model_names]
     return json_response(ModelList(data=cards))
 
 
 @v1.get("/models/{model_id:path}")
 async def model(raw: Request, model_id: str) -> Response:
     """OpenAI's retrieve-model (`client.models.retrieve(name)`): one served name's card."""
-    serving = _serving(raw)
-    if model_id not in serving.model_names:
+    serving = _models(raw).by_name.get(model_id)
+    if serving is None:
         raise ModelNotFoundError(f"the model {model_id!r} does not exist; this server serves "
-                                 f"{', '.join(map(repr, serving.model_names))}")
+                                 f"{', '.join(map(repr, _models(raw).names))}")
     return json_response(ModelCard(id=model_id, max_model_len=serving.client.max_model_len))
 
 
 @plain.get("/health")
 async def health(raw: Request) -> Response:
-    require_engine_ready(raw)
+    _models(raw).check_all_ready()  # with several models: healthy only while every engine is
     return Response(status_code=200)
 
 
@@ -196,24 +204,33 @@ async def version() -> Response:
 
 @plain.get("/metrics")
 async def metrics(raw: Request) -> Response:
-    serving = _serving(raw)
-    prometheus = serving.recorder.prometheus
-    try:
-        stats = await serving.client.get_stats()
-    except Exception as exc:  # noqa: BLE001 - a dead engine must not break the scrape; /health reports it
-        logger.debug("get_stats failed during a scrape: %r", exc)
-        stats = {}
-    # Engine clients that do not count aborts get this server's own count (client disconnects, failures).
-    stats.setdefault("num_requests_aborted", serving.num_requests_aborted)
-    prometheus.engine.stats = stats
-    return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+    """Every model's series, told apart by their model_name label (as vLLM labels them)."""
+    for serving in _models(raw):
+        try:
+            stats = await serving.client.get_stats()
+        except Exception as exc:  # noqa: BLE001 - a dead engine must not break the scrape; /health reports it
+            logger.debug("get_stats failed during a scrape: %r", exc)
+            stats = {}
+        # Engine clients that do not count aborts get this server's own count (client disconnects, failures).
+        stats.setdefault("num_requests_aborted", serving.num_requests_aborted)
+        serving.recorder.prometheus.engine.stats = stats
+    return Response(generate_latest(raw.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @plain.get("/debug/engine")
 async def debug_engine(raw: Request) -> Response:
-    """Engine counters; `?request_id=ID` (repeatable) adds each request's computed positions and status."""
+    """Engine counters; `?request_id=ID` (repeatable) adds each request's computed positions and status;
+    `?model=NAME` another served model's engine (default: the primary one)."""
     request_ids = raw.query_params.getlist("request_id")
-    return JSONResponse(await _serving(raw).client.get_stats(request_ids))
+    serving = _route(raw, raw.query_params.get("model"))
+    return JSONResponse(await serving.client.get_stats(request_ids))
+
+
+def _serving_of(client: EngineClient, model_name: str, aliases: Sequence[str], tools: ToolConfig | None,
+                request_log: str | RequestLog | None) -> OpenAIServing:
+    recorder = StatsRecorder(model_name, request_log)
+    client.on_step = recorder.on_step
+    return OpenAIServing(client, model_name, recorder, tools, aliases=aliases)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -225,17 +242,22 @@ def build_app(
     client: EngineClient, api_key: str | None = None, served_model_name: str | Sequence[str] | None = None,
     request_log: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tools: ToolConfig | None = None, allowed_origins: Sequence[str] | None = None,
-    body_timeout: float = BODY_TIMEOUT_S,
+    body_timeout: float = BODY_TIMEOUT_S, more_models: Sequence[EngineClient] = (),
 ) -> FastAPI:
+    """`more_models`: the engine clients of the other models this server serves (--embedding-model,
+    --rerank-model), each by its own model_name; `client` is the primary model."""
     app = FastAPI(title="lmserve", version=__version__)
     app.state.max_request_body_bytes = max_request_body_bytes
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     model_name = names[0] if names else client.model_name
-    recorder = StatsRecorder(model_name, request_log)
-    client.on_step = recorder.on_step
-    serving = OpenAIServing(client, model_name, recorder, tools, aliases=names[1:])
-    app.state.serving = serving
-    app.state.recorder = recorder
+    servings = [_serving_of(client, model_name, names[1:], tools, request_log)]
+    # One request log for all: each line names its model.
+    servings += [_serving_of(other, other.model_name, (), tools, servings[0].recorder.request_log)
+                 for other in more_models]
+    app.state.models = ServedModels(servings)
+    app.state.serving = servings[0]
+    app.state.recorder = servings[0].recorder
+    app.state.metrics_registry = merged_registry([s.recorder.prometheus.registry for s in servings])
     app.include_router(messages_api)
     app.include_router(v1)
     app.include_router(plain)

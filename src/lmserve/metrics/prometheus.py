@@ -7,7 +7,7 @@ docs/metrics.md says what each one measures, between which timeline stamps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -176,3 +176,31 @@ class PrometheusMetrics:
                 histogram.observe(value)
         for gap in timeline.inter_token_latencies:
             self.itl.observe(gap)
+
+
+class MergedRegistries:
+    """Several models' registries as one scrape: a family that more than one model has (every `lmserve:` series)
+    once, with each model's samples under its own model_name label; Prometheus' text format allows a family once."""
+
+    def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
+        self.registries = list(registries)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                known = families.get(family.name)
+                if known is None:
+                    families[family.name] = family  # collect() builds each family afresh: ours to extend
+                else:
+                    known.samples.extend(family.samples)
+        yield from families.values()
+
+
+def merged_registry(registries: Sequence[CollectorRegistry]) -> CollectorRegistry:
+    """One registry to scrape: the only one, or the models' merged (MergedRegistries)."""
+    if len(registries) == 1:
+        return registries[0]
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(MergedRegistries(registries))
+    return merged

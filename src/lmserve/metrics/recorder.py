@@ -17,9 +17,11 @@ RECENT_STEPS = 2048
 
 
 class StatsRecorder:
-    def __init__(self, model_name: str, request_log: str | None = None) -> None:
+    def __init__(self, model_name: str, request_log: str | RequestLog | None = None) -> None:
+        """`request_log`: a file's path, or the RequestLog of another model's recorder (one log for a server)."""
         self.prometheus = PrometheusMetrics(model_name)
-        self.request_log = RequestLog(request_log) if request_log else None
+        self.request_log = request_log if isinstance(request_log, RequestLog) or request_log is None \
+            else RequestLog(request_log) if request_log else None
         self.recent_requests: deque[RequestTimeline] = deque(maxlen=RECENT_REQUESTS)
         self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self.num_recorded = 0
