@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from embedding_models import save_tiny_bert
 
 import lmserve
 from lmserve import cli, models
@@ -168,3 +169,14 @@ def test_a_reader_that_goes_away_stops_the_command_quietly() -> None:
         os.close(write_end)
     assert done.returncode == 141, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
+def test_serve_refuses_a_model_of_the_wrong_kind_beside_the_chat_model(tiny_llama_dir: Path, tmp_path: Path,
+                                                                       capsys) -> None:
+    """--embedding-model must be an embedding model, --rerank-model a cross-encoder: one line, before any engine."""
+    bert = save_tiny_bert(tmp_path / "bert")
+    for argv, message in ((["--embedding-model", str(tiny_llama_dir)], "this is a generative model"),
+                          (["--rerank-model", str(bert)], "this is an embedding model")):
+        assert cli.main(["serve", str(tiny_llama_dir), "--port", "0", *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"lmserve: error: {argv[0]}" in err and message in err and "Traceback" not in err
