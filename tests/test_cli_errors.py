@@ -173,10 +173,13 @@ def test_a_reader_that_goes_away_stops_the_command_quietly() -> None:
 
 def test_serve_refuses_a_model_of_the_wrong_kind_beside_the_chat_model(tiny_llama_dir: Path, tmp_path: Path,
                                                                        capsys) -> None:
-    """--embedding-model must be an embedding model, --rerank-model a cross-encoder: one line, before any engine."""
+    """--embedding-model must be an embedding model, --rerank-model a cross-encoder, each with a name of its own:
+    one line, before any engine starts."""
     bert = save_tiny_bert(tmp_path / "bert")
     for argv, message in ((["--embedding-model", str(tiny_llama_dir)], "this is a generative model"),
-                          (["--rerank-model", str(bert)], "this is an embedding model")):
+                          (["--rerank-model", str(bert)], "this is an embedding model"),
+                          (["--embedding-model", str(bert), "--embedding-model-name", str(tiny_llama_dir)],
+                           "another model is served as")):
         assert cli.main(["serve", str(tiny_llama_dir), "--port", "0", *argv]) == 2
         err = capsys.readouterr().err
         assert f"lmserve: error: {argv[0]}" in err and message in err and "Traceback" not in err

@@ -137,8 +137,12 @@ def pooling_models(args: argparse.Namespace) -> list[tuple[EngineConfig, str | N
     shared = {flat: value for flat, value in engine_kwargs(args).items() if flat in SHARED_ENGINE_SETTINGS}
     if problem := cpus_not_here(parse_cpus(args.pooling_engine_cpus)):
         raise ValueError(f"--pooling-engine-cpus: {problem}")
-    for flag, model, _ in found:
+    chat_names = args.served_model_name or [engine_kwargs(args).get("model")]
+    for flag, model, name in found:
         _check_pooling_task(flag, model)
+        if (name or model) in chat_names or sum((n or m) == (name or model) for _, m, n in found) > 1:
+            raise ValueError(f"{flag} {model}: another model is served as {name or model!r}; give it "
+                             f"{flag}-name")
     return [(make_engine_config(model, **shared, kv_cache_memory=args.pooling_kv_cache_memory,
                                 engine_threads=args.pooling_engine_threads, engine_cpus=args.pooling_engine_cpus),
              name) for _, model, name in found]
