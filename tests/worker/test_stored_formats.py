@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.block_formats import held_bytes_per_weight
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
-from lmserve.gguf_file import gguf_held_bits, read_gguf_header
+from lmserve.formats.block_formats import held_bytes_per_weight
+from lmserve.formats.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker import kernel_choice
 from lmserve.worker.batched_copies import Float16WeightLinear
@@ -408,7 +408,7 @@ def test_q8_0_rows_read_back_out_of_either_kernel_layout(activations: str) -> No
 def test_a_tied_q8_0_embedding_is_held_once_and_looks_up_the_files_rows(default_source) -> None:
     """The default model ties its Q8_0 embedding to the output layer: the embedding drops its copy and reads its rows
     out of the output layer's kernel layout, which gives exactly the file's values for every token."""
-    from lmserve.gguf_file import read_gguf_header, read_gguf_tensor
+    from lmserve.formats.gguf_file import read_gguf_header, read_gguf_tensor
 
     config = load_hf_config(default_source)
     formats = kernel_formats()
@@ -454,7 +454,7 @@ def test_a_tied_table_in_another_layout_gives_its_pages_back_to_the_file(tiny_q4
     which the embedding does not read rows back from, so the table stays the file's mapping. The packing's read
     left all of it resident (183 MB of a 1.5B Qwen file); after loading, its pages are the file's again, and every
     token still looks up the file's values."""
-    from lmserve.gguf_file import read_gguf_tensor
+    from lmserve.formats.gguf_file import read_gguf_tensor
 
     source = resolve_model(str(tiny_q4_k_m_gguf))
     config, formats = load_hf_config(source), kernel_formats()

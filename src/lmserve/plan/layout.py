@@ -12,7 +12,7 @@ import logging
 from dataclasses import replace
 
 from lmserve.config import EngineConfig, ModelConfig
-from lmserve.gguf_file import gguf_held_bits
+from lmserve.formats.gguf_file import gguf_held_bits
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.plan import model_spec
 from lmserve.plan.fit import check_fits, engine_layout

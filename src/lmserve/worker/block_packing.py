@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmserve.gguf_file import dequantize_gguf_blocks
+from lmserve.formats.gguf_file import dequantize_gguf_blocks
 from lmserve.worker.kernel_choice import BLOCK_SIZE
 from lmserve.worker.stored_formats import (
     BLOCK_FORMATS,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lmserve.config import GEMMA_MODEL_TYPES
-from lmserve.gguf_file import (
+from lmserve.formats.gguf_file import (
     GGUFTensorInfo,
     ggml_type_name,
     read_gguf_blocks,

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from lmserve.block_formats import (
+from lmserve.formats.block_formats import (
     BLOCK_FORMATS,
     EXACT_INTO,
     HELD_INTO,
