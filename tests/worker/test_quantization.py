@@ -13,20 +13,12 @@ import torch
 from torch import nn
 
 from lmserve.models import DEFAULT_MODEL, resolve_model, stored_linear_format
-from lmserve.worker import batched_copies, kernel_choice, kernels
-from lmserve.worker.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear, Float16WeightLinear
-from lmserve.worker.block_packing import pack_q4_1, pack_q8_0
-from lmserve.worker.kernel_choice import (
-    AMX_BLOCK_KERNEL_MAX_ROWS,
-    BLOCK_KERNEL_MAX_ROWS,
-    BatchedPath,
-    batched_path,
-    check_quantization,
-)
+from lmserve.worker import kernels
 from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.loader import load_weights
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
+from lmserve.worker.weights import batched_copies, kernel_choice
+from lmserve.worker.weights.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear, Float16WeightLinear
+from lmserve.worker.weights.block_linear import (
     Q4_1Linear,
     Q8_0Linear,
     prepare_batched_copies,
@@ -34,6 +26,15 @@ from lmserve.worker.quantization import (
     use_batched_path,
     use_prompt_copies,
 )
+from lmserve.worker.weights.block_packing import pack_q4_1, pack_q8_0
+from lmserve.worker.weights.kernel_choice import (
+    AMX_BLOCK_KERNEL_MAX_ROWS,
+    BLOCK_KERNEL_MAX_ROWS,
+    BatchedPath,
+    batched_path,
+    check_quantization,
+)
+from lmserve.worker.weights.loader import load_weights
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -50,9 +51,9 @@ def test_auto_picks_fp16_only_where_it_runs() -> None:
 def test_auto_gives_k_quant_files_their_kernel_where_it_runs_else_fp16(tiny_kquant_gguf) -> None:
     """A Q4_K_M-like file (Q4_K and Q6_K layers, and Q2_K, Q3_K, Q5_K ones): its layers run at their stored size
     where the int16 kernels run (AVX-512 VNNI or AVX2); elsewhere float16."""
-    from lmserve.worker.kquant_formats import kernel_formats
-    from lmserve.worker.loader import stored_matrix_types
-    from lmserve.worker.stored_formats import BLOCK_FORMATS, preferred_kernel_format
+    from lmserve.worker.weights.kquants import kernel_formats
+    from lmserve.worker.weights.loader import stored_matrix_types
+    from lmserve.worker.weights.stored_formats import BLOCK_FORMATS, preferred_kernel_format
 
     assert stored_linear_format(resolve_model(str(tiny_kquant_gguf))) is None  # mixed types
     types = stored_matrix_types(resolve_model(str(tiny_kquant_gguf))).values()

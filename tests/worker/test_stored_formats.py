@@ -18,23 +18,23 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.formats.block_formats import held_bytes_per_weight
 from lmserve.formats.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker import kernel_choice
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.block_embedding import BlockEmbedding
-from lmserve.worker.block_packing import StoredBlocks, as_blocks
-from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
-from lmserve.worker.kquant_formats import Int16BlockLinear, KQuantLinear, kernel_formats
-from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
+from lmserve.worker.weights import kernel_choice
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.block_embedding import BlockEmbedding
+from lmserve.worker.weights.block_linear import (
     LAYER_TYPES,
     Q4_1Linear,
     Q8_0Linear,
     prepare_batched_copies,
     use_prompt_copies,
 )
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.block_packing import StoredBlocks, as_blocks
+from lmserve.worker.weights.kernel_choice import batched_path, int16_kernel_loads
+from lmserve.worker.weights.kquants import Int16BlockLinear, KQuantLinear, kernel_formats
+from lmserve.worker.weights.loader import load_weights, stored_matrix_types
+from lmserve.worker.weights.stored_formats import (
     BLOCK_FORMATS,
     STORED_BLOCK_BYTES,
     STORED_BLOCK_TYPES,

@@ -1,6 +1,6 @@
 """The kernels' block formats and what a GGUF's stored block types become in them: constants that the worker
-(worker/stored_formats.py converts the blocks) and the planner (what a file's weights take in memory) share.
-See worker/stored_formats.py for the conversions and why each holds the file's values."""
+(worker/weights/stored_formats.py converts the blocks) and the planner (what a file's weights take in memory) share.
+See worker/weights/stored_formats.py for the conversions and why each holds the file's values."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ EXACT_INTO: dict[str, tuple[str, ...]] = {
 # Stored type -> the kernel formats that hold its blocks with each block's scale rounded once to float16.
 SCALE_ROUNDED_INTO: dict[str, tuple[str, ...]] = {"iq4_xs": ("iq4_nl", "q8_0")}
 HELD_INTO = {**EXACT_INTO, **SCALE_ROUNDED_INTO}  # what each type's layers may take
-STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/loader.py)
+STORED_BLOCK_TYPES = tuple(HELD_INTO)  # what the loader hands over as the file's blocks (worker/weights/loader.py)
 STORED_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34, "q4_k": 144, "q5_k": 176, "q6_k": 210,
                       "iq4_nl": 18, "iq4_xs": 136, "q3_k": 110, "q2_k": 84}
 # Weights a block; 32 for the others.

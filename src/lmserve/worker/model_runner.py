@@ -24,28 +24,33 @@ from lmserve.worker.attention import (
     ScheduledChunk,
     build_metadata,
 )
-from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_activations, check_quantization
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
-from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_cache_setup import allocate_kv_cache
 from lmserve.worker.kv_transfer import KVConnectorWorker, worker_connector
 from lmserve.worker.layer_program import ProgramRefused
-from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.llama import LlamaForCausalLM, decoder_linear_weights
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
+from lmserve.worker.rejection_sampler import RejectionSampler, verify
+from lmserve.worker.sampler import Sampler, argmax_rows, token_logprobs
+from lmserve.worker.sampling_metadata import draft_rows
+from lmserve.worker.weights.block_linear import (
     prepare_batched_copies,
     use_batched_path,
     use_block_activations,
     use_prompt_copies,
 )
-from lmserve.worker.rejection_sampler import RejectionSampler, verify
-from lmserve.worker.sampler import Sampler, argmax_rows, token_logprobs
-from lmserve.worker.sampling_metadata import draft_rows
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.kernel_choice import (
+    LAYER_METHODS,
+    batched_path,
+    block_activations,
+    check_quantization,
+)
+from lmserve.worker.weights.kquants import kernel_formats
+from lmserve.worker.weights.loader import hf_tensor_dtype, load_weights, stored_matrix_types
+from lmserve.worker.weights.stored_formats import (
     STORED_BLOCK_TYPES,
     float_fallbacks,
     preferred_kernel_format,
@@ -150,7 +155,7 @@ class ModelRunner:
                              source: ModelSource) -> tuple[dict[str, str] | None, tuple[str, ...]]:
         """Sets self.quantization; returns a GGUF's kernel format per matrix under auto (None otherwise) and the
         kernel formats that run here. Under auto each layer takes the format that holds its file's values exactly
-        (worker/stored_formats.py), the rest float16."""
+        (worker/weights/stored_formats.py), the rest float16."""
         stored_types = stored_matrix_types(source)
         on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
         formats = kernel_formats(model_config.block_activations) if stored_types and on_cpu else ()

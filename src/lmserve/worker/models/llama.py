@@ -4,7 +4,7 @@ paged KV cache.
 Gemma 2 and 3 are the same decoder with what their configs name: sliding-window attention on their local layers (each
 layer type with its own RoPE base on Gemma 3), a norm after attention and after the MLP as well as before each
 ("sandwich" norms), GeGLU, embeddings scaled by sqrt(hidden size), q/k norms (Gemma 3), tanh soft-capping of the
-attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): worker/loader.py adds the 1 to
+attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): weights/loader.py adds the 1 to
 a checkpoint's norm weights as it reads them (a GGUF file stores them with it), so the norm here is Llama's.
 
 The layers are worker/models/layers.py's (RMSNorm, attention, MLP, decoder layer, embedding); this module is the model
@@ -31,11 +31,7 @@ from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.moe_shape import moe_shape
-from lmserve.worker.block_embedding import BlockEmbedding
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.layer_program import LayerProgram, ProgramRefused, add_linear, new_program
-from lmserve.worker.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
 from lmserve.worker.models.layers import (
     MLP,
     Attention,
@@ -53,7 +49,8 @@ from lmserve.worker.models.layers import (
 )
 from lmserve.worker.models.moe import SparseMoeBlock
 from lmserve.worker.models.rotary import RotaryEmbedding
-from lmserve.worker.quantization import (
+from lmserve.worker.weights.block_embedding import BlockEmbedding
+from lmserve.worker.weights.block_linear import (
     LAYER_TYPES,
     OUTPUT_LAYER_METHOD,
     PendingBlockLinear,
@@ -63,8 +60,11 @@ from lmserve.worker.quantization import (
     pend_block_linears,
     quantize_linears,
 )
-from lmserve.worker.row_segments import PendingSegmentsLinear
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.float16 import PendingFloat16Linear, pend_float16_linears
+from lmserve.worker.weights.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
+from lmserve.worker.weights.row_segments import PendingSegmentsLinear
+from lmserve.worker.weights.stored_formats import (
     HELD_INTO,
     KERNEL_FORMATS,
     STORED_BLOCK_TYPES,
@@ -259,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = ops
 
     def quantize(self, method: str, output_layer: bool = True) -> None:
-        """Every linear layer to `method` (worker/quantization.py); the output layer too unless output_layer is False.
+        """Every linear layer to `method` (weights/block_linear.py); the output layer too unless output_layer is False.
         A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer, in
         OUTPUT_LAYER_METHOD's format where the method names one."""
         quantize_linears(self.layers, method)
@@ -281,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         takes the kernel format that holds all of its stored rows exactly (stored_formats.exact_kernel_format), and
         a layer with none stays a float layer (quantize_float_layers); `formats` are those that run here. A fused
         layer whose parts are stored in types that share no format, but each has one (Q4_K q and k, Q6_K v), is run
-        as segments of rows in their own formats (worker/row_segments.py)."""
+        as segments of rows in their own formats (worker/weights/row_segments.py)."""
         def stored_format(sources: list[str]) -> str | None:
             assert stored_types is not None
             return exact_kernel_format((stored_types.get(name, "float") for name in sources), formats)
@@ -309,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
                     ["model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"])
             if output_format is not None and layer_fits(output_format, rows, self.config.hidden_size):
                 self.lm_head = PendingBlockLinear(output_format, self.config.hidden_size, rows, False, activations)
-        # The embedding's lookups read the file's blocks (worker/block_embedding.py) unless the output layer needs
+        # The embedding's lookups read the file's blocks (weights/block_embedding.py) unless the output layer needs
         # its float table (tied, and no block layer of its own).
         embedding_type = stored_types and stored_types.get("model.embed_tokens.weight")
         tied_to_floats = self.tie_word_embeddings and not isinstance(self.lm_head, PendingBlockLinear)
@@ -338,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
     def pend_float16_layers(self, embedding_dtype: torch.dtype | None = None) -> None:
         """What quantize("fp16") makes of a loaded model, decided before loading (on the meta device, after the cast
         to the model's dtype): every linear layer still float, and on the last stage the output layer unless it is
-        pending in a block format, becomes a PendingFloat16Linear (worker/float16_layers.py), which load_weights
+        pending in a block format, becomes a PendingFloat16Linear (worker/weights/float16.py), which load_weights
         fills as the checkpoint's tensors arrive: the float32 weights of those layers never exist. A tied
         embedding's rows feed the output layer too. embedding_dtype: the table's dtype when not the model's (a
         16-bit checkpoint's own, VocabParallelEmbedding.keep_table_in)."""
@@ -428,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | StoredBlocks]]) -> None:
-        """Float tensors, or (from a GGUF file, worker/loader.py) StoredBlocks: a PendingBlockLinear takes those as
+        """Float tensors, or (from a GGUF file, weights/loader.py) StoredBlocks: a PendingBlockLinear takes those as
         they are, a float parameter gets them dequantized. Finishes the pending block layers."""
         params = dict(self.named_parameters())
         pending = {f"{name}.weight": module for name, module in self.named_modules()
@@ -486,7 +486,7 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_part(self, hf_name: str, shape: tuple[int, ...]) -> TensorPart | FusedRowsPart | None:
         """The rows or columns of a checkpoint tensor that this tensor rank keeps (None: all of it, or not split here),
-        so that the loader reads and converts only those (worker/loader.py): q, k, v, gate and up by rows (weights
+        so that the loader reads and converts only those (weights/loader.py): q, k, v, gate and up by rows (weights
         and biases; stored fused, as Phi-3's, this rank's rows of each part), o_proj and down_proj by columns, the
         vocabulary by rows, as load_weights splits them."""
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank

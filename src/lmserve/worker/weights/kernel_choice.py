@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
 BLOCK_METHODS = ("q8_0", "q4_1")
-# Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): kernels with int16 (or int8)
+# Chosen per layer under auto, for a file that stores them (worker/weights/kquants.py): kernels with int16 (or int8)
 # activations only.
 INT16_ONLY_METHODS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_0", "q5_1", "iq4_nl")
 LAYER_METHODS = BLOCK_METHODS + INT16_ONLY_METHODS
@@ -190,7 +190,7 @@ def check_quantization(
             return "none"
         if stored_as in BLOCK_METHODS and block_kernels_load(stored_as, explicit=False):
             return stored_as
-        if stored_as in INT16_ONLY_METHODS:  # the caller found the kernel that runs it (kquant_formats.kernel_formats)
+        if stored_as in INT16_ONLY_METHODS:  # the caller found the kernel that runs it (kquants.kernel_formats)
             return stored_as
         return "fp16"
     if method != "none" and not supported:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.quantization import PendingLayer
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.block_linear import PendingLayer
+from lmserve.worker.weights.block_packing import StoredBlocks
 
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 

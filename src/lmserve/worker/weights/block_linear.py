@@ -3,18 +3,18 @@ put them in place (`--quantization auto|fp16|q8_0|q4_1|none`).
 
 Decoding on a CPU is bound by the bytes of weights read per step, so a layer keeps its weights as small as its file
 holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; the
-K-quants q2_k to q6_k, q4_0, q5_0, q5_1 and iq4_nl in worker/kquant_formats.py) and multiplies through C++ kernels
+K-quants q2_k to q6_k, q4_0, q5_0, q5_1 and iq4_nl in worker/weights/kquants.py) and multiplies through C++ kernels
 that widen the blocks in registers (worker/kernels). Under `auto` each matrix of a GGUF file keeps the format it is
-stored in (worker/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from
+stored in (weights/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from
 the file (StoredBlocks, PendingBlockLinear: no float copy on the way); a matrix no kernel format holds, and a Hugging
-Face directory's, runs as float16 weights through fbgemm (worker/batched_copies.py, float16_layers.py), within rounding
+Face directory's, runs as float16 weights through fbgemm (worker/weights/batched_copies.py, float16.py), within rounding
 of float32 (benchmarks/quantization.py: perplexity 63.080 against 63.075).
 
-Which kernel a row takes is worker/kernel_choice.py's: with `--block-activations auto` (int16 wherever those kernels
+Which kernel a row takes is weights/kernel_choice.py's: with `--block-activations auto` (int16 wherever those kernels
 build) the block kernels split each block of 32 inputs into 16-bit integers, exact integer dot products, so that a
 row's result does not depend on its batch, at a next-token KL below 1e-5 from the float32 model; prompt rows take the
 path `--batched-weights` names (the same kernels, 8-bit activations on the same blocks, or a float16 or bfloat16
-copy of the weights: worker/batched_copies.py). The blocks' byte layouts are worker/block_packing.py's.
+copy of the weights: worker/weights/batched_copies.py). The blocks' byte layouts are worker/weights/block_packing.py's.
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins the default model (perplexity 195; its MLP inputs carry outliers ~1,000x their median), and int8 weight-only
@@ -33,13 +33,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.worker.batched_copies import (
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.layer_program import KernelCall, LinearPlan
+from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
+from lmserve.worker.weights.batched_copies import (
     BATCHED_LAYER_TYPES,
     PROMPT_LAYER_TYPES,
     AmxBfloat16Linear,
     Float16WeightLinear,
 )
-from lmserve.worker.block_packing import (
+from lmserve.worker.weights.block_packing import (
     BLOCK_BYTES,
     PANEL_ROWS,
     StoredBlocks,
@@ -48,17 +51,14 @@ from lmserve.worker.block_packing import (
     pack_blocks,
     unpack_blocks,
 )
-from lmserve.worker.kernel_choice import (
+from lmserve.worker.weights.kernel_choice import (
     BLOCK_SIZE,
     INT16_ONLY_METHODS,
     INTEGER_ACTIVATIONS,
     BatchedPath,
     batched_path,
 )
-from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.layer_program import KernelCall, LinearPlan
-from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.stored_formats import (
     STORED_BLOCK_BYTES,
     block_width,
 )
@@ -242,7 +242,7 @@ def layer_fits(method: str, out_features: int, in_features: int) -> bool:
 
 
 def register_layer_type(method: str, layer_type: type[nn.Module]) -> None:
-    """A layer for another kernel format (worker/kquant_formats.py registers the K-quants' when it is imported)."""
+    """A layer for another kernel format (worker/weights/kquants.py registers the K-quants' when it is imported)."""
     LAYER_TYPES[method] = layer_type
 # The output layer is the most sensitive to rounding; llama.cpp's q4 files keep it (or the tied embedding) in q8_0.
 OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
@@ -412,7 +412,7 @@ def pend_block_linears(
 
 
 def finish_block_linears(module: nn.Module) -> None:
-    """Replaces every PendingLayer under module (PendingBlockLinear, worker/row_segments.PendingSegmentsLinear) with
+    """Replaces every PendingLayer under module (PendingBlockLinear, weights/row_segments.PendingSegmentsLinear) with
     the layer its loaded rows make."""
     for name, child in list(module.named_children()):
         if isinstance(child, PendingLayer):

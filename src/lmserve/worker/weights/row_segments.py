@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.layer_program import LinearPlan
-from lmserve.worker.quantization import PendingBlockLinear, PendingLayer
+from lmserve.worker.weights.block_linear import PendingBlockLinear, PendingLayer
+from lmserve.worker.weights.block_packing import StoredBlocks
 
 
 class PendingSegmentsLinear(PendingLayer):

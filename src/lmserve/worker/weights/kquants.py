@@ -13,16 +13,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmserve.worker.block_packing import StoredBlocks, StoredRows
-from lmserve.worker.kernel_choice import (
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.weights.block_linear import BlockQuantizedLinear, register_layer_type
+from lmserve.worker.weights.block_packing import StoredBlocks, StoredRows
+from lmserve.worker.weights.kernel_choice import (
     INTEGER_ACTIVATIONS,
     BatchedPath,
     block_kernels_load,
     int16_kernel_loads,
 )
-from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.quantization import BlockQuantizedLinear, register_layer_type
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.stored_formats import (
     BLOCK_FORMATS,
     HELD_INTO,
     KERNEL_FORMATS,
