@@ -11,7 +11,6 @@ import torch
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.weights.block_linear import LAYER_TYPES, PendingBlockLinear
 from lmserve.worker.weights.block_packing import StoredBlocks
 from lmserve.worker.weights.kernel_choice import batched_path, int16_kernel_loads
 from lmserve.worker.weights.kquants import (
@@ -22,7 +21,9 @@ from lmserve.worker.weights.kquants import (
     q5_k_fields,
     q6_k_fields,
 )
+from lmserve.worker.weights.layer_types import LAYER_TYPES
 from lmserve.worker.weights.loader import load_weights, stored_matrix_types
+from lmserve.worker.weights.pending import PendingBlockLinear
 from lmserve.worker.weights.row_segments import RowSegmentsLinear
 from lmserve.worker.weights.stored_formats import STORED_BLOCK_TYPES, runnable_types
 
@@ -218,7 +219,7 @@ def test_a_layer_whose_slice_fits_no_block_is_named_in_a_warning() -> None:
     layer: that used to happen without a word; now each such layer is collected and the warning names them, by
     kind and layer index, with the format and the rank's shape."""
     from lmserve.worker.models.llama import unfit_layers_message
-    from lmserve.worker.weights.block_linear import pend_block_linears
+    from lmserve.worker.weights.pending import pend_block_linears
 
     with torch.device("meta"):
         layers = torch.nn.ModuleDict({str(i): torch.nn.ModuleDict({"o_proj": torch.nn.Linear(128, 64, bias=False),

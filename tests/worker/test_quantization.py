@@ -22,7 +22,6 @@ from lmserve.worker.weights.block_linear import (
     Q4_1Linear,
     Q8_0Linear,
     prepare_batched_copies,
-    quantize_linears,
     use_batched_path,
     use_prompt_copies,
 )
@@ -35,6 +34,7 @@ from lmserve.worker.weights.kernel_choice import (
     check_quantization,
 )
 from lmserve.worker.weights.loader import load_weights
+from lmserve.worker.weights.pending import quantize_linears
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -24,7 +24,6 @@ from lmserve.worker.weights import kernel_choice
 from lmserve.worker.weights.batched_copies import Float16WeightLinear
 from lmserve.worker.weights.block_embedding import BlockEmbedding
 from lmserve.worker.weights.block_linear import (
-    LAYER_TYPES,
     Q4_1Linear,
     Q8_0Linear,
     prepare_batched_copies,
@@ -33,6 +32,7 @@ from lmserve.worker.weights.block_linear import (
 from lmserve.worker.weights.block_packing import StoredBlocks, as_blocks
 from lmserve.worker.weights.kernel_choice import batched_path, int16_kernel_loads
 from lmserve.worker.weights.kquants import Int16BlockLinear, KQuantLinear, kernel_formats
+from lmserve.worker.weights.layer_types import LAYER_TYPES
 from lmserve.worker.weights.loader import load_weights, stored_matrix_types
 from lmserve.worker.weights.stored_formats import (
     BLOCK_FORMATS,

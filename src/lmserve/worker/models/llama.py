@@ -50,19 +50,17 @@ from lmserve.worker.models.layers import (
 from lmserve.worker.models.moe import SparseMoeBlock
 from lmserve.worker.models.rotary import RotaryEmbedding
 from lmserve.worker.weights.block_embedding import BlockEmbedding
-from lmserve.worker.weights.block_linear import (
-    LAYER_TYPES,
-    OUTPUT_LAYER_METHOD,
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.float16 import PendingFloat16Linear, pend_float16_linears
+from lmserve.worker.weights.layer_format import PendingLayer
+from lmserve.worker.weights.layer_types import LAYER_TYPES, OUTPUT_LAYER_METHOD, layer_fits
+from lmserve.worker.weights.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
+from lmserve.worker.weights.pending import (
     PendingBlockLinear,
-    PendingLayer,
     finish_block_linears,
-    layer_fits,
     pend_block_linears,
     quantize_linears,
 )
-from lmserve.worker.weights.block_packing import StoredBlocks
-from lmserve.worker.weights.float16 import PendingFloat16Linear, pend_float16_linears
-from lmserve.worker.weights.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
 from lmserve.worker.weights.row_segments import PendingSegmentsLinear
 from lmserve.worker.weights.stored_formats import (
     HELD_INTO,

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from lmserve.worker.layer_program import LinearPlan
-from lmserve.worker.weights.block_linear import PendingBlockLinear, PendingLayer
 from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.layer_format import PendingLayer
+from lmserve.worker.weights.pending import PendingBlockLinear
 
 
 class PendingSegmentsLinear(PendingLayer):
