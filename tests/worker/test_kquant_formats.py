@@ -218,8 +218,8 @@ def test_a_layer_whose_slice_fits_no_block_is_named_in_a_warning() -> None:
     """A K-quant layer whose shape on this rank is no whole number of 256-column blocks stays a float (float16)
     layer: that used to happen without a word; now each such layer is collected and the warning names them, by
     kind and layer index, with the format and the rank's shape."""
-    from lmserve.worker.models.llama import unfit_layers_message
     from lmserve.worker.weights.pending import pend_block_linears
+    from lmserve.worker.weights.shards import unfit_layers_message
 
     with torch.device("meta"):
         layers = torch.nn.ModuleDict({str(i): torch.nn.ModuleDict({"o_proj": torch.nn.Linear(128, 64, bias=False),

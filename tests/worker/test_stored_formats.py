@@ -242,14 +242,14 @@ def test_iq4_xs_becomes_iq4_nl_or_q8_0_with_each_sub_blocks_scale_rounded_once()
 def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its_iq4_nl_blocks() -> None:
     """A row-parallel IQ4_XS matrix (down_proj) over 4 ranks: 512 columns are 2 super-blocks, 128 a rank. Each rank
     keeps its iq4_nl blocks (what its layer holds anyway), not float weights quantized again."""
-    from lmserve.worker.models.llama import _column_shard
+    from lmserve.worker.weights.shards import column_shard
 
     blocks = random_iq4_blocks("iq4_xs", 8, 512, np.random.default_rng(5)).reshape(8, 2, 136)
     whole = gguf_values("q8_0", convert_blocks("iq4_xs", blocks, "q8_0")).reshape(8, 512)
     stored = StoredBlocks("iq4_xs", torch.from_numpy(blocks))
-    assert _column_shard(stored, 2, 1).method == "iq4_xs"  # whole super-blocks a rank: the file's blocks
+    assert column_shard(stored, 2, 1).method == "iq4_xs"  # whole super-blocks a rank: the file's blocks
     for rank in range(4):
-        share = _column_shard(stored, 4, rank)
+        share = column_shard(stored, 4, rank)
         assert isinstance(share, StoredBlocks) and share.method == "iq4_nl" and share.shape == (8, 128)
         assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
 

@@ -62,12 +62,10 @@ from lmserve.worker.weights.pending import (
     quantize_linears,
 )
 from lmserve.worker.weights.row_segments import PendingSegmentsLinear
+from lmserve.worker.weights.shards import as_floats, column_shard, num_rows, select_rows, unfit_layers_message
 from lmserve.worker.weights.stored_formats import (
-    HELD_INTO,
     KERNEL_FORMATS,
     STORED_BLOCK_TYPES,
-    block_width,
-    convert_blocks,
     exact_kernel_format,
 )
 
@@ -445,28 +443,28 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts)
                 offset, size = self._shard_rows(fused[0], fused[1], self._owner(parts))
                 # The loader may have read this rank's rows only (checkpoint_part): then the tensor is its share.
-                rows = (None if _num_rows(tensor) == size
-                        else self._rank_rows(fused, _num_rows(tensor), self._whole_on_rank(parts)))
-                shard = tensor if rows is None else _rows(tensor, lambda t, rows=rows: t[rows[0] : rows[1]])
+                rows = (None if num_rows(tensor) == size
+                        else self._rank_rows(fused, num_rows(tensor), self._whole_on_rank(parts)))
+                shard = tensor if rows is None else select_rows(tensor, lambda t, rows=rows: t[rows[0] : rows[1]])
                 if shard.shape[0] != size:
                     raise ValueError(f"{hf_name!r} has {shard.shape[0]} rows for this rank, expected {size}")
                 if target in pending:
                     pending[target].load_rows(offset, shard)
                 else:
-                    params[target].data[offset : offset + size].copy_(_floats(shard))
+                    params[target].data[offset : offset + size].copy_(as_floats(shard))
             else:
                 target = name
                 if target not in params and target not in pending:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 if name in self._VOCAB_PARALLEL:
-                    tensor = _rows(tensor, lambda t: vocab_rows(t, self.parallel, self.vocab_size))
+                    tensor = select_rows(tensor, lambda t: vocab_rows(t, self.parallel, self.vocab_size))
                 elif (len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight"
                       and tensor.shape[1] != self._rank_columns(parts)):  # not already this rank's columns
-                    tensor = _column_shard(tensor, tp, tp_rank)
+                    tensor = column_shard(tensor, tp, tp_rank)
                 if target in pending:
                     pending[target].load_rows(0, tensor)
                 else:  # (a GGUF stores the shared expert's [1, hidden] gate as [hidden])
-                    params[target].data.copy_(_floats(tensor).reshape(params[target].shape))
+                    params[target].data.copy_(as_floats(tensor).reshape(params[target].shape))
                 if name == "embed_tokens.weight" and self.tie_word_embeddings and "lm_head.weight" in pending:
                     pending["lm_head.weight"].load_rows(0, tensor)  # the tied output layer's own blocks
                     loaded.add("lm_head.weight")
@@ -553,51 +551,6 @@ class LlamaForCausalLM(nn.Module):
         else:
             sizes = [owner.intermediate] * 2
         return sum(sizes[:shard]), sizes[shard]
-
-
-def unfit_layers_message(unfit: list[tuple[str, str, int, int]], tp: int) -> str:
-    """The warning for layers that have a block format but whose shape on this rank does not fit it (a K-quant's
-    slice of columns under -tp is no multiple of 256): by kind of layer, the layers' indices, the format and shape."""
-    kinds: dict[tuple[str, str, int, int], list[str]] = {}
-    for name, method, rows, columns in unfit:
-        index, _, kind = name.partition(".")
-        kinds.setdefault((kind, method, rows, columns), []).append(index)
-    named = "; ".join(f"{kind} of layer(s) {', '.join(indices)} ({method}, [{rows}, {columns}] on this rank)"
-                      for (kind, method, rows, columns), indices in kinds.items())
-    where = f" under tensor parallel ({tp} ranks: each holds a slice of the matrix)" if tp > 1 else ""
-    return (f"{len(unfit)} layer(s) do not split into whole blocks of their format{where} and run as float16 weights "
-            f"(2 bytes a weight, not their stored size): {named}. A -tp that leaves every slice whole blocks (a "
-            "K-quant: columns a multiple of 256) keeps them at their stored size")
-
-
-def _rows(tensor: torch.Tensor | StoredBlocks, select) -> torch.Tensor | StoredBlocks:
-    """`select` (a function of a tensor's rows) applied to a float tensor or to a file's blocks, row for row."""
-    return tensor.with_data(select(tensor.data)) if isinstance(tensor, StoredBlocks) else select(tensor)
-
-
-def _column_shard(tensor: torch.Tensor | StoredBlocks, tp: int, tp_rank: int) -> torch.Tensor | StoredBlocks:
-    """This tensor rank's input columns of a row-parallel weight. Blocks split at block boundaries when each rank's
-    share is whole blocks; a type of 256-weight blocks whose share is not (IQ4_XS down projections of 4,864 columns
-    over 4 ranks) splits as the 32-weight format its layer takes anyway (q8_0); otherwise in float."""
-    if isinstance(tensor, StoredBlocks):
-        columns = tensor.shape[1]
-        width = columns // tensor.data.shape[1]
-        if columns % (tp * width) == 0:  # whole blocks (32 or 256 weights) a rank
-            return tensor.with_data(tensor.data.chunk(tp, dim=1)[tp_rank])
-        narrower = next((f for f in HELD_INTO.get(tensor.method, ()) if block_width(f) < width), None)
-        if narrower is not None and columns % (tp * block_width(narrower)) == 0:
-            blocks = torch.from_numpy(convert_blocks(tensor.method, tensor.data.numpy(), narrower))
-            return StoredBlocks(narrower, blocks.chunk(tp, dim=1)[tp_rank])
-        tensor = tensor.dequantize()
-    return tensor.chunk(tp, dim=1)[tp_rank]
-
-
-def _num_rows(tensor: torch.Tensor | StoredBlocks) -> int:
-    return (tensor.data if isinstance(tensor, StoredBlocks) else tensor).shape[0]
-
-
-def _floats(tensor: torch.Tensor | StoredBlocks) -> torch.Tensor:
-    return tensor.dequantize() if isinstance(tensor, StoredBlocks) else tensor
 
 
 def decoder_linear_weights(config: PretrainedConfig) -> int:
