@@ -522,6 +522,35 @@ def test_copies_built_on_several_threads_are_built_once_each(monkeypatch) -> Non
         assert torch.equal(layer.prompt_copy(x), Float16WeightLinear(layer.dequantized(), None)(x))
 
 
+def test_a_forward_pass_that_reads_a_copy_while_it_is_being_set_waits_for_it() -> None:
+    """nn.Module.__setattr__ takes a module out of the layer's __dict__ before it puts it in _modules: a forward pass
+    that asks for the prompt copy in between (the builders' background thread setting it) once raised AttributeError
+    (a tensor-parallel rank failed its step under load). The registration hook runs in exactly that gap."""
+    layer = Q8_0Linear(random_blocks("q8_0", 32, 64, seed=3), None, batched_path("prompt-fp16"))
+    results: list[object] = []
+    readers: list[threading.Thread] = []
+
+    def read_copy() -> None:
+        try:
+            results.append(layer.prepare_prompt_copy())
+        except AttributeError as error:
+            results.append(error)
+
+    def in_the_gap(module: nn.Module, name: str, submodule: nn.Module) -> None:
+        if module is layer and name == "prompt_copy" and not readers:
+            readers.append(threading.Thread(target=read_copy))
+            readers[0].start()
+            readers[0].join(timeout=2)  # the reader waits for the builder's lock (or, before, failed at once)
+
+    handle = nn.modules.module.register_module_module_registration_hook(in_the_gap)
+    try:
+        built = layer.prepare_prompt_copy()
+    finally:
+        handle.remove()
+    readers[0].join()
+    assert results == [built]
+
+
 @pytest.mark.parametrize("setting", ["bf16", "fp16", "prompt-fp16"])
 def test_the_runner_gives_every_block_layer_the_batched_path_it_was_asked_for(setting: str) -> None:
     from lmserve.config import CacheConfig, ModelConfig

@@ -140,7 +140,9 @@ class BlockQuantizedLinear(nn.Module):
         return self.prepare_prompt_copy()(x)
 
     def _copy(self, attribute: str, layer_type: Callable[[], type[nn.Module]]) -> nn.Module:
-        copy = getattr(self, attribute)
+        # None as well while a builder is setting it: nn.Module.__setattr__ takes a module out of __dict__ before it
+        # puts it in _modules, and the builder holds the lock throughout.
+        copy = getattr(self, attribute, None)
         if copy is None:
             # One builder a layer: a forward pass that needs a copy waits for the background threads' build of it
             # instead of making a second one (twice the memory, and freed memory a process rarely gives back).
