@@ -1,4 +1,4 @@
-"""K-quant layers at their stored size (worker/kquant_formats.py, kernels/kquant_int16.cpp): the file's values bit for
+"""K-quant layers at their stored size (worker/weights/kquants.py, kernels/kquant_int16.cpp): the file's values bit for
 bit, products against float64 ones of the same weights, and each row's result independent of its batch."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
 from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.kquant_formats import (
+from lmserve.worker.model_builder import build_model
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.kernel_choice import batched_path, int16_kernel_loads
+from lmserve.worker.weights.kquants import (
     KQuantLinear,
     kernel_formats,
     pack_kquant,
@@ -20,11 +21,11 @@ from lmserve.worker.kquant_formats import (
     q5_k_fields,
     q6_k_fields,
 )
-from lmserve.worker.loader import load_weights, stored_matrix_types
-from lmserve.worker.model_builder import build_model
-from lmserve.worker.quantization import LAYER_TYPES, PendingBlockLinear
-from lmserve.worker.row_segments import RowSegmentsLinear
-from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
+from lmserve.worker.weights.layer_types import LAYER_TYPES
+from lmserve.worker.weights.loader import load_weights, stored_matrix_types
+from lmserve.worker.weights.pending import PendingBlockLinear
+from lmserve.worker.weights.row_segments import RowSegmentsLinear
+from lmserve.worker.weights.stored_formats import STORED_BLOCK_TYPES, runnable_types
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -217,8 +218,8 @@ def test_a_layer_whose_slice_fits_no_block_is_named_in_a_warning() -> None:
     """A K-quant layer whose shape on this rank is no whole number of 256-column blocks stays a float (float16)
     layer: that used to happen without a word; now each such layer is collected and the warning names them, by
     kind and layer index, with the format and the rank's shape."""
-    from lmserve.worker.models.llama import unfit_layers_message
-    from lmserve.worker.quantization import pend_block_linears
+    from lmserve.worker.weights.pending import pend_block_linears
+    from lmserve.worker.weights.shards import unfit_layers_message
 
     with torch.device("meta"):
         layers = torch.nn.ModuleDict({str(i): torch.nn.ModuleDict({"o_proj": torch.nn.Linear(128, 64, bias=False),
