@@ -3,6 +3,10 @@ bit, products against float64 ones of the same weights, and each row's result in
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -129,6 +133,55 @@ def test_a_prompts_rows_in_cache_sized_blocks_get_each_rows_own_bits(stored, met
     for i in (0, 29, 30, 31, 63, 64, 65, 99):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
     assert torch.equal(layer(x[25:70]), together[25:70])
+
+
+def _equal_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["q4_k", "q6_k"])
+def test_the_avx2_prompt_kernel_gives_each_row_its_one_row_bits(stored, method: str) -> None:
+    """The AVX2 build's prompt micro-kernel (kquant_int16.cpp's prompt_rows_product: 8-bit activations, 4 rows a tile,
+    from 4 rows) and group_product's tiles (fewer rows, and one row alone): the same bits for every row, whatever the
+    rows of its last tile, an inf's row and a zero row included. Turned off (LMSERVE_DISABLE_CPU_FEATURES=
+    prompt-kernel), every row keeps its own bits too."""
+    ops = cpu_kernels()
+    if ops.int16_uses_vnni():
+        pytest.skip("the AVX-512 VNNI build has no AVX2 prompt kernel")
+    blocks, _ = stored(method, 48, 2048, seed=11)
+    weight = pack_kquant(method, blocks)
+    x = torch.randn(11, 2048, generator=torch.Generator().manual_seed(12))
+    x *= torch.logspace(-3, 2, 2048)[torch.randperm(2048, generator=torch.Generator().manual_seed(13))]
+    x[3, 5], x[7] = float("inf"), 0.0
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(14))
+    linear = getattr(ops, f"{method}_int8_linear")
+    try:
+        for enabled in (True, False):
+            ops.set_prompt_kernel(enabled)
+            alone = torch.cat([linear(x[i : i + 1], weight, 48, bias) for i in range(11)])
+            assert alone[3].isnan().all() and not alone[[0, 1, 2, 4, 5, 6, 7, 8, 9, 10]].isnan().any()
+            for rows in range(2, 12):
+                assert _equal_with_nan(linear(x[:rows], weight, 48, bias), alone[:rows]), (enabled, rows)
+            assert _equal_with_nan(linear(x[2:11], weight, 48, bias), alone[2:11]), enabled
+    finally:
+        ops.set_prompt_kernel(True)
+
+
+@needs_kernel
+def test_the_prompt_kernel_is_turned_off_by_its_disabled_feature() -> None:
+    """LMSERVE_DISABLE_CPU_FEATURES=prompt-kernel: the kernels load with the AVX2 prompt paths off (the setting the
+    next set_prompt_kernel call replaces); without it they are on where the build has them."""
+    script = ("from lmserve.worker.kernels import cpu_kernels; ops = cpu_kernels(); "
+              "print(ops.int16_uses_vnni(), ops.set_prompt_kernel(True))")
+    outputs = {}
+    for disabled in ("prompt-kernel", ""):
+        env = {**os.environ, "LMSERVE_DISABLE_CPU_FEATURES": disabled}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs[disabled] = result.stdout.split()
+    vnni = outputs[""][0] == "True"
+    assert outputs["prompt-kernel"] == [str(vnni), "False"]
+    assert outputs[""] == [str(vnni), str(not vnni)]
 
 
 @needs_kernel
