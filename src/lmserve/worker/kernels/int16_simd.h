@@ -75,17 +75,16 @@ inline U8 lookup16(U8 codes, const uint8_t table[16]) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LMSERVE_INT16_KERNELS_AVX2 1
 constexpr bool kAvx512 = false;
-// The AVX2 build's faster paths for prompt rows: split_rows_avx2, and kquant_int16.cpp's prompt_rows_product for q4_k
-// and q6_k. Off (the op set_prompt_kernel(false), LMSERVE_DISABLE_CPU_FEATURES=prompt-kernel): split_rows_portable and
-// group_product's tiles, as before them, for tests and benchmarks of that path. Set before a model runs, not during:
-// the two splits round a block's float sum in another order.
-inline std::atomic<bool> avx2_prompt_path{true};
+// split_rows_avx2 (on), or split_rows_portable as before it (off: the op set_avx2_split(false),
+// LMSERVE_DISABLE_CPU_FEATURES=avx2-split), for tests and benchmarks of that path. Set before a model runs, not
+// during: the two round a block's float sum in another order (the int8 halves are the same).
+inline std::atomic<bool> avx2_vector_split{true};
 struct I32 { __m256i lo, hi; };
 struct F32 { __m256 lo, hi; };
 using U8 = I32;
 template <bool kHalves>
 inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
-  if (avx2_prompt_path.load(std::memory_order_relaxed)) split_rows_avx2(x, M, K, a);
+  if (avx2_vector_split.load(std::memory_order_relaxed)) split_rows_avx2(x, M, K, a);
   else split_rows_portable(x, M, K, a);
 }
 inline U8 load64(const uint8_t* p) {

@@ -254,151 +254,6 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
   for (int t = 0; t < T; ++t) storeu(y + (row + t) * N + n0, add(acc[t], bv));
 }
 
-#if defined(LMSERVE_INT16_KERNELS_AVX2)
-// Prompt rows on AVX2 (q4_k, q6_k): group_product's tile kept 16 outputs' decoded codes (16 registers) beside its rows'
-// accumulators, more than AVX2's 16 registers, and spilled them to the stack on every block (a tile of 4 rows: ~180
-// stack loads and stores in the loop). This micro-kernel takes the group's outputs 8 at a time (one register of
-// lanes) and decodes a block's codes two rows of 4 inputs at a time, each pair used at once by kRows activation rows:
-// the decoded codes, the rows' int16 sums and their float accumulators stay in registers. Each output's integer dot
-// products are group_product's (exact, in any order) and its float steps the same operations in the same order, so a
-// row gets the bits group_product gives it, whatever tile it is in (tests/worker/test_kquant_formats.py).
-template <class Format>
-constexpr bool kPromptKernel = std::is_same_v<Format, Q4_K> || std::is_same_v<Format, Q6_K>;
-
-// v as it is here: GCC otherwise reassociates a row's sum of 8 products, computes all products of a block first and
-// spills them to the stack (16 of 32 registers' worth on a tile of 4 rows).
-#define LMSERVE_KEEP(v) asm("" : "+x"(v))
-
-inline __m256i broadcast_dword(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// Rows 2c and 2c + 1 of a block (inputs 8c .. 8c + 7) for outputs 8h .. 8h + 7, as unsigned codes.
-template <class Format>
-inline void code_pair(const uint8_t* block, int h, int c, __m256i& even, __m256i& odd) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 64 * c + 32 * h));
-  even = _mm256_and_si256(v, low);
-  odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  if constexpr (std::is_same_v<Format, Q6_K>) {
-    // Rows 4 (c / 2) + r take their top two bits from bits 2r of the top-bit chunk c / 2 (Q6_K::quants).
-    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 256 + 64 * (c / 2) + 32 * h));
-    const __m256i bits = _mm256_set1_epi8(0x30);
-    if (c % 2 == 0) {
-      even = _mm256_or_si256(even, _mm256_and_si256(_mm256_slli_epi16(top, 4), bits));
-      odd = _mm256_or_si256(odd, _mm256_and_si256(_mm256_slli_epi16(top, 2), bits));
-    } else {
-      even = _mm256_or_si256(even, _mm256_and_si256(top, bits));
-      odd = _mm256_or_si256(odd, _mm256_and_si256(_mm256_srli_epi16(top, 2), bits));
-    }
-  }
-}
-
-// kRows activation rows (from `row`) against outputs n0 .. n0 + 15 of one group, all blocks; 8-bit activations (the
-// high halves: what the AVX2 build's large models take, `--block-activations int8`).
-template <class Format, int kRows>
-void prompt_rows_product(const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
-                         const float* bias, float* y, int64_t N, int64_t n0) {
-  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* high = a.high.data() + row * K;
-  const int64_t first = row * blocks;
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[kRows];
-    for (int t = 0; t < kRows; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* super = group + b / kBlocksPerSuper * super_bytes<Format>();
-      const uint8_t* block = super + Format::kHeader + b % kBlocksPerSuper * Format::kBlockBytes;
-      if (h == 0) prefetch_block(block, Format::kBlockBytes);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16 * h)));
-      const int8_t* xh = high + b * kBlock;
-      if constexpr (!kSixBit) {
-        // q4_k: 8 products of codes <= 15 summed in int16 (2 x 15 x 127 each), then widened once.
-        __m256i sum_high[kRows];
-        for (int t = 0; t < kRows; ++t) sum_high[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-          __m256i even, odd;
-          code_pair<Format>(block, h, c, even, odd);
-          for (int t = 0; t < kRows; ++t) {
-            const int8_t* x = xh + t * K + 8 * c;
-            sum_high[t] = _mm256_add_epi16(sum_high[t], _mm256_maddubs_epi16(even, broadcast_dword(x)));
-            LMSERVE_KEEP(sum_high[t]);
-            sum_high[t] = _mm256_add_epi16(sum_high[t], _mm256_maddubs_epi16(odd, broadcast_dword(x + 4)));
-            LMSERVE_KEEP(sum_high[t]);
-          }
-        }
-        // group_product's float steps: (256 dot_high) (d sc s) - (dmin mn) sum.
-        const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h)))));
-        const __m256 minimum = _mm256_mul_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 32 + 16 * h))),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 16 + 8 * h)))));
-        for (int t = 0; t < kRows; ++t) {
-          const int64_t i = first + t * blocks + b;
-          const __m256i dot = _mm256_slli_epi32(_mm256_madd_epi16(sum_high[t], ones), 8);
-          __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(a.scale[i]));
-          LMSERVE_KEEP(step);  // as written: -ffast-math let GCC fold it otherwise for one-row tiles, other bits
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), step, acc[t]);
-          LMSERVE_KEEP(acc[t]);
-          acc[t] = _mm256_fnmadd_ps(minimum, _mm256_set1_ps(a.sum[i]), acc[t]);
-          LMSERVE_KEEP(acc[t]);
-        }
-      } else {
-        // q6_k: each half of 16 inputs with its scale; products of codes <= 63 summed in int16 two at a time.
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; ++half) {
-          __m256i dot_high[kRows];
-          for (int t = 0; t < kRows; ++t) dot_high[t] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-          for (int c = 2 * half; c < 2 * half + 2; ++c) {
-            __m256i even, odd;
-            code_pair<Format>(block, h, c, even, odd);
-            for (int t = 0; t < kRows; ++t) {
-              const int8_t* x = xh + t * K + 8 * c;
-              const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(even, broadcast_dword(x)),
-                                                    _mm256_maddubs_epi16(odd, broadcast_dword(x + 4)));
-              dot_high[t] = _mm256_add_epi32(dot_high[t], _mm256_madd_epi16(pair, ones));
-              LMSERVE_KEEP(dot_high[t]);
-            }
-          }
-          const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 16 * half + 8 * h)))));
-          for (int t = 0; t < kRows; ++t) {
-            const int64_t i = first + t * blocks + b;
-            const __m256 dh = _mm256_cvtepi32_ps(
-                _mm256_sub_epi32(dot_high[t], _mm256_set1_epi32(Format::kOffset * a.high_half[2 * i + half])));
-            const __m256 dl = _mm256_setzero_ps();  // group_product's low halves, none with 8-bit activations
-            __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(a.scale[i]));
-            LMSERVE_KEEP(step);
-            __m256 dot = _mm256_fmadd_ps(dh, _mm256_set1_ps(256.0f), dl);
-            LMSERVE_KEEP(dot);
-            acc[t] = _mm256_fmadd_ps(dot, step, acc[t]);
-            LMSERVE_KEEP(acc[t]);
-          }
-        }
-      }
-    }
-    const __m256 bv = bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps();
-    for (int t = 0; t < kRows; ++t) _mm256_storeu_ps(y + (row + t) * N + n0 + 8 * h, _mm256_add_ps(acc[t], bv));
-  }
-}
-// Activation rows a prompt tile takes: its int16 sums and float accumulators, 2 registers a row, beside the decoded
-// codes and the broadcasts. Fewer rows than that take group_product's tiles (faster at 2 rows, the same bits).
-constexpr int kPromptRows = 4;
-
-template <class Format, int T = kPromptRows>
-void prompt_tile(int rows, const uint8_t* group, int64_t blocks, const Activations& a, int64_t row, int64_t K,
-                 const float* bias, float* y, int64_t N, int64_t n0) {
-  if constexpr (T > 1) {
-    if (rows < T) return prompt_tile<Format, T - 1>(rows, group, blocks, a, row, K, bias, y, N, n0);
-  }
-  prompt_rows_product<Format, T>(group, blocks, a, row, K, bias, y, N, n0);
-}
-#endif  // AVX2
-
 template <class Format>
 void check_weight(const at::Tensor& weight, int64_t N, int64_t K) {
   check_packed_weight(weight, Format::kName, N, K, kSuper, K / kSuper * super_bytes<Format>());
@@ -424,17 +279,6 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
   Activations a;
   split<true>(call.x.data_ptr<float>(), M, K, a);
   float* yp = call.y.data_ptr<float>();
-#if defined(LMSERVE_INT16_KERNELS_AVX2)
-  if constexpr (kPromptKernel<Format> && !kLow) {
-    if (avx2_prompt_path.load(std::memory_order_relaxed) && M >= kPromptRows) {
-      for_each_tile<kPromptRows>(M, N, K / kSuper * super_bytes<Format>(), K, weight.data_ptr<uint8_t>(),
-                                 [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
-                                   prompt_tile<Format>(rows, group, blocks, a, row, K, call.bias, yp, N, n0);
-                                 });
-      return call.y.view(call.out_shape);
-    }
-  }
-#endif
   constexpr int kRows = kLow ? Format::kTileRows : Format::kTileRows8;
   for_each_tile<kRows>(M, N, K / kSuper * super_bytes<Format>(), K * (kLow ? 2 : 1), weight.data_ptr<uint8_t>(),
                        [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
@@ -682,19 +526,6 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("q3_k_int16_linear", &linear<Q3_K>);
   m.impl("q3_k_int8_linear", &linear<Q3_K, false>);
   m.impl("q3_k_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<Q3_K>(w, out); });
-}
-
-// Whether the AVX2 build takes its prompt paths (int16_simd.h's avx2_prompt_path); returns the setting it replaces. A
-// build without them (AVX-512 VNNI) has none to turn on: always false.
-TORCH_LIBRARY_FRAGMENT(lmserve, m) {
-  m.def("set_prompt_kernel(bool enabled) -> bool", [](bool enabled) {
-#if defined(LMSERVE_INT16_KERNELS_AVX2)
-    return avx2_prompt_path.exchange(enabled);
-#else
-    (void)enabled;
-    return false;
-#endif
-  });
 }
 
 #endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C
