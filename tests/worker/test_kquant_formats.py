@@ -3,6 +3,10 @@ bit, products against float64 ones of the same weights, and each row's result in
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -130,6 +134,62 @@ def test_a_prompts_rows_in_cache_sized_blocks_get_each_rows_own_bits(stored, met
     for i in (0, 29, 30, 31, 63, 64, 65, 99):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
     assert torch.equal(layer(x[25:70]), together[25:70])
+
+
+def _equal_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_the_avx2_splits_give_the_same_halves_and_each_row_its_own_bits(stored, method: str, activations: str) -> None:
+    """The AVX2 build's activation split in vectors (kernels/int16_activations.h's split_rows_avx2) and element by
+    element (split_rows_portable, LMSERVE_DISABLE_CPU_FEATURES=avx2-split): the same int8 halves (q6_k, which reads no
+    block float sum, gets the same bits from both), q4_k's minimums within the float sum's rounding; under each, every
+    row its own bits whatever the rows beside it, an inf's row and a zero row included."""
+    ops = cpu_kernels()
+    if ops.int16_uses_vnni():
+        pytest.skip("the AVX-512 VNNI build has one split")
+    blocks, _ = stored(method, 48, 2048, seed=11)
+    weight = pack_kquant(method, blocks)
+    x = torch.randn(11, 2048, generator=torch.Generator().manual_seed(12))
+    x *= torch.logspace(-3, 2, 2048)[torch.randperm(2048, generator=torch.Generator().manual_seed(13))]
+    x[3, 5], x[7] = float("inf"), 0.0
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(14))
+    linear = getattr(ops, f"{method}_{activations}_linear")
+    results = {}
+    try:
+        for vectors in (True, False):
+            ops.set_avx2_split(vectors)
+            alone = torch.cat([linear(x[i : i + 1], weight, 48, bias) for i in range(11)])
+            assert alone[3].isnan().all() and not alone[[0, 1, 2, 4, 5, 6, 7, 8, 9, 10]].isnan().any()
+            for rows in (2, 4, 5, 11):
+                assert _equal_with_nan(linear(x[:rows], weight, 48, bias), alone[:rows]), (vectors, rows)
+            results[vectors] = alone
+    finally:
+        ops.set_avx2_split(True)
+    if method == "q6_k":
+        assert _equal_with_nan(results[True], results[False])
+    else:
+        finite = [0, 1, 2, 4, 5, 6, 7, 8, 9, 10]
+        torch.testing.assert_close(results[True][finite], results[False][finite], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_avx2_split_is_turned_off_by_its_disabled_feature() -> None:
+    """LMSERVE_DISABLE_CPU_FEATURES=avx2-split: the kernels load with the element-by-element split (the setting the
+    next set_avx2_split call replaces); without it the AVX2 build splits in vectors."""
+    script = ("from lmserve.worker.kernels import cpu_kernels; ops = cpu_kernels(); "
+              "print(ops.int16_uses_vnni(), ops.set_avx2_split(True))")
+    outputs = {}
+    for disabled in ("avx2-split", ""):
+        env = {**os.environ, "LMSERVE_DISABLE_CPU_FEATURES": disabled}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs[disabled] = result.stdout.split()
+    vnni = outputs[""][0] == "True"
+    assert outputs["avx2-split"] == [str(vnni), "False"]
+    assert outputs[""] == [str(vnni), str(not vnni)]
 
 
 @needs_kernel
