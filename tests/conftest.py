@@ -50,12 +50,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The files that take longest (`--durations=0`, 2026-12-06), handed to pytest-xdist's workers first (with
-# --no-loadscope-reorder, which the Makefile passes), so that the run does not end on one of them alone.
+# --no-loadscope-reorder, which the Makefile passes), so that the run does not end on one of them alone; then three
+# whose single items are among the 25 slowest on an AVX2-only CPU (2026-12-07: the tool-calling model's training,
+# bfloat16 batching, the structured-output schemas). `make test` prints the slowest files' seconds to reorder by.
 LONGEST_FILES = (
     "engine/test_forced_kernel_paths.py", "executor/test_parallel_parity.py", "api/test_data_parallel_e2e.py",
     "api/test_failure_paths.py", "api/test_server_e2e.py", "worker/test_model_parity.py",
     "worker/test_layer_program.py", "api/test_parallel_server.py", "engine/test_speculative_e2e.py",
-    "api/test_disaggregation_e2e.py",
+    "api/test_disaggregation_e2e.py", "api/test_tool_calling_model.py", "engine/test_engine_e2e.py",
+    "api/test_structured_output_e2e.py",
 )
 
 
