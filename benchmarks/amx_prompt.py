@@ -20,9 +20,9 @@ import time
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.worker.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear
-from lmserve.worker.kernel_choice import amx_kernel_loads
 from lmserve.worker.kernels import cpu_flags
+from lmserve.worker.weights.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear
+from lmserve.worker.weights.kernel_choice import amx_kernel_loads
 
 SHAPES = {"gate_up 3072 x 576": (3072, 576), "down 576 x 1536": (576, 1536), "qkv 960 x 576": (960, 576)}
 ROWS = (16, 64, 256, 2048)

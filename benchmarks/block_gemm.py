@@ -20,9 +20,9 @@ import time
 import torch
 
 from lmserve import LLM, SamplingParams
-from lmserve.worker.kernel_choice import AMX_BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS, BatchedPath
 from lmserve.worker.kernels import cpu_flags, cpu_kernels
-from lmserve.worker.quantization import Q4_1Linear, use_batched_path
+from lmserve.worker.weights.block_linear import Q4_1Linear, use_batched_path
+from lmserve.worker.weights.kernel_choice import AMX_BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS, BatchedPath
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: (out, in)
 COPIES = {"fbgemm float16": "fp16", "oneDNN bfloat16": "bf16"}

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from lmserve.worker.kernel_choice import BLOCK_KERNEL_MAX_ROWS, BatchedPath
 from lmserve.worker.kernels import BUILD_FLAGS, LINK_FLAGS, cpu_flags, cpu_kernels
-from lmserve.worker.quantization import Q4_1Linear
+from lmserve.worker.weights.block_linear import Q4_1Linear
+from lmserve.worker.weights.kernel_choice import BLOCK_KERNEL_MAX_ROWS, BatchedPath
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "src/lmserve/worker/kernels/quantized_linear.cpp"

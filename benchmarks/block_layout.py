@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from lmserve.worker.block_packing import pack_q4_1
 from lmserve.worker.kernels import BUILD_FLAGS, cpu_kernels
+from lmserve.worker.weights.block_packing import pack_q4_1
 
 REPO = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "28919bd"

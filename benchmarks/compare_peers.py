@@ -269,7 +269,7 @@ def copy_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
 
 
 def weight_parameters() -> int:
-    from lmserve.plan.memory import load_spec  # the planner's parameter count: one formula
+    from lmserve.plan.model_spec import load_spec  # the planner's parameter count: one formula
 
     return load_spec(MODEL_NAME).num_params
 

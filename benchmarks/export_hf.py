@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from lmserve.config import DEFAULT_MODEL
 from lmserve.model_tokenizer import load_tokenizer
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.loader import load_weights
+from lmserve.worker.weights.loader import load_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

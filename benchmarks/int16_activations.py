@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from lmserve.worker.block_packing import pack_blocks, quantize_blocks
 from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.weights.block_packing import pack_blocks, quantize_blocks
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 OUTPUT_LAYER = (49152, 576)

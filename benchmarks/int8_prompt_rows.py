@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from lmserve.worker.batched_copies import Float16WeightLinear
 from lmserve.worker.kernels import cpu_flags, cpu_kernels, kernel_march
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
 
 LAYERS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.3.ffn_down.weight",
           "output.weight")

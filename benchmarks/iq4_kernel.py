@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lmserve.worker.kernels import cpu_kernels, kernel_march
-from lmserve.worker.stored_formats import convert_blocks
+from lmserve.worker.weights.stored_formats import convert_blocks
 
 OUT_FEATURES, IN_FEATURES, MATRICES = 9728, 896, 24
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.kernels import cpu_kernels, kernel_march
-from lmserve.worker.stored_formats import convert_blocks
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.stored_formats import convert_blocks
 
 OUT_FEATURES, IN_FEATURES, MATRICES = 896, 4864, 24
 BLOCK_BYTES, SCALE_AT = {"q3_k": 110, "q2_k": 84}, {"q3_k": (108,), "q2_k": (80, 82)}

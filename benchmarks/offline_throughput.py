@@ -19,7 +19,7 @@ import torch
 
 from lmserve import LLM, SamplingParams
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.loader import load_weights
+from lmserve.worker.weights.loader import load_weights
 
 CORES = os.cpu_count() or 1
 

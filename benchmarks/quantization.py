@@ -39,13 +39,14 @@ from lmserve import LLM, SamplingParams
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.sampling_params import SamplingParams as Params
 from lmserve.step import ScheduledRequest
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.block_packing import pack_q4_1, pack_q8_0
-from lmserve.worker.kernel_choice import BLOCK_KERNEL_MAX_ROWS, BatchedPath
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.prompt_rows import prompt_rows
-from lmserve.worker.quantization import LAYER_TYPES, use_batched_path
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.block_linear import use_batched_path
+from lmserve.worker.weights.block_packing import pack_q4_1, pack_q8_0
+from lmserve.worker.weights.kernel_choice import BLOCK_KERNEL_MAX_ROWS, BatchedPath
+from lmserve.worker.weights.layer_types import LAYER_TYPES
 
 SETTINGS = {
     "float32": {"quantization": "none"},

@@ -14,7 +14,7 @@ CODE = r'''
 import sys, time, resource, torch
 from lmserve.distributed.parallel_state import ParallelGroups, RankLayout
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.loader import load_weights
+from lmserve.worker.weights.loader import load_weights
 from lmserve.worker.models.llama import LlamaForCausalLM
 rank, part = int(sys.argv[1]), sys.argv[2] == "part"
 source = resolve_model(sys.argv[3]); config = load_hf_config(source)

@@ -50,12 +50,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The files that take longest (`--durations=0`, 2026-12-06), handed to pytest-xdist's workers first (with
-# --no-loadscope-reorder, which the Makefile passes), so that the run does not end on one of them alone.
+# --no-loadscope-reorder, which the Makefile passes), so that the run does not end on one of them alone; then three
+# whose single items are among the 25 slowest on an AVX2-only CPU (2026-12-07: the tool-calling model's training,
+# bfloat16 batching, the structured-output schemas). `make test` prints the slowest files' seconds to reorder by.
 LONGEST_FILES = (
     "engine/test_forced_kernel_paths.py", "executor/test_parallel_parity.py", "api/test_data_parallel_e2e.py",
     "api/test_failure_paths.py", "api/test_server_e2e.py", "worker/test_model_parity.py",
     "worker/test_layer_program.py", "api/test_parallel_server.py", "engine/test_speculative_e2e.py",
-    "api/test_disaggregation_e2e.py",
+    "api/test_disaggregation_e2e.py", "api/test_tool_calling_model.py", "engine/test_engine_e2e.py",
+    "api/test_structured_output_e2e.py",
 )
 
 
@@ -68,6 +71,53 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if "default_hermes_server" in item.fixturenames and path not in DEFAULT_HERMES_SERVER_FILES:
+            raise pytest.UsageError(f"{path} uses default_hermes_server: add it to DEFAULT_HERMES_SERVER_FILES")
+
+
+# The files that use tests/api/conftest.py's default_hermes_server, a session fixture: pytest-xdist's workers run them
+# as one unit of `--dist loadfile` (pytest_xdist_make_scheduler below), so that the server starts once, not once on
+# each worker that gets one of them. (`--dist loadgroup` with xdist_group marks would do it, but pytest-xdist 3.8 marks
+# a group in Item._nodeid, which pytest 9 no longer reads: every test of the group was a unit of its own.)
+DEFAULT_HERMES_SERVER_FILES = ("tests/api/test_anthropic_real.py", "tests/api/test_auto_tool_choice.py",
+                               "tests/api/test_fim.py")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile`, with the files that share a session server as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "default_hermes_server" if path in DEFAULT_HERMES_SERVER_FILES else path
+
+    return SharedServerFileScheduling(config, log)
+
+
+# Seconds each test file took (setup, call and teardown of its tests, on whichever worker ran it): what
+# LONGEST_FILES is ordered by.
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without workers) sees every report
+        path = report.nodeid.split("::")[0]
+        FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own --durations
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if config.getoption("durations", None) is None or not FILE_SECONDS:
+        return
+    slowest = sorted(FILE_SECONDS.items(), key=lambda item: -item[1])[:15]
+    terminalreporter.write_sep("=", f"slowest {len(slowest)} files (of {len(FILE_SECONDS)})")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:7.1f}s {path}")
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ KNOWN_FILES = [str(p.relative_to(folder)) for folder in (SOURCE, ROOT / "benchma
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # A path from the repository root (src/lmserve/..., benchmarks/..., tests/...), or a shorter one: a module under
-# src/lmserve written from its room (worker/loader.py, kernels/fused_ops.cpp, core_proc.py), a script by its name.
+# src/lmserve written from its room (weights/loader.py, kernels/fused_ops.cpp, core_proc.py), a script by its name.
 ROOTED_PATH = re.compile(r"(?<![\w/.-])((?:src/lmserve|benchmarks|tests)/[\w/.-]+\.(?:py|cpp|h|sh))\b")
 NOT_FILES = {"llama.cpp"}
 SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:lmserve/)?[\w/]*[a-z_]\w*\.(?:py|cpp|h))\b")

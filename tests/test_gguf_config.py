@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from lmserve.gguf_file import read_gguf_header
+from lmserve.formats.gguf_file import read_gguf_header
 from lmserve.models import (
     DEFAULT_MODEL,
     GGUF_CONFIG_MAPPING,

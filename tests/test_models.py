@@ -92,7 +92,7 @@ def test_the_fast_block_dequantization_is_gguf_s_own_bit_for_bit(default_source)
     import gguf
     import numpy as np
 
-    from lmserve.gguf_file import _FAST_DEQUANTIZE, read_gguf_header, read_gguf_tensor
+    from lmserve.formats.gguf_file import _FAST_DEQUANTIZE, read_gguf_header, read_gguf_tensor
 
     seen = set()
     for info in read_gguf_header(default_source.path).tensors:

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from lmserve.config import CacheConfig, ModelConfig
-from lmserve.worker import attention, kernel_choice, kernels
+from lmserve.worker import attention, kernels
+from lmserve.worker.weights import kernel_choice
 
 
 def cli_choices(config: type, name: str) -> tuple[str, ...]:

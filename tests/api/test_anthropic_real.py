@@ -4,12 +4,9 @@ trip, count_tokens against the usage a message reports."""
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
-
 import anthropic
 import pytest
-from server_process import start_server
+from server_process import Server
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"name": "get_weather", "description": "the weather in a city",
@@ -20,13 +17,8 @@ ASK = [{"role": "user", "content": "Write a short sentence about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[anthropic.Anthropic]:
-    server = start_server(tmp_path_factory.mktemp("anthropic"), "--enable-auto-tool-choice", "--tool-call-parser",
-                          "hermes", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
-    try:
-        yield anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-    finally:
-        server.stop(signal.SIGKILL)
+def client(default_hermes_server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=default_hermes_server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def test_text_whole_and_streamed_are_the_same(client: anthropic.Anthropic) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 
 import openai
 import pytest
+from server_process import Server
 from test_api_fake_engine import MODEL, FakeEngine, ServerThread
 
 from lmserve.api.server import build_app
@@ -121,39 +122,31 @@ def test_a_streamed_call_comes_as_vllm_sends_it_name_first_then_its_arguments(oa
     assert len(pieces) >= 2  # the name and the arguments in chunks of their own
 
 
-def test_a_real_models_call_in_auto_mode_whole_and_streamed(tmp_path) -> None:
+def test_a_real_models_call_in_auto_mode_whole_and_streamed(default_hermes_server: Server) -> None:
     """The real engine and detokenizer under --enable-auto-tool-choice: the default model, held to a hermes call by a
     regex (a tiny model does not choose to call on its own), writes its call token by token; tool_choice is left
     unset (auto, as agent frameworks send it), and the parser turns the text into the same call whole and streamed."""
-    import signal
+    real = openai.OpenAI(base_url=f"{default_hermes_server.base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+    forced = {"regex": r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}'
+                       r"\n</tool_call>"}
 
-    from server_process import start_server
+    def ask_real(stream: bool):
+        return real.chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "The weather in Paris?"}],
+            tools=[WEATHER], max_tokens=80, temperature=0, stream=stream,
+            extra_body={"structured_outputs": forced})
 
-    server = start_server(tmp_path, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                          "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
-    try:
-        real = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        forced = {"regex": r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}'
-                           r"\n</tool_call>"}
-
-        def ask_real(stream: bool):
-            return real.chat.completions.create(
-                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "The weather in Paris?"}],
-                tools=[WEATHER], max_tokens=80, temperature=0, stream=stream,
-                extra_body={"structured_outputs": forced})
-
-        whole = ask_real(stream=False).choices[0]
-        assert whole.finish_reason == "tool_calls" and not whole.message.content
-        (call,) = whole.message.tool_calls
-        assert call.function.name == "get_weather" and list(json.loads(call.function.arguments)) == ["city"]
-        names, arguments, finish = {}, {}, None
-        for chunk in ask_real(stream=True):
-            for choice in chunk.choices:
-                finish = choice.finish_reason or finish
-                for delta in choice.delta.tool_calls or ():
-                    if delta.id is not None:
-                        names[delta.index] = delta.function.name
-                    arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
-        assert finish == "tool_calls" and names == {0: "get_weather"} and arguments == {0: call.function.arguments}
-    finally:
-        server.stop(signal.SIGKILL)
+    whole = ask_real(stream=False).choices[0]
+    assert whole.finish_reason == "tool_calls" and not whole.message.content
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and list(json.loads(call.function.arguments)) == ["city"]
+    names, arguments, finish = {}, {}, None
+    for chunk in ask_real(stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                if delta.id is not None:
+                    names[delta.index] = delta.function.name
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert finish == "tool_calls" and names == {0: "get_weather"} and arguments == {0: call.function.arguments}

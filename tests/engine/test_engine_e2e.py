@@ -14,7 +14,7 @@ import torch
 
 from lmserve import LLM, RequestOutput, SamplingParams
 from lmserve.engine.outputs import EngineCoreOutput
-from lmserve.worker.kernel_choice import block_activations, int16_kernel_loads
+from lmserve.worker.weights.kernel_choice import block_activations, int16_kernel_loads
 
 PROMPTS = [
     "The capital of France is",

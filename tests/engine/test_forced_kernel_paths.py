@@ -92,7 +92,7 @@ def test_engine_invariance_under_forced_kernel_path(env: dict[str, str], unavail
 
 def test_forced_features_reach_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """What LMSERVE_DISABLE_CPU_FEATURES names is off for every auto choice; an unknown name is refused."""
-    from lmserve.worker import kernel_choice
+    from lmserve.worker.weights import kernel_choice
 
     monkeypatch.setenv(kernels.DISABLED_FEATURES_VARIABLE, "amx,vnni")
     assert not kernel_choice.amx_kernel_loads()

@@ -14,7 +14,7 @@ from test_engine_e2e import assert_idle
 from lmserve import LLM, SamplingParams
 from lmserve.config import KV_BLOCK_SIZE
 from lmserve.metrics.prometheus import EngineStatsCollector
-from lmserve.worker.kernel_choice import int16_kernel_loads
+from lmserve.worker.weights.kernel_choice import int16_kernel_loads
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}

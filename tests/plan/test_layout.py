@@ -202,8 +202,8 @@ def test_a_kquant_slice_that_is_no_whole_blocks_is_counted_as_float16_under_tp(t
     `lmserve plan` now count 2 bytes a weight for it, and only under the -tp that splits it so."""
     import math
 
-    from lmserve.block_formats import held_bytes_per_weight
-    from lmserve.gguf_file import ggml_type_name, gguf_held_bits, read_gguf_header, shard_fits_blocks
+    from lmserve.formats.block_formats import held_bytes_per_weight
+    from lmserve.formats.gguf_file import ggml_type_name, gguf_held_bits, read_gguf_header, shard_fits_blocks
 
     assert not shard_fits_blocks("q4_k", 256, 2) and shard_fits_blocks("q4_k", 512, 2)
     assert shard_fits_blocks("q4_k", 4864, 1) and not shard_fits_blocks("q4_k", 4864, 2)  # Qwen2.5 0.5B's down_proj

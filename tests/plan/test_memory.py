@@ -179,7 +179,7 @@ def test_a_gguf_is_planned_at_its_stored_size_with_the_prompt_copy(tiny_kquant_g
     import numpy as np
 
     from lmserve.config import EngineConfig, ModelConfig
-    from lmserve.gguf_file import read_gguf_header
+    from lmserve.formats.gguf_file import read_gguf_header
     from lmserve.plan.fit import layout_memory
 
     # Bytes a weight as the engine holds each matrix (tests/worker/test_stored_formats.py and test_kquant_formats.py

@@ -83,7 +83,7 @@ def test_a_split_the_engine_refuses_is_refused_by_the_planner_too(capsys):
 def test_a_gguf_plans_a_serve_command_that_keeps_its_blocks(capsys, tiny_kquant_gguf):
     """`lmserve plan FILE.gguf` planned bfloat16 and printed `--dtype bfloat16`, with which the engine on CPU
     dequantizes every matrix instead of running the file's blocks (check_quantization: float32 only)."""
-    from lmserve.worker.kernel_choice import check_quantization
+    from lmserve.worker.weights.kernel_choice import check_quantization
 
     _, out = plan_json(capsys, str(tiny_kquant_gguf))  # the plan's dtype is bfloat16 by default
     assert out["stored_bits"] is not None and out["dtype"] == "bfloat16"

@@ -11,11 +11,12 @@ from torch import nn
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.models import DEFAULT_MODEL, load_hf_config, resolve_model
-from lmserve.worker.block_packing import StoredBlocks, pack_q4_1, pack_q8_0, quantize_blocks
-from lmserve.worker.kernel_choice import BLOCK_METHODS
-from lmserve.worker.loader import load_weights
 from lmserve.worker.model_builder import build_model
-from lmserve.worker.quantization import BlockQuantizedLinear, PendingBlockLinear, Q4_1Linear, Q8_0Linear
+from lmserve.worker.weights.block_linear import BlockQuantizedLinear, Q4_1Linear, Q8_0Linear
+from lmserve.worker.weights.block_packing import StoredBlocks, pack_q4_1, pack_q8_0, quantize_blocks
+from lmserve.worker.weights.kernel_choice import BLOCK_METHODS
+from lmserve.worker.weights.loader import load_weights
+from lmserve.worker.weights.pending import PendingBlockLinear
 
 CPU = torch.device("cpu")
 

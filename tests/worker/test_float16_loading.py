@@ -1,4 +1,4 @@
-"""float16 weights loaded without a float32 copy (worker/float16_layers.py): a bfloat16 safetensors directory, and a
+"""float16 weights loaded without a float32 copy (worker/weights/float16.py): a bfloat16 safetensors directory, and a
 GGUF's layers that no block format holds, give the same layers as converting a float32 model after loading."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import transformers
 
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.float16_layers import PendingFloat16Linear
-from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.stored_formats import BLOCK_FORMATS, STORED_BLOCK_TYPES, runnable_types
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.float16 import PendingFloat16Linear
+from lmserve.worker.weights.loader import hf_tensor_dtype, load_weights, stored_matrix_types
+from lmserve.worker.weights.stored_formats import BLOCK_FORMATS, STORED_BLOCK_TYPES, runnable_types
 
 CPU = torch.device("cpu")
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.worker import kernel_choice
-from lmserve.worker.batched_copies import AmxBfloat16Linear
-from lmserve.worker.block_packing import pack_blocks, quantize_blocks, unpack_blocks
-from lmserve.worker.kernel_choice import BatchedPath, block_activations
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import Q4_1Linear, Q8_0Linear, use_block_activations
+from lmserve.worker.weights import kernel_choice
+from lmserve.worker.weights.batched_copies import AmxBfloat16Linear
+from lmserve.worker.weights.block_linear import Q4_1Linear, Q8_0Linear, use_block_activations
+from lmserve.worker.weights.block_packing import pack_blocks, quantize_blocks, unpack_blocks
+from lmserve.worker.weights.kernel_choice import BatchedPath, block_activations
 
 needs_vnni = pytest.mark.skipif(not kernel_choice.int16_kernel_loads(), reason="the int16 kernels did not build (no AVX2)")
 

@@ -1,7 +1,11 @@
-"""K-quant layers at their stored size (worker/kquant_formats.py, kernels/kquant_int16.cpp): the file's values bit for
+"""K-quant layers at their stored size (worker/weights/kquants.py, kernels/kquant_int16.cpp): the file's values bit for
 bit, products against float64 ones of the same weights, and each row's result independent of its batch."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -9,10 +13,11 @@ import pytest
 import torch
 
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
 from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.kquant_formats import (
+from lmserve.worker.model_builder import build_model
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.kernel_choice import batched_path, int16_kernel_loads
+from lmserve.worker.weights.kquants import (
     KQuantLinear,
     kernel_formats,
     pack_kquant,
@@ -20,11 +25,11 @@ from lmserve.worker.kquant_formats import (
     q5_k_fields,
     q6_k_fields,
 )
-from lmserve.worker.loader import load_weights, stored_matrix_types
-from lmserve.worker.model_builder import build_model
-from lmserve.worker.quantization import LAYER_TYPES, PendingBlockLinear
-from lmserve.worker.row_segments import RowSegmentsLinear
-from lmserve.worker.stored_formats import STORED_BLOCK_TYPES, runnable_types
+from lmserve.worker.weights.layer_types import LAYER_TYPES
+from lmserve.worker.weights.loader import load_weights, stored_matrix_types
+from lmserve.worker.weights.pending import PendingBlockLinear
+from lmserve.worker.weights.row_segments import RowSegmentsLinear
+from lmserve.worker.weights.stored_formats import STORED_BLOCK_TYPES, runnable_types
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -131,6 +136,62 @@ def test_a_prompts_rows_in_cache_sized_blocks_get_each_rows_own_bits(stored, met
     assert torch.equal(layer(x[25:70]), together[25:70])
 
 
+def _equal_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_the_avx2_splits_give_the_same_halves_and_each_row_its_own_bits(stored, method: str, activations: str) -> None:
+    """The AVX2 build's activation split in vectors (kernels/int16_activations.h's split_rows_avx2) and element by
+    element (split_rows_portable, LMSERVE_DISABLE_CPU_FEATURES=avx2-split): the same int8 halves (q6_k, which reads no
+    block float sum, gets the same bits from both), q4_k's minimums within the float sum's rounding; under each, every
+    row its own bits whatever the rows beside it, an inf's row and a zero row included."""
+    ops = cpu_kernels()
+    if ops.int16_uses_vnni():
+        pytest.skip("the AVX-512 VNNI build has one split")
+    blocks, _ = stored(method, 48, 2048, seed=11)
+    weight = pack_kquant(method, blocks)
+    x = torch.randn(11, 2048, generator=torch.Generator().manual_seed(12))
+    x *= torch.logspace(-3, 2, 2048)[torch.randperm(2048, generator=torch.Generator().manual_seed(13))]
+    x[3, 5], x[7] = float("inf"), 0.0
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(14))
+    linear = getattr(ops, f"{method}_{activations}_linear")
+    results = {}
+    try:
+        for vectors in (True, False):
+            ops.set_avx2_split(vectors)
+            alone = torch.cat([linear(x[i : i + 1], weight, 48, bias) for i in range(11)])
+            assert alone[3].isnan().all() and not alone[[0, 1, 2, 4, 5, 6, 7, 8, 9, 10]].isnan().any()
+            for rows in (2, 4, 5, 11):
+                assert _equal_with_nan(linear(x[:rows], weight, 48, bias), alone[:rows]), (vectors, rows)
+            results[vectors] = alone
+    finally:
+        ops.set_avx2_split(True)
+    if method == "q6_k":
+        assert _equal_with_nan(results[True], results[False])
+    else:
+        finite = [0, 1, 2, 4, 5, 6, 7, 8, 9, 10]
+        torch.testing.assert_close(results[True][finite], results[False][finite], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_avx2_split_is_turned_off_by_its_disabled_feature() -> None:
+    """LMSERVE_DISABLE_CPU_FEATURES=avx2-split: the kernels load with the element-by-element split (the setting the
+    next set_avx2_split call replaces); without it the AVX2 build splits in vectors."""
+    script = ("from lmserve.worker.kernels import cpu_kernels; ops = cpu_kernels(); "
+              "print(ops.int16_uses_vnni(), ops.set_avx2_split(True))")
+    outputs = {}
+    for disabled in ("avx2-split", ""):
+        env = {**os.environ, "LMSERVE_DISABLE_CPU_FEATURES": disabled}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs[disabled] = result.stdout.split()
+    vnni = outputs[""][0] == "True"
+    assert outputs["avx2-split"] == [str(vnni), "False"]
+    assert outputs[""] == [str(vnni), str(not vnni)]
+
+
 @needs_kernel
 @pytest.mark.parametrize("method", METHODS)
 def test_a_non_finite_input_gives_nan_in_its_row_only(stored, method: str) -> None:
@@ -217,8 +278,8 @@ def test_a_layer_whose_slice_fits_no_block_is_named_in_a_warning() -> None:
     """A K-quant layer whose shape on this rank is no whole number of 256-column blocks stays a float (float16)
     layer: that used to happen without a word; now each such layer is collected and the warning names them, by
     kind and layer index, with the format and the rank's shape."""
-    from lmserve.worker.models.llama import unfit_layers_message
-    from lmserve.worker.quantization import pend_block_linears
+    from lmserve.worker.weights.pending import pend_block_linears
+    from lmserve.worker.weights.shards import unfit_layers_message
 
     with torch.device("meta"):
         layers = torch.nn.ModuleDict({str(i): torch.nn.ModuleDict({"o_proj": torch.nn.Linear(128, 64, bias=False),

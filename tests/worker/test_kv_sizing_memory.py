@@ -13,9 +13,9 @@ from lmserve.config import CacheConfig, add_engine_args, engine_kwargs, make_eng
 from lmserve.config_values import GiB
 from lmserve.kv_sizing import kv_blocks_for_memory_utilization
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.loader import load_weights
 from lmserve.worker.memory import DeviceMemory, num_kv_blocks, profiling_batch_lengths, profiling_step
 from lmserve.worker.model_builder import build_model
+from lmserve.worker.weights.loader import load_weights
 
 MiB = 1 << 20
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU

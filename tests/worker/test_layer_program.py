@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lmserve import LLM, SamplingParams
-from lmserve.worker import batched_copies
 from lmserve.worker.layer_program import LayerProgram
+from lmserve.worker.weights import batched_copies
 
 OPTIONS = {"dtype": "float32", "max_model_len": 256, "max_num_batched_tokens": 32, "max_num_seqs": 8}
 QUANTIZED = {**OPTIONS, "quantization": "q8_0"}

@@ -20,9 +20,9 @@ from lmserve.models import (
     load_hf_config,
     resolve_model,
 )
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.loader import hf_name_from_gguf, load_weights
 from lmserve.worker.models.rotary import RotaryEmbedding
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.loader import hf_name_from_gguf, load_weights
 
 Q = gguf.GGMLQuantizationType
 
@@ -172,7 +172,7 @@ def test_unknown_gguf_tensor_name_rejected() -> None:
     assert hf_name_from_gguf("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name_from_gguf("output.weight") == "lm_head.weight"
     assert hf_name_from_gguf("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"  # Qwen3
-    # A mixture of experts' stacked experts: each expert's weight, its index for the `*` (worker/loader.py)
+    # A mixture of experts' stacked experts: each expert's weight, its index for the `*` (worker/weights/loader.py)
     assert hf_name_from_gguf("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.*.gate_proj.weight"
     with pytest.raises(ValueError, match="ssm_conv1d"):
         hf_name_from_gguf("blk.0.ssm_conv1d.weight")  # a hybrid model's recurrent layer

@@ -16,11 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmserve.config import CacheConfig, ModelConfig
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker.loader import load_weights
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.models.llama import LlamaForCausalLM
 from lmserve.worker.models.rotary import RotaryEmbedding
+from lmserve.worker.weights.loader import load_weights
 
 MAX_POSITION = 256
 DEVICES = ["meta", "cpu"]

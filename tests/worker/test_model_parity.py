@@ -39,12 +39,12 @@ from lmserve.kv_groups import model_kv_groups
 from lmserve.models import DEFAULT_MODEL, load_hf_config, load_model_config, resolve_model
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import ScheduledRequest
-from lmserve.worker import kernel_choice
-from lmserve.worker.batched_copies import AmxBfloat16Linear, Float16WeightLinear
-from lmserve.worker.kernel_choice import BatchedPath, amx_kernel_loads
-from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import ModelRunner
-from lmserve.worker.quantization import Q4_1Linear, Q8_0Linear, use_batched_path
+from lmserve.worker.weights import kernel_choice
+from lmserve.worker.weights.batched_copies import AmxBfloat16Linear, Float16WeightLinear
+from lmserve.worker.weights.block_linear import Q4_1Linear, Q8_0Linear, use_batched_path
+from lmserve.worker.weights.kernel_choice import BatchedPath, amx_kernel_loads
+from lmserve.worker.weights.loader import load_weights
 
 BLOCK_SIZE = KV_BLOCK_SIZE
 # Measured max abs error in float32 (printed with -s): tiny models 3e-7 on logits up to ~1; the default model
@@ -416,8 +416,8 @@ def test_tiny_k_quant_file_at_its_stored_size_stays_within_int16_rounding_of_its
     and a q/k/v of both (row segments) at their stored size where the K-quant kernel runs, the other K-quants in
     float16. Its logits stay within the int16 activations' (and float16 weights') rounding of transformers on the
     file's values, prefill chunks and decodes alike."""
-    from lmserve.worker.kquant_formats import KQuantLinear
-    from lmserve.worker.row_segments import RowSegmentsLinear
+    from lmserve.worker.weights.kquants import KQuantLinear
+    from lmserve.worker.weights.row_segments import RowSegmentsLinear
 
     parity = Parity(tiny_kquant_gguf, max_model_len=256, num_blocks=32, atol=DEFAULT_ATOL, quantization="auto",
                     reference=tiny_kquant_dir, batched_weights="none", block_activations="auto")

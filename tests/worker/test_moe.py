@@ -18,7 +18,7 @@ from test_model_parity import KERNELS, TINY_ATOL, Parity, chunked_prefill_then_d
 from lmserve.models import GGUFConfig, load_hf_config, load_model_config, resolve_model
 from lmserve.moe_shape import moe_shape
 from lmserve.worker.models.moe import SparseMoeBlock
-from lmserve.worker.quantization import BlockQuantizedLinear
+from lmserve.worker.weights.block_linear import BlockQuantizedLinear
 
 # int16 activations round each block of 32 inputs to 16-bit integers: measured 1.5e-4 on logits up to 1.8.
 K_QUANT_ATOL = 1e-3

@@ -13,27 +13,28 @@ import torch
 from torch import nn
 
 from lmserve.models import DEFAULT_MODEL, resolve_model, stored_linear_format
-from lmserve.worker import batched_copies, kernel_choice, kernels
-from lmserve.worker.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear, Float16WeightLinear
-from lmserve.worker.block_packing import pack_q4_1, pack_q8_0
-from lmserve.worker.kernel_choice import (
+from lmserve.worker import kernels
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.prompt_rows import PromptRows, prompt_rows
+from lmserve.worker.weights import batched_copies, kernel_choice
+from lmserve.worker.weights.batched_copies import AmxBfloat16Linear, Bfloat16WeightLinear, Float16WeightLinear
+from lmserve.worker.weights.block_linear import (
+    Q4_1Linear,
+    Q8_0Linear,
+    prepare_batched_copies,
+    use_batched_path,
+    use_prompt_copies,
+)
+from lmserve.worker.weights.block_packing import pack_q4_1, pack_q8_0
+from lmserve.worker.weights.kernel_choice import (
     AMX_BLOCK_KERNEL_MAX_ROWS,
     BLOCK_KERNEL_MAX_ROWS,
     BatchedPath,
     batched_path,
     check_quantization,
 )
-from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.loader import load_weights
-from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
-    Q4_1Linear,
-    Q8_0Linear,
-    prepare_batched_copies,
-    quantize_linears,
-    use_batched_path,
-    use_prompt_copies,
-)
+from lmserve.worker.weights.loader import load_weights
+from lmserve.worker.weights.pending import quantize_linears
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -50,9 +51,9 @@ def test_auto_picks_fp16_only_where_it_runs() -> None:
 def test_auto_gives_k_quant_files_their_kernel_where_it_runs_else_fp16(tiny_kquant_gguf) -> None:
     """A Q4_K_M-like file (Q4_K and Q6_K layers, and Q2_K, Q3_K, Q5_K ones): its layers run at their stored size
     where the int16 kernels run (AVX-512 VNNI or AVX2); elsewhere float16."""
-    from lmserve.worker.kquant_formats import kernel_formats
-    from lmserve.worker.loader import stored_matrix_types
-    from lmserve.worker.stored_formats import BLOCK_FORMATS, preferred_kernel_format
+    from lmserve.worker.weights.kquants import kernel_formats
+    from lmserve.worker.weights.loader import stored_matrix_types
+    from lmserve.worker.weights.stored_formats import BLOCK_FORMATS, preferred_kernel_format
 
     assert stored_linear_format(resolve_model(str(tiny_kquant_gguf))) is None  # mixed types
     types = stored_matrix_types(resolve_model(str(tiny_kquant_gguf))).values()
@@ -519,6 +520,35 @@ def test_copies_built_on_several_threads_are_built_once_each(monkeypatch) -> Non
     for layer in layers:
         assert isinstance(layer.prompt_copy, Float16WeightLinear) and layer.batched is None
         assert torch.equal(layer.prompt_copy(x), Float16WeightLinear(layer.dequantized(), None)(x))
+
+
+def test_a_forward_pass_that_reads_a_copy_while_it_is_being_set_waits_for_it() -> None:
+    """nn.Module.__setattr__ takes a module out of the layer's __dict__ before it puts it in _modules: a forward pass
+    that asks for the prompt copy in between (the builders' background thread setting it) once raised AttributeError
+    (a tensor-parallel rank failed its step under load). The registration hook runs in exactly that gap."""
+    layer = Q8_0Linear(random_blocks("q8_0", 32, 64, seed=3), None, batched_path("prompt-fp16"))
+    results: list[object] = []
+    readers: list[threading.Thread] = []
+
+    def read_copy() -> None:
+        try:
+            results.append(layer.prepare_prompt_copy())
+        except AttributeError as error:
+            results.append(error)
+
+    def in_the_gap(module: nn.Module, name: str, submodule: nn.Module) -> None:
+        if module is layer and name == "prompt_copy" and not readers:
+            readers.append(threading.Thread(target=read_copy))
+            readers[0].start()
+            readers[0].join(timeout=2)  # the reader waits for the builder's lock (or, before, failed at once)
+
+    handle = nn.modules.module.register_module_module_registration_hook(in_the_gap)
+    try:
+        built = layer.prepare_prompt_copy()
+    finally:
+        handle.remove()
+    readers[0].join()
+    assert results == [built]
 
 
 @pytest.mark.parametrize("setting", ["bf16", "fp16", "prompt-fp16"])

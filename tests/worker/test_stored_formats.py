@@ -13,28 +13,28 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.block_formats import held_bytes_per_weight
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
-from lmserve.gguf_file import gguf_held_bits, read_gguf_header
+from lmserve.formats.block_formats import held_bytes_per_weight
+from lmserve.formats.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
-from lmserve.worker import kernel_choice
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.block_embedding import BlockEmbedding
-from lmserve.worker.block_packing import StoredBlocks, as_blocks
-from lmserve.worker.kernel_choice import batched_path, int16_kernel_loads
-from lmserve.worker.kquant_formats import Int16BlockLinear, KQuantLinear, kernel_formats
-from lmserve.worker.loader import load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
-    LAYER_TYPES,
+from lmserve.worker.weights import kernel_choice
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.block_embedding import BlockEmbedding
+from lmserve.worker.weights.block_linear import (
     Q4_1Linear,
     Q8_0Linear,
     prepare_batched_copies,
     use_prompt_copies,
 )
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.block_packing import StoredBlocks, as_blocks
+from lmserve.worker.weights.kernel_choice import batched_path, int16_kernel_loads
+from lmserve.worker.weights.kquants import Int16BlockLinear, KQuantLinear, kernel_formats
+from lmserve.worker.weights.layer_types import LAYER_TYPES
+from lmserve.worker.weights.loader import load_weights, stored_matrix_types
+from lmserve.worker.weights.stored_formats import (
     BLOCK_FORMATS,
     STORED_BLOCK_BYTES,
     STORED_BLOCK_TYPES,
@@ -242,14 +242,14 @@ def test_iq4_xs_becomes_iq4_nl_or_q8_0_with_each_sub_blocks_scale_rounded_once()
 def test_a_tensor_ranks_share_of_iq4_xs_columns_that_splits_a_super_block_is_its_iq4_nl_blocks() -> None:
     """A row-parallel IQ4_XS matrix (down_proj) over 4 ranks: 512 columns are 2 super-blocks, 128 a rank. Each rank
     keeps its iq4_nl blocks (what its layer holds anyway), not float weights quantized again."""
-    from lmserve.worker.models.llama import _column_shard
+    from lmserve.worker.weights.shards import column_shard
 
     blocks = random_iq4_blocks("iq4_xs", 8, 512, np.random.default_rng(5)).reshape(8, 2, 136)
     whole = gguf_values("q8_0", convert_blocks("iq4_xs", blocks, "q8_0")).reshape(8, 512)
     stored = StoredBlocks("iq4_xs", torch.from_numpy(blocks))
-    assert _column_shard(stored, 2, 1).method == "iq4_xs"  # whole super-blocks a rank: the file's blocks
+    assert column_shard(stored, 2, 1).method == "iq4_xs"  # whole super-blocks a rank: the file's blocks
     for rank in range(4):
-        share = _column_shard(stored, 4, rank)
+        share = column_shard(stored, 4, rank)
         assert isinstance(share, StoredBlocks) and share.method == "iq4_nl" and share.shape == (8, 128)
         assert np.array_equal(share.dequantize().numpy(), whole[:, 128 * rank : 128 * (rank + 1)])
 
@@ -408,7 +408,7 @@ def test_q8_0_rows_read_back_out_of_either_kernel_layout(activations: str) -> No
 def test_a_tied_q8_0_embedding_is_held_once_and_looks_up_the_files_rows(default_source) -> None:
     """The default model ties its Q8_0 embedding to the output layer: the embedding drops its copy and reads its rows
     out of the output layer's kernel layout, which gives exactly the file's values for every token."""
-    from lmserve.gguf_file import read_gguf_header, read_gguf_tensor
+    from lmserve.formats.gguf_file import read_gguf_header, read_gguf_tensor
 
     config = load_hf_config(default_source)
     formats = kernel_formats()
@@ -454,7 +454,7 @@ def test_a_tied_table_in_another_layout_gives_its_pages_back_to_the_file(tiny_q4
     which the embedding does not read rows back from, so the table stays the file's mapping. The packing's read
     left all of it resident (183 MB of a 1.5B Qwen file); after loading, its pages are the file's again, and every
     token still looks up the file's values."""
-    from lmserve.gguf_file import read_gguf_tensor
+    from lmserve.formats.gguf_file import read_gguf_tensor
 
     source = resolve_model(str(tiny_q4_k_m_gguf))
     config, formats = load_hf_config(source), kernel_formats()

@@ -111,13 +111,13 @@ def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
     return LayoutMemory(layout, dtype, ranks)
 
 
-# The copy of the decoder layers' weights that prompt rows may run on (worker/quantization.py: bfloat16 for the AMX
+# The copy of the decoder layers' weights that prompt rows may run on (weights/block_linear.py: bfloat16 for the AMX
 # kernel, float16 for fbgemm), built beside a GGUF's stored blocks.
 PROMPT_COPY_BYTES = 2
 
 
 def takes_prompt_copy(spec: ModelSpec, batched_weights: str | None, block_activations: str | None) -> bool:
-    """Whether the engine may build that copy (worker/kernel_choice.batched_path): never with `none` or
+    """Whether the engine may build that copy (worker/weights/kernel_choice.batched_path): never with `none` or
     `prompt-int8`, nor under auto with 8-bit activations (asked for, or auto's choice from
     INT8_ACTIVATIONS_FROM_WEIGHTS decoder weights). Otherwise counted, whether or not this CPU's auto takes it (the
     AVX-512 VNNI kind does not): the planner reads no CPU flags, and those models are small."""

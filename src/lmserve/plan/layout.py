@@ -12,7 +12,7 @@ import logging
 from dataclasses import replace
 
 from lmserve.config import EngineConfig, ModelConfig
-from lmserve.gguf_file import gguf_held_bits
+from lmserve.formats.gguf_file import gguf_held_bits
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.plan import model_spec
 from lmserve.plan.fit import check_fits, engine_layout
@@ -28,7 +28,7 @@ def engine_model_spec(model_config: ModelConfig) -> ModelSpec:
     counts them: an 8B Q4_K_M file takes ~5 GB, not the 32 GB of float32 weights it was checked as."""
     source = resolve_model(model_config.model)
     spec = ModelSpec.from_hf_dict(source.name, read_config_dict(source))
-    # The blocks need float32 compute on CPU (worker/kernel_choice.check_quantization); with bfloat16 or float16
+    # The blocks need float32 compute on CPU (worker/weights/kernel_choice.check_quantization); with bfloat16 or float16
     # the engine dequantizes them.
     keeps_blocks = (model_config.quantization or "auto") == "auto" and model_config.dtype in ("auto", "float32")
     if source.kind == "gguf" and keeps_blocks:

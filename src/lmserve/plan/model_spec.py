@@ -88,7 +88,7 @@ class ModelSpec:
             return params * dtype_bytes
         bits = self.stored_bits
         if tp > 1 and self.gguf_path is not None:
-            from lmserve.gguf_file import gguf_held_bits
+            from lmserve.formats.gguf_file import gguf_held_bits
 
             bits = gguf_held_bits(Path(self.gguf_path), tp)
         return int(params * bits / 8)
@@ -186,7 +186,7 @@ def load_spec(model: str | None = None, config_file: str | None = None) -> Model
     from lmserve.models import REGISTERED_MODELS, read_config_dict, resolve_model
 
     if path.exists() or model in REGISTERED_MODELS:
-        from lmserve.gguf_file import gguf_held_bits
+        from lmserve.formats.gguf_file import gguf_held_bits
 
         source = resolve_model(model)
         spec = ModelSpec.from_hf_dict(model, read_config_dict(source))

@@ -22,7 +22,7 @@ from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.worker.models.llama import LlamaForCausalLM
-from lmserve.worker.stored_formats import KERNEL_FORMATS
+from lmserve.worker.weights.stored_formats import KERNEL_FORMATS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

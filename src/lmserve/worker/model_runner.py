@@ -24,33 +24,22 @@ from lmserve.worker.attention import (
     ScheduledChunk,
     build_metadata,
 )
-from lmserve.worker.kernel_choice import LAYER_METHODS, batched_path, block_activations, check_quantization
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
-from lmserve.worker.kquant_formats import kernel_formats
 from lmserve.worker.kv_cache_setup import allocate_kv_cache
 from lmserve.worker.kv_transfer import KVConnectorWorker, worker_connector
 from lmserve.worker.layer_program import ProgramRefused
-from lmserve.worker.loader import hf_tensor_dtype, load_weights, stored_matrix_types
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.llama import LlamaForCausalLM, decoder_linear_weights
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
-from lmserve.worker.quantization import (
-    prepare_batched_copies,
-    use_batched_path,
-    use_block_activations,
-    use_prompt_copies,
-)
 from lmserve.worker.rejection_sampler import RejectionSampler, verify
 from lmserve.worker.sampler import Sampler, argmax_rows, token_logprobs
 from lmserve.worker.sampling_metadata import draft_rows
-from lmserve.worker.stored_formats import (
-    STORED_BLOCK_TYPES,
-    float_fallbacks,
-    preferred_kernel_format,
-    runnable_types,
-)
+from lmserve.worker.weights.block_linear import prepare_batched_copies
+from lmserve.worker.weights.choice import choose_weight_formats, settle_block_kernels
+from lmserve.worker.weights.kernel_choice import LAYER_METHODS
+from lmserve.worker.weights.loader import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +100,8 @@ class ModelRunner:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         source = resolve_model(model_config.model)
-        per_layer, formats = self._choose_quantization(model_config, source)
+        self.weight_formats = choose_weight_formats(model_config, source, self.device, self.dtype)
+        self.quantization = self.weight_formats.quantization
         self.block_size = cache_config.block_size
         self.numpy_matmuls = False
         if self.device.type == "cpu":
@@ -122,7 +112,7 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len or native_len
         if self.max_model_len > native_len:
             logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
-        model = self._load_model(model_config, source, per_layer, formats)
+        model = self._load_model(model_config, source)
         scheduler_config = scheduler_config or SchedulerConfig()
         self._allocate_kv_cache(model, model_config, cache_config, scheduler_config)
         self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
@@ -146,57 +136,26 @@ class ModelRunner:
         if self.device.type == "cpu":
             reuse_large_blocks()  # steps' activations from reused heap memory, not fresh pages
 
-    def _choose_quantization(self, model_config: ModelConfig,
-                             source: ModelSource) -> tuple[dict[str, str] | None, tuple[str, ...]]:
-        """Sets self.quantization; returns a GGUF's kernel format per matrix under auto (None otherwise) and the
-        kernel formats that run here. Under auto each layer takes the format that holds its file's values exactly
-        (worker/stored_formats.py), the rest float16."""
-        stored_types = stored_matrix_types(source)
-        on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
-        formats = kernel_formats(model_config.block_activations) if stored_types and on_cpu else ()
-        stored_as = preferred_kernel_format(stored_types.values(), formats) if stored_types else None
-        self.quantization = check_quantization(model_config.quantization, self.device, self.dtype, stored_as)
-        per_layer = None
-        if stored_types and (model_config.quantization or "auto") == "auto":
-            per_layer = runnable_types(stored_types, formats)
-            if fallbacks := float_fallbacks(stored_types, per_layer):
-                logger.warning("no kernel here holds these matrices at their stored size: %s; they run as float16 "
-                               "weights (2 bytes a weight)", fallbacks)
-        return per_layer, formats
-
-    def _load_model(self, model_config: ModelConfig, source: ModelSource, per_layer: dict[str, str] | None,
-                    formats: tuple[str, ...]) -> LlamaForCausalLM:
-        """Builds the model on this rank's share of the weights, each layer on the kernel its format and the
-        settings choose, and logs what it loaded."""
+    def _load_model(self, model_config: ModelConfig, source: ModelSource) -> LlamaForCausalLM:
+        """Builds the model on this rank's share of the weights, each layer in the format self.weight_formats
+        chose and on the kernel the settings choose (worker/weights/choice.py), and logs what it loaded."""
         started = time.perf_counter()
         # Seeds the draws of requests without a seed; the weights all come from the checkpoint (load_weights raises
         # on a missing one), so no parameter depends on it.
         torch.manual_seed(model_config.seed)
-        # A block format's layers take the file's own blocks as they load; fp16 converts the loaded float weights.
-        block_method = self.quantization if self.quantization in LAYER_METHODS else None
+        formats = self.weight_formats
         decoder_weights = decoder_linear_weights(self.hf_config)
-        activations = block_activations(model_config.block_activations, decoder_weights) if block_method else "float32"
-        # float16 weights (fp16, and under auto a GGUF's layers that no block format holds) load straight into
-        # float16: no float32 copy of them is made; a 16-bit checkpoint's embedding keeps its own dtype.
-        float16_layers = self.quantization == "fp16" or (block_method is not None and per_layer is not None)
-        stored_table = hf_tensor_dtype(source, "model.embed_tokens.weight") if self.quantization == "fp16" else None
-        embedding_dtype = stored_table if stored_table in (torch.bfloat16, torch.float16) else None
-        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel, block_method,
-                            per_layer, formats, activations, float16_layers, embedding_dtype,
-                            expert_parallel=self.expert_parallel)
-        model.load_weights(load_weights(source, None if float16_layers else self.dtype,
-                                        blocks=STORED_BLOCK_TYPES if block_method else (), wanted=model.wants,
-                                        part=model.checkpoint_part))
-        self.prompt_copies = False
-        self.block_activations = "float32"
-        if self.quantization in LAYER_METHODS:
-            self.block_activations = block_activations(model_config.block_activations, decoder_weights)
-            self.batched_path = batched_path(model_config.batched_weights, self.block_activations)
-            use_batched_path(model, self.batched_path)
-            if use_block_activations(model, self.block_activations) == 0:
-                self.block_activations = "float32"
-            if self.batched_path.prompt_copies:  # after the activations: prompt-int8 takes the int16 layout's layers
-                self.prompt_copies = use_prompt_copies(model.layers) > 0
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype, self.parallel,
+                            formats.block_method, formats.per_layer, formats.formats,
+                            formats.layer_activations(model_config, decoder_weights), formats.float16_layers,
+                            formats.embedding_dtype(source), expert_parallel=self.expert_parallel)
+        # float16 layers load their rows as the checkpoint stores them; a block layer takes the file's own blocks.
+        model.load_weights(load_weights(source, None if formats.float16_layers else self.dtype,
+                                        blocks=formats.loaded_blocks, wanted=model.wants, part=model.checkpoint_part))
+        self.block_kernels = settle_block_kernels(model, model.layers, formats, model_config, decoder_weights)
+        self.block_activations = self.block_kernels.activations
+        self.batched_path = self.block_kernels.batched_path
+        self.prompt_copies = self.block_kernels.prompt_copies
         self.fused_ops = check_fused_ops(model_config.fused_ops, self.device, self.dtype)
         if self.fused_ops == "cpu":
             model.use_fused_ops(cpu_kernels())
@@ -209,17 +168,10 @@ class ModelRunner:
                              name="batched-copies").start()
         self.vocab_size = self.hf_config.vocab_size
         logger.info(
-            "loaded %s (%s, quantization %s%s, fused ops %s, %s) in %.1fs", source.name, self.dtype,
-            self.quantization, self._batch_kernels(), self.fused_ops, self.device, time.perf_counter() - started,
+            "loaded %s (%s, quantization %s%s, fused ops %s, %s) in %.1fs", source.name, self.dtype, self.quantization,
+            self.block_kernels.describe(), self.fused_ops, self.device, time.perf_counter() - started,
         )
         return model
-
-    def _batch_kernels(self) -> str:
-        """What the block layers run batches on, for the load's log line ("" without block layers)."""
-        if self.quantization not in LAYER_METHODS:
-            return ""
-        return f", {self.batched_path.describe(self.prompt_copies)}, {self.block_activations} activations in the " \
-               "block kernel"
 
     def _allocate_kv_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
                            scheduler_config: SchedulerConfig) -> None:

@@ -23,13 +23,13 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.models import load_model_config, resolve_model
 from lmserve.pooling_config import load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
-from lmserve.worker.loader import load_weights
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
 from lmserve.worker.models.bert import BertCrossEncoder, BertModel
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.nomic_bert import NomicBertModel
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.pooler import pool
+from lmserve.worker.weights.loader import load_weights
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The model runner knows each row's token (worker/model_runner.py); a linear layer deep in the model sees only a
 [tokens, features] tensor. As vLLM's forward context does, the runner sets the batch's rows for the duration of its
-forward pass and the layers that care read them (worker/quantization.py: prompt rows on AMX tiles).
+forward pass and the layers that care read them (worker/weights/block_linear.py: prompt rows on AMX tiles).
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ KERNEL_MARCH_VARIABLE = "LMSERVE_KERNEL_MARCH"
 # CPU features the kernels' dispatch treats as absent (comma-separated; e.g. amx,vnni): how one machine runs the choices
 # another CPU kind would make (batched_path's auto, block_activations' auto) without another build.
 DISABLED_FEATURES_VARIABLE = "LMSERVE_DISABLE_CPU_FEATURES"
-DISABLEABLE_FEATURES = ("amx", "vnni")
+# avx2-split: the AVX2 build's activation split in vectors (kernels/int16_activations.h), so that the element-by-element
+# one before it stays runnable and measurable.
+DISABLEABLE_FEATURES = ("amx", "vnni", "avx2-split")
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
 LIBRARY = "lmserve_cpu_kernels"
 BUILD_STAMP = f"{LIBRARY}.stamp"  # build_key() of the library beside it
@@ -73,7 +75,8 @@ def kernel_march() -> str:
 
 def disabled_features() -> frozenset[str]:
     """What LMSERVE_DISABLE_CPU_FEATURES names (amx: no AMX kernel, prompt rows as a CPU without AMX runs them; vnni:
-    no int16-activation kernel); an unknown name raises."""
+    no int16-activation kernel; avx2-split: the AVX2 build's int16 kernels split activations element by element); an
+    unknown name raises."""
     names = frozenset(n.strip() for n in os.environ.get(DISABLED_FEATURES_VARIABLE, "").split(",") if n.strip())
     unknown = sorted(names - set(DISABLEABLE_FEATURES))
     if unknown:
@@ -162,6 +165,8 @@ def cpu_kernels():
                 stamp.write_text(key)
     except Exception as exc:  # a missing compiler or ninja shows up as one of several exception types
         raise RuntimeError(f"could not build lmserve's CPU kernels: {exc}") from exc
+    if hasattr(torch.ops.lmserve, "set_avx2_split"):  # built where the int16 kernels build
+        torch.ops.lmserve.set_avx2_split("avx2-split" not in disabled_features())
     logger.debug("CPU kernels ready in %.1fs", time.perf_counter() - started)
     return torch.ops.lmserve
 

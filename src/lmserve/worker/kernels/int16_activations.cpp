@@ -341,6 +341,16 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("int16_uses_vnni() -> bool", [] { return kAvx512; });
+  // Whether the AVX2 build splits activations with split_rows_avx2 (int16_simd.h's avx2_vector_split); returns the
+  // setting it replaces. The VNNI build has one split: always false there.
+  m.def("set_avx2_split(bool enabled) -> bool", [](bool enabled) {
+#if defined(LMSERVE_INT16_KERNELS_AVX2)
+    return avx2_vector_split.exchange(enabled);
+#else
+    (void)enabled;
+    return false;
+#endif
+  });
   m.def("q4_1_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_1_int16_pack(Tensor[] parts) -> Tensor");
   m.def("q4_1_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");

@@ -15,7 +15,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -134,6 +135,91 @@ inline void split_rows_portable(const float* x, int64_t M, int64_t K, Activation
     }
   });
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+// split_rows_portable in AVX2 vectors, for the AVX2 build: the same operations on each input (the halves' bits are
+// the same), the block's float sum in another order. Element by element it took ~15% of a 512-row q4_k or q6_k
+// product of 2,048 inputs by 2,048 outputs with 8-bit activations on one core of a shared 2-core Zen 3 (8.0 ms of a
+// 16-output call, against 2.0 ms now): 1.08-1.18x the whole op at 64-512 rows.
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float max_lanes(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 int32 lanes (each within int8) as 8 bytes at out.
+inline void store_bytes(int8_t* out, __m256i v) {
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
+}
+
+inline void split_rows_avx2(const float* x, int64_t M, int64_t K, Activations& a) {
+  size_for(M, K, a);
+  const int64_t blocks = K / kBlock;
+  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      __m256i infinite = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], magnitude));
+        // From the bits: -ffast-math lets the compiler assume no float compare ever sees an inf or NaN.
+        infinite = _mm256_or_si256(
+            infinite, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v[j]), exponent), exponent));
+      }
+      const bool finite = _mm256_testz_si256(infinite, infinite);
+      a.sum[i] = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      const float largest = max_lanes(amax);
+      const float s = largest / 127.0f;
+      const float inverse = finite && largest > 0 ? 127.0f / largest : 0.0f;
+      a.scale[i] = std::bit_cast<float>(finite ? std::bit_cast<uint32_t>(s / 256.0f) : 0x7FC00000u);
+      const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(inverse), vinv256 = _mm256_set1_ps(inverse * 256.0f);
+      __m256i sums[2][2];  // [high, low][half]
+      for (int j = 0; j < 4; ++j) {
+        const __m256 high = _mm256_round_ps(_mm256_mul_ps(v[j], vinv), kRound);
+        const __m256 rest = _mm256_fnmadd_ps(high, vs, v[j]);
+        const __m256 low = _mm256_min_ps(
+            _mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(rest, vinv256), kRound), _mm256_set1_ps(-127.0f)),
+            _mm256_set1_ps(127.0f));
+        const __m256i high_int = _mm256_cvtps_epi32(high), low_int = _mm256_cvtps_epi32(low);
+        store_bytes(a.high.data() + i * kBlock + 8 * j, high_int);
+        store_bytes(a.low.data() + i * kBlock + 8 * j, low_int);
+        if (j % 2 == 0) {
+          sums[0][j / 2] = high_int;
+          sums[1][j / 2] = low_int;
+        } else {
+          sums[0][j / 2] = _mm256_add_epi32(sums[0][j / 2], high_int);
+          sums[1][j / 2] = _mm256_add_epi32(sums[1][j / 2], low_int);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        a.high_half[2 * i + h] = sum_lanes(sums[0][h]);
+        a.low_half[2 * i + h] = sum_lanes(sums[1][h]);
+      }
+      a.high_sum[i] = 128 * (a.high_half[2 * i] + a.high_half[2 * i + 1]);
+      a.low_sum[i] = 128 * (a.low_half[2 * i] + a.low_half[2 * i + 1]);
+    }
+  });
+}
+#endif  // AVX2 without AVX-512 VNNI
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 // Rows of x as two int8 halves per block (see the top). A block that holds an inf or NaN gets a NaN scale, so its

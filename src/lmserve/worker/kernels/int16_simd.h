@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -74,12 +75,17 @@ inline U8 lookup16(U8 codes, const uint8_t table[16]) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LMSERVE_INT16_KERNELS_AVX2 1
 constexpr bool kAvx512 = false;
+// split_rows_avx2 (on), or split_rows_portable as before it (off: the op set_avx2_split(false),
+// LMSERVE_DISABLE_CPU_FEATURES=avx2-split), for tests and benchmarks of that path. Set before a model runs, not
+// during: the two round a block's float sum in another order (the int8 halves are the same).
+inline std::atomic<bool> avx2_vector_split{true};
 struct I32 { __m256i lo, hi; };
 struct F32 { __m256 lo, hi; };
 using U8 = I32;
 template <bool kHalves>
 inline void split(const float* x, int64_t M, int64_t K, Activations& a) {
-  split_rows_portable(x, M, K, a);
+  if (avx2_vector_split.load(std::memory_order_relaxed)) split_rows_avx2(x, M, K, a);
+  else split_rows_portable(x, M, K, a);
 }
 inline U8 load64(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),

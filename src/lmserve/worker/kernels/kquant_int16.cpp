@@ -15,7 +15,7 @@
 // q2_k: per half block, each half with its scale; q2_k's minimum against the half's sum of the integer activations).
 // Every row is computed alone, in the same order whatever shares its call.
 //
-// Layout (worker/kquant_formats.py packs it from the file's blocks, byte for byte of what they hold), per group of 16
+// Layout (worker/weights/kquants.py packs it from the file's blocks, byte for byte of what they hold), per group of 16
 // output rows and super-block of 256 inputs: a header of the 16 rows' d (float16; q4_k: then their dmin), then per
 // block of 32 inputs, as int16_activations.cpp's: the 16 rows' sub-block scales (q4_k: 16 sc, 16 mn as bytes; q6_k:
 // 16 int8 sc of the first 16 inputs, 16 of the second), the low 4 bits of q as 4 chunks of 64 bytes (chunk c: row 2c
@@ -289,7 +289,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
 
 // The file's blocks, uint8 [N, K / 256, bytes] (in parts: BlockRows), in the layout at the top: uint8 [N / 16, K / 256 *
 // super_bytes].
-// What worker/kquant_formats.py's NumPy packer does (tests hold them equal), on every thread and without a
+// What worker/weights/kquants.py's NumPy packer does (tests hold them equal), on every thread and without a
 // temporary the size of the weights.
 struct SourceQ4_K {  // llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
   static constexpr int64_t kBytes = 144;

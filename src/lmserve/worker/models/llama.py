@@ -4,7 +4,7 @@ paged KV cache.
 Gemma 2 and 3 are the same decoder with what their configs name: sliding-window attention on their local layers (each
 layer type with its own RoPE base on Gemma 3), a norm after attention and after the MLP as well as before each
 ("sandwich" norms), GeGLU, embeddings scaled by sqrt(hidden size), q/k norms (Gemma 3), tanh soft-capping of the
-attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): worker/loader.py adds the 1 to
+attention scores and logits (Gemma 2). Gemma's RMSNorm multiplies by (1 + weight): weights/loader.py adds the 1 to
 a checkpoint's norm weights as it reads them (a GGUF file stores them with it), so the norm here is Llama's.
 
 The layers are worker/models/layers.py's (RMSNorm, attention, MLP, decoder layer, embedding); this module is the model
@@ -31,11 +31,7 @@ from lmserve.config import GEMMA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.moe_shape import moe_shape
-from lmserve.worker.block_embedding import BlockEmbedding
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.float16_layers import PendingFloat16Linear, pend_float16_linears
 from lmserve.worker.layer_program import LayerProgram, ProgramRefused, add_linear, new_program
-from lmserve.worker.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
 from lmserve.worker.models.layers import (
     MLP,
     Attention,
@@ -53,23 +49,23 @@ from lmserve.worker.models.layers import (
 )
 from lmserve.worker.models.moe import SparseMoeBlock
 from lmserve.worker.models.rotary import RotaryEmbedding
-from lmserve.worker.quantization import (
-    LAYER_TYPES,
-    OUTPUT_LAYER_METHOD,
+from lmserve.worker.weights.block_embedding import BlockEmbedding
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.float16 import PendingFloat16Linear, pend_float16_linears
+from lmserve.worker.weights.layer_format import PendingLayer
+from lmserve.worker.weights.layer_types import LAYER_TYPES, OUTPUT_LAYER_METHOD, layer_fits
+from lmserve.worker.weights.loader import FusedRowsPart, TensorPart, fused_parts, fused_sizes
+from lmserve.worker.weights.pending import (
     PendingBlockLinear,
-    PendingLayer,
     finish_block_linears,
-    layer_fits,
     pend_block_linears,
     quantize_linears,
 )
-from lmserve.worker.row_segments import PendingSegmentsLinear
-from lmserve.worker.stored_formats import (
-    HELD_INTO,
+from lmserve.worker.weights.row_segments import PendingSegmentsLinear
+from lmserve.worker.weights.shards import as_floats, column_shard, num_rows, select_rows, unfit_layers_message
+from lmserve.worker.weights.stored_formats import (
     KERNEL_FORMATS,
     STORED_BLOCK_TYPES,
-    block_width,
-    convert_blocks,
     exact_kernel_format,
 )
 
@@ -259,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = ops
 
     def quantize(self, method: str, output_layer: bool = True) -> None:
-        """Every linear layer to `method` (worker/quantization.py); the output layer too unless output_layer is False.
+        """Every linear layer to `method` (weights/block_linear.py); the output layer too unless output_layer is False.
         A tied embedding keeps its float table for lookups and gets a quantized copy as the output layer, in
         OUTPUT_LAYER_METHOD's format where the method names one."""
         quantize_linears(self.layers, method)
@@ -281,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
         takes the kernel format that holds all of its stored rows exactly (stored_formats.exact_kernel_format), and
         a layer with none stays a float layer (quantize_float_layers); `formats` are those that run here. A fused
         layer whose parts are stored in types that share no format, but each has one (Q4_K q and k, Q6_K v), is run
-        as segments of rows in their own formats (worker/row_segments.py)."""
+        as segments of rows in their own formats (worker/weights/row_segments.py)."""
         def stored_format(sources: list[str]) -> str | None:
             assert stored_types is not None
             return exact_kernel_format((stored_types.get(name, "float") for name in sources), formats)
@@ -309,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
                     ["model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"])
             if output_format is not None and layer_fits(output_format, rows, self.config.hidden_size):
                 self.lm_head = PendingBlockLinear(output_format, self.config.hidden_size, rows, False, activations)
-        # The embedding's lookups read the file's blocks (worker/block_embedding.py) unless the output layer needs
+        # The embedding's lookups read the file's blocks (weights/block_embedding.py) unless the output layer needs
         # its float table (tied, and no block layer of its own).
         embedding_type = stored_types and stored_types.get("model.embed_tokens.weight")
         tied_to_floats = self.tie_word_embeddings and not isinstance(self.lm_head, PendingBlockLinear)
@@ -338,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
     def pend_float16_layers(self, embedding_dtype: torch.dtype | None = None) -> None:
         """What quantize("fp16") makes of a loaded model, decided before loading (on the meta device, after the cast
         to the model's dtype): every linear layer still float, and on the last stage the output layer unless it is
-        pending in a block format, becomes a PendingFloat16Linear (worker/float16_layers.py), which load_weights
+        pending in a block format, becomes a PendingFloat16Linear (worker/weights/float16.py), which load_weights
         fills as the checkpoint's tensors arrive: the float32 weights of those layers never exist. A tied
         embedding's rows feed the output layer too. embedding_dtype: the table's dtype when not the model's (a
         16-bit checkpoint's own, VocabParallelEmbedding.keep_table_in)."""
@@ -428,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | StoredBlocks]]) -> None:
-        """Float tensors, or (from a GGUF file, worker/loader.py) StoredBlocks: a PendingBlockLinear takes those as
+        """Float tensors, or (from a GGUF file, weights/loader.py) StoredBlocks: a PendingBlockLinear takes those as
         they are, a float parameter gets them dequantized. Finishes the pending block layers."""
         params = dict(self.named_parameters())
         pending = {f"{name}.weight": module for name, module in self.named_modules()
@@ -447,28 +443,28 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join(parts)
                 offset, size = self._shard_rows(fused[0], fused[1], self._owner(parts))
                 # The loader may have read this rank's rows only (checkpoint_part): then the tensor is its share.
-                rows = (None if _num_rows(tensor) == size
-                        else self._rank_rows(fused, _num_rows(tensor), self._whole_on_rank(parts)))
-                shard = tensor if rows is None else _rows(tensor, lambda t, rows=rows: t[rows[0] : rows[1]])
+                rows = (None if num_rows(tensor) == size
+                        else self._rank_rows(fused, num_rows(tensor), self._whole_on_rank(parts)))
+                shard = tensor if rows is None else select_rows(tensor, lambda t, rows=rows: t[rows[0] : rows[1]])
                 if shard.shape[0] != size:
                     raise ValueError(f"{hf_name!r} has {shard.shape[0]} rows for this rank, expected {size}")
                 if target in pending:
                     pending[target].load_rows(offset, shard)
                 else:
-                    params[target].data[offset : offset + size].copy_(_floats(shard))
+                    params[target].data[offset : offset + size].copy_(as_floats(shard))
             else:
                 target = name
                 if target not in params and target not in pending:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
                 if name in self._VOCAB_PARALLEL:
-                    tensor = _rows(tensor, lambda t: vocab_rows(t, self.parallel, self.vocab_size))
+                    tensor = select_rows(tensor, lambda t: vocab_rows(t, self.parallel, self.vocab_size))
                 elif (len(parts) >= 2 and parts[-2] in self._ROW_PARALLEL and parts[-1] == "weight"
                       and tensor.shape[1] != self._rank_columns(parts)):  # not already this rank's columns
-                    tensor = _column_shard(tensor, tp, tp_rank)
+                    tensor = column_shard(tensor, tp, tp_rank)
                 if target in pending:
                     pending[target].load_rows(0, tensor)
                 else:  # (a GGUF stores the shared expert's [1, hidden] gate as [hidden])
-                    params[target].data.copy_(_floats(tensor).reshape(params[target].shape))
+                    params[target].data.copy_(as_floats(tensor).reshape(params[target].shape))
                 if name == "embed_tokens.weight" and self.tie_word_embeddings and "lm_head.weight" in pending:
                     pending["lm_head.weight"].load_rows(0, tensor)  # the tied output layer's own blocks
                     loaded.add("lm_head.weight")
@@ -486,7 +482,7 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_part(self, hf_name: str, shape: tuple[int, ...]) -> TensorPart | FusedRowsPart | None:
         """The rows or columns of a checkpoint tensor that this tensor rank keeps (None: all of it, or not split here),
-        so that the loader reads and converts only those (worker/loader.py): q, k, v, gate and up by rows (weights
+        so that the loader reads and converts only those (weights/loader.py): q, k, v, gate and up by rows (weights
         and biases; stored fused, as Phi-3's, this rank's rows of each part), o_proj and down_proj by columns, the
         vocabulary by rows, as load_weights splits them."""
         tp, rank = self.parallel.tp_size, self.parallel.tp_rank
@@ -555,51 +551,6 @@ class LlamaForCausalLM(nn.Module):
         else:
             sizes = [owner.intermediate] * 2
         return sum(sizes[:shard]), sizes[shard]
-
-
-def unfit_layers_message(unfit: list[tuple[str, str, int, int]], tp: int) -> str:
-    """The warning for layers that have a block format but whose shape on this rank does not fit it (a K-quant's
-    slice of columns under -tp is no multiple of 256): by kind of layer, the layers' indices, the format and shape."""
-    kinds: dict[tuple[str, str, int, int], list[str]] = {}
-    for name, method, rows, columns in unfit:
-        index, _, kind = name.partition(".")
-        kinds.setdefault((kind, method, rows, columns), []).append(index)
-    named = "; ".join(f"{kind} of layer(s) {', '.join(indices)} ({method}, [{rows}, {columns}] on this rank)"
-                      for (kind, method, rows, columns), indices in kinds.items())
-    where = f" under tensor parallel ({tp} ranks: each holds a slice of the matrix)" if tp > 1 else ""
-    return (f"{len(unfit)} layer(s) do not split into whole blocks of their format{where} and run as float16 weights "
-            f"(2 bytes a weight, not their stored size): {named}. A -tp that leaves every slice whole blocks (a "
-            "K-quant: columns a multiple of 256) keeps them at their stored size")
-
-
-def _rows(tensor: torch.Tensor | StoredBlocks, select) -> torch.Tensor | StoredBlocks:
-    """`select` (a function of a tensor's rows) applied to a float tensor or to a file's blocks, row for row."""
-    return tensor.with_data(select(tensor.data)) if isinstance(tensor, StoredBlocks) else select(tensor)
-
-
-def _column_shard(tensor: torch.Tensor | StoredBlocks, tp: int, tp_rank: int) -> torch.Tensor | StoredBlocks:
-    """This tensor rank's input columns of a row-parallel weight. Blocks split at block boundaries when each rank's
-    share is whole blocks; a type of 256-weight blocks whose share is not (IQ4_XS down projections of 4,864 columns
-    over 4 ranks) splits as the 32-weight format its layer takes anyway (q8_0); otherwise in float."""
-    if isinstance(tensor, StoredBlocks):
-        columns = tensor.shape[1]
-        width = columns // tensor.data.shape[1]
-        if columns % (tp * width) == 0:  # whole blocks (32 or 256 weights) a rank
-            return tensor.with_data(tensor.data.chunk(tp, dim=1)[tp_rank])
-        narrower = next((f for f in HELD_INTO.get(tensor.method, ()) if block_width(f) < width), None)
-        if narrower is not None and columns % (tp * block_width(narrower)) == 0:
-            blocks = torch.from_numpy(convert_blocks(tensor.method, tensor.data.numpy(), narrower))
-            return StoredBlocks(narrower, blocks.chunk(tp, dim=1)[tp_rank])
-        tensor = tensor.dequantize()
-    return tensor.chunk(tp, dim=1)[tp_rank]
-
-
-def _num_rows(tensor: torch.Tensor | StoredBlocks) -> int:
-    return (tensor.data if isinstance(tensor, StoredBlocks) else tensor).shape[0]
-
-
-def _floats(tensor: torch.Tensor | StoredBlocks) -> torch.Tensor:
-    return tensor.dequantize() if isinstance(tensor, StoredBlocks) else tensor
 
 
 def decoder_linear_weights(config: PretrainedConfig) -> int:

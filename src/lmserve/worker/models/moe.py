@@ -2,7 +2,7 @@
 families built on them): route each token to its top-k experts, run every active expert once over the tokens that
 chose it, and sum each token's experts' outputs, weighted, in a fixed order.
 
-Each expert is an MLP of this rank's columns whose linear layers are the ordinary ones (worker/quantization.py), so a
+Each expert is an MLP of this rank's columns whose linear layers are the ordinary ones (weights/block_linear.py), so a
 GGUF's expert blocks are taken as the file stores them, one layer an expert, in the same kernels' layout as a dense
 layer: no float copy of an expert ever exists. An expert's layers run their block kernel on every row, prompt rows
 too (BlockQuantizedLinear.kernel_only): a per-expert float copy for prompts would cost the experts' bytes again.

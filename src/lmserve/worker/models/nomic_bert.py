@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmserve.gguf_file import read_gguf_header, read_gguf_tensor
+from lmserve.formats.gguf_file import read_gguf_header, read_gguf_tensor
 from lmserve.worker.models.bert import encoder_attention
 from lmserve.worker.models.layers import Linear
 

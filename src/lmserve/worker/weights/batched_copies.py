@@ -1,6 +1,6 @@
 """The copies of a layer's weights for batches where arithmetic, not the weights' bytes, bounds a product: float16
 through fbgemm, bfloat16 through oneDNN, bfloat16 on AMX tiles through lmserve's kernel (kernels/amx_linear.cpp).
-A block layer builds the one its BatchedPath names (worker/kernel_choice.py), for prompt rows or for large batches."""
+A block layer builds the one its BatchedPath names (weights/kernel_choice.py), for prompt rows or for large batches."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import torch
 from torch import nn
 
-from lmserve.worker.kernel_choice import fbgemm_row_tile
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.layer_program import Float16Call, LinearPlan
+from lmserve.worker.weights.kernel_choice import fbgemm_row_tile
 
 
 class Float16WeightLinear(nn.Module):

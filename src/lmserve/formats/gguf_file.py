@@ -13,7 +13,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from lmserve.block_formats import (
+from lmserve.formats.block_formats import (
     HELD_INTO,
     STORED_BLOCK_BYTES,
     STORED_BLOCK_TYPES,

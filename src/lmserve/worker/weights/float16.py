@@ -15,11 +15,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.batched_copies import Float16WeightLinear
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.quantization import PendingLayer
+from lmserve.worker.weights.batched_copies import Float16WeightLinear
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.layer_format import LayerFormat, PendingLayer
 
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+# The family's table: float16 weights, 2 bytes each, any shape.
+FLOAT16_LAYER_FORMATS = (
+    LayerFormat("fp16", Float16WeightLinear, "fbgemm's float16 GEMM (batched_copies.Float16WeightLinear)",
+                "fbgemm's packed float16 matrix (PendingFloat16Linear stages the rows in float16)", ("float32",)),
+)
 
 
 class PendingFloat16Linear(PendingLayer):

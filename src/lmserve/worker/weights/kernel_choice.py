@@ -12,16 +12,18 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.config import INT8_ACTIVATIONS_FROM_WEIGHTS
+from lmserve.formats.block_formats import BLOCK_FORMATS, INTEGER_ONLY_FORMATS
 from lmserve.worker.kernels import cpu_flags, cpu_kernels, cpu_kernels_load, disabled_features
 
 logger = logging.getLogger(__name__)
 
 
 QUANTIZATION_METHODS = ("auto", "none", "fp16", "q8_0", "q4_1")
-BLOCK_METHODS = ("q8_0", "q4_1")
-# Chosen per layer under auto, for a file that stores them (worker/kquant_formats.py): kernels with int16 (or int8)
-# activations only.
-INT16_ONLY_METHODS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_0", "q5_1", "iq4_nl")
+# Named in formats/block_formats.py's table: the formats every CPU with AVX2 runs (kernels/quantized_linear.cpp), and
+# those chosen per layer under auto, for a file that stores them (worker/weights/kquants.py): kernels with int16 (or
+# int8) activations only.
+BLOCK_METHODS = BLOCK_FORMATS
+INT16_ONLY_METHODS = INTEGER_ONLY_FORMATS
 LAYER_METHODS = BLOCK_METHODS + INT16_ONLY_METHODS
 BATCHED_WEIGHTS = ("auto", "bf16", "fp16", "prompt-bf16", "prompt-fp16", "prompt-int8", "none")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16", "int8")
@@ -190,7 +192,7 @@ def check_quantization(
             return "none"
         if stored_as in BLOCK_METHODS and block_kernels_load(stored_as, explicit=False):
             return stored_as
-        if stored_as in INT16_ONLY_METHODS:  # the caller found the kernel that runs it (kquant_formats.kernel_formats)
+        if stored_as in INT16_ONLY_METHODS:  # the caller found the kernel that runs it (kquants.kernel_formats)
             return stored_as
         return "fp16"
     if method != "none" and not supported:

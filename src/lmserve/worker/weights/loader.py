@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lmserve.config import GEMMA_MODEL_TYPES
-from lmserve.gguf_file import (
+from lmserve.formats.gguf_file import (
     GGUFTensorInfo,
     ggml_type_name,
     read_gguf_blocks,
@@ -25,7 +25,7 @@ from lmserve.gguf_file import (
     read_gguf_tensor,
 )
 from lmserve.models import GGUFConfig, ModelSource, load_model_config
-from lmserve.worker.block_packing import StoredBlocks
+from lmserve.worker.weights.block_packing import StoredBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def load_weights(
     part: Callable[[str, tuple[int, ...]], TensorPart | FusedRowsPart | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | StoredBlocks]]:
     """Every weight as (Hugging Face name, tensor in `dtype`; None: in the dtype the checkpoint stores it, for
-    targets that convert as they copy). `blocks`: block formats (worker/quantization.py's names, q4_1, q8_0) whose
+    targets that convert as they copy). `blocks`: block formats (weights/block_linear.py's names, q4_1, q8_0) whose
     GGUF matrices come as the file stores them (StoredBlocks), not dequantized: the block layers take those bytes as
     they are (LlamaForCausalLM.load_weights). `wanted` (a Hugging Face name -> bool, a pipeline stage's
     LlamaForCausalLM.wants): the others are skipped before they are read or converted. `part` (a Hugging Face name and
@@ -146,9 +146,9 @@ def _hf_weights(
 GGMLType = gguf.GGMLQuantizationType
 # The types a GGUF may hold. Under `--quantization auto` a matrix whose type a kernel format holds (Q4_0, Q4_1, Q5_0,
 # Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL exactly, IQ4_XS with its scales rounded:
-# worker/stored_formats.py) stays in its stored blocks or goes into that format's; the others (floats, and any type
+# weights/stored_formats.py) stays in its stored blocks or goes into that format's; the others (floats, and any type
 # where this CPU's kernels do not build) are dequantized tensor by tensor into float16 layers
-# (worker/float16_layers.py), and the runner's log names them. A type not listed is refused by name.
+# (worker/weights/float16.py), and the runner's log names them. A type not listed is refused by name.
 SUPPORTED_GGML_TYPES = (
     GGMLType.F32,
     GGMLType.F16,
@@ -277,7 +277,7 @@ def _gguf_experts(
 
 def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
     """For a GGUF file, each matrix's stored type by Hugging Face name (lower case: q5_0, q4_k, f32...), which decides
-    the kernel format each layer takes (worker/stored_formats.py); None for any other source."""
+    the kernel format each layer takes (worker/weights/stored_formats.py); None for any other source."""
     if source.kind != "gguf":
         return None
     header = read_gguf_header(source.path)

@@ -1,20 +1,21 @@
-"""Linear layers whose weights are stored in fewer bytes than the activations, and the model-wide conversions that
-put them in place (`--quantization auto|fp16|q8_0|q4_1|none`).
+"""Linear layers whose weights are stored in fewer bytes than the activations (BlockQuantizedLinear, the base of
+every block format's layer), the q4_1 and q8_0 family's layers and table (BLOCK_LAYER_FORMATS), and the model-wide
+settings of their kernels' paths (`--block-activations`, `--batched-weights`).
 
 Decoding on a CPU is bound by the bytes of weights read per step, so a layer keeps its weights as small as its file
 holds them. A block layer (BlockQuantizedLinear) holds one of llama.cpp's block formats (q4_1 and q8_0 here; the
-K-quants q2_k to q6_k, q4_0, q5_0, q5_1 and iq4_nl in worker/kquant_formats.py) and multiplies through C++ kernels
+K-quants q2_k to q6_k, q4_0, q5_0, q5_1 and iq4_nl in worker/weights/kquants.py) and multiplies through C++ kernels
 that widen the blocks in registers (worker/kernels). Under `auto` each matrix of a GGUF file keeps the format it is
-stored in (worker/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte from
-the file (StoredBlocks, PendingBlockLinear: no float copy on the way); a matrix no kernel format holds, and a Hugging
-Face directory's, runs as float16 weights through fbgemm (worker/batched_copies.py, float16_layers.py), within rounding
-of float32 (benchmarks/quantization.py: perplexity 63.080 against 63.075).
+stored in (weights/stored_formats.py: the kernel format that holds its stored rows exactly), taken byte for byte
+from the file (StoredBlocks, pending.PendingBlockLinear: no float copy on the way); a matrix no kernel format holds,
+and a Hugging Face directory's, runs as float16 weights through fbgemm (weights/batched_copies.py, float16.py), within
+rounding of float32 (benchmarks/quantization.py: perplexity 63.080 against 63.075).
 
-Which kernel a row takes is worker/kernel_choice.py's: with `--block-activations auto` (int16 wherever those kernels
+Which kernel a row takes is weights/kernel_choice.py's: with `--block-activations auto` (int16 wherever those kernels
 build) the block kernels split each block of 32 inputs into 16-bit integers, exact integer dot products, so that a
 row's result does not depend on its batch, at a next-token KL below 1e-5 from the float32 model; prompt rows take the
 path `--batched-weights` names (the same kernels, 8-bit activations on the same blocks, or a float16 or bfloat16
-copy of the weights: worker/batched_copies.py). The blocks' byte layouts are worker/block_packing.py's.
+copy of the weights: worker/weights/batched_copies.py). The blocks' byte layouts are worker/weights/block_packing.py's.
 
 Measured and left out (docs/benchmarks.md): int8 with dynamically quantized activations (fbgemm W8A8) is faster still
 but ruins the default model (perplexity 195; its MLP inputs carry outliers ~1,000x their median), and int8 weight-only
@@ -33,13 +34,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.worker.batched_copies import (
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.layer_program import KernelCall, LinearPlan
+from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
+from lmserve.worker.weights.batched_copies import (
     BATCHED_LAYER_TYPES,
     PROMPT_LAYER_TYPES,
     AmxBfloat16Linear,
-    Float16WeightLinear,
 )
-from lmserve.worker.block_packing import (
+from lmserve.worker.weights.block_packing import (
     BLOCK_BYTES,
     PANEL_ROWS,
     StoredBlocks,
@@ -48,20 +51,13 @@ from lmserve.worker.block_packing import (
     pack_blocks,
     unpack_blocks,
 )
-from lmserve.worker.kernel_choice import (
+from lmserve.worker.weights.kernel_choice import (
     BLOCK_SIZE,
-    INT16_ONLY_METHODS,
     INTEGER_ACTIVATIONS,
     BatchedPath,
     batched_path,
 )
-from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.layer_program import KernelCall, LinearPlan
-from lmserve.worker.prompt_rows import PromptRows, current_prompt_rows
-from lmserve.worker.stored_formats import (
-    STORED_BLOCK_BYTES,
-    block_width,
-)
+from lmserve.worker.weights.layer_format import LayerFormat
 
 
 class BlockQuantizedLinear(nn.Module):
@@ -144,7 +140,9 @@ class BlockQuantizedLinear(nn.Module):
         return self.prepare_prompt_copy()(x)
 
     def _copy(self, attribute: str, layer_type: Callable[[], type[nn.Module]]) -> nn.Module:
-        copy = getattr(self, attribute)
+        # None as well while a builder is setting it: nn.Module.__setattr__ takes a module out of __dict__ before it
+        # puts it in _modules, and the builder holds the lock throughout.
+        copy = getattr(self, attribute, None)
         if copy is None:
             # One builder a layer: a forward pass that needs a copy waits for the background threads' build of it
             # instead of making a second one (twice the memory, and freed memory a process rarely gives back).
@@ -230,22 +228,15 @@ class Q8_0Linear(BlockQuantizedLinear):
     method = "q8_0"
 
 
-LAYER_TYPES: dict[str, type[nn.Module]] = {"fp16": Float16WeightLinear, "q8_0": Q8_0Linear, "q4_1": Q4_1Linear}
-
-
-def layer_fits(method: str, out_features: int, in_features: int) -> bool:
-    """Whether a `method` layer can hold an [out_features, in_features] weight: whole blocks a row, and for the
-    K-quants' kernel whole groups of 16 rows."""
-    if method in INT16_ONLY_METHODS:
-        return in_features % block_width(method) == 0 and out_features % 16 == 0
-    return in_features % BLOCK_SIZE == 0
-
-
-def register_layer_type(method: str, layer_type: type[nn.Module]) -> None:
-    """A layer for another kernel format (worker/kquant_formats.py registers the K-quants' when it is imported)."""
-    LAYER_TYPES[method] = layer_type
-# The output layer is the most sensitive to rounding; llama.cpp's q4 files keep it (or the tied embedding) in q8_0.
-OUTPUT_LAYER_METHOD = {"q4_1": "q8_0"}
+# The family's table: the block formats every CPU with AVX2 runs, with float32 activations or integer ones.
+BLOCK_LAYER_FORMATS = (
+    LayerFormat("q4_1", Q4_1Linear, "kernels/quantized_linear.cpp; integer activations kernels/int16_activations.cpp",
+                "block_packing.pack_blocks: panels of 8 rows; q4_1_int16_pack for integer activations",
+                ("float32", "int16", "int8")),
+    LayerFormat("q8_0", Q8_0Linear, "kernels/quantized_linear.cpp; integer activations kernels/int16_activations.cpp",
+                "block_packing.pack_blocks: panels of 8 rows; q8_0_int16_pack for integer activations",
+                ("float32", "int16", "int8")),
+)
 
 
 def prepare_batched_copies(module: nn.Module, threads: int = 1) -> None:
@@ -305,117 +296,3 @@ def use_block_activations(module: nn.Module, setting: str) -> int:
         return 0
     return sum(child.use_integer_activations(setting) for child in module.modules()
                if isinstance(child, BlockQuantizedLinear))
-
-
-def quantize_linears(module: nn.Module, method: str) -> int:
-    """Replaces every nn.Linear under module with its `method` version, in place; returns how many were replaced."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, LAYER_TYPES[method](child.weight, child.bias))
-            count += 1
-        else:
-            count += quantize_linears(child, method)
-    return count
-
-
-class PendingLayer(nn.Module):
-    """A layer whose weights are still being loaded: load_rows(start, weight) takes the checkpoint's rows, finish()
-    gives the layer they make (finish_block_linears)."""
-
-    def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
-        raise NotImplementedError
-
-    def finish(self) -> nn.Module:
-        raise NotImplementedError
-
-
-class PendingBlockLinear(PendingLayer):
-    """A block layer whose weights are still being loaded: the checkpoint's rows arrive one tensor (or shard) at a time
-    as rows of llama.cpp blocks, a file's blocks of the same format kept where the loader has them (the file's mapping),
-    anything else rounded to the format (as_blocks). finish() then packs them into the layer, a fused layer's parts
-    (q, k, v; gate, up) together, with no copy of the whole layer first. Built on the meta device with the rest of the
-    model (worker/model_builder.py), it never holds the weights in float."""
-
-    def __init__(self, method: str, in_features: int, out_features: int, bias: bool, activations: str = "float32"
-                 ) -> None:
-        super().__init__()
-        self.activations = activations  # the finished layer's (BlockQuantizedLinear)
-        width = block_width(method)
-        if in_features % width:
-            raise ValueError(f"{method} layers need in_features that are a multiple of {width}; a layer has "
-                             f"{in_features}")
-        self.method, self.in_features, self.out_features = method, in_features, out_features
-        self.row_shape = (in_features // width, STORED_BLOCK_BYTES[method])  # a row's blocks and their bytes
-        self.parts: dict[int, torch.Tensor] = {}  # first row: those rows' blocks
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
-        """Rows start, start + 1, ... of the weight (a fused layer's q, k and v arrive one after another)."""
-        blocks = as_blocks(self.method, weight)
-        if tuple(blocks.shape[1:]) != self.row_shape or start < 0 or start + blocks.shape[0] > self.out_features:
-            raise ValueError(
-                f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
-                f"[{self.out_features}, {self.in_features}] layer"
-            )
-        if start in self.parts:
-            raise ValueError(f"rows {start}.. of a [{self.out_features}, {self.in_features}] {self.method} layer were "
-                             f"loaded twice")
-        self.parts[start] = blocks
-
-    def finish(self) -> BlockQuantizedLinear:
-        starts = sorted(self.parts)
-        covered = 0
-        for start in starts:
-            if start != covered:
-                raise ValueError(f"rows {min(start, covered)}.. of a [{self.out_features}, {self.in_features}] "
-                                 f"{self.method} layer were {'never loaded' if start > covered else 'loaded twice'}")
-            covered += self.parts[start].shape[0]
-        if covered != self.out_features:
-            raise ValueError(f"rows {covered}.. of a [{self.out_features}, {self.in_features}] {self.method} layer "
-                             f"were never loaded")
-        parts = [self.parts[start] for start in starts]
-        weight = StoredBlocks(self.method, parts[0]) if len(parts) == 1 else StoredRows(self.method, tuple(parts))
-        self.parts = {}
-        return LAYER_TYPES[self.method](weight, self.bias, activations=self.activations)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights, loading"
-
-
-def pend_block_linears(
-    module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "", activations: str = "float32",
-    unfit: list[tuple[str, str, int, int]] | None = None,
-) -> int:
-    """Replaces every nn.Linear under module (on the meta device: shapes only) with a PendingBlockLinear of
-    `method`, in place; returns how many were replaced. `method` may be a function of the layer's name under module
-    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one. activations: the finished layers' kernel.
-    unfit: where given, gets (name, method, out_features, in_features) of each layer that has a format but whose
-    shape (this rank's slice, under tensor parallel) does not fit it, so it stays a float layer."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            layer_method = method(prefix + name) if callable(method) else method
-            if layer_method is None:
-                continue
-            if not layer_fits(layer_method, child.out_features, child.in_features):
-                if unfit is not None:
-                    unfit.append((prefix + name, layer_method, child.out_features, child.in_features))
-                continue
-            bias = child.bias is not None
-            setattr(module, name, PendingBlockLinear(layer_method, child.in_features, child.out_features, bias,
-                                                     activations))
-            count += 1
-        else:
-            count += pend_block_linears(child, method, f"{prefix}{name}.", activations, unfit)
-    return count
-
-
-def finish_block_linears(module: nn.Module) -> None:
-    """Replaces every PendingLayer under module (PendingBlockLinear, worker/row_segments.PendingSegmentsLinear) with
-    the layer its loaded rows make."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, PendingLayer):
-            setattr(module, name, child.finish())
-        else:
-            finish_block_linears(child)

@@ -13,7 +13,7 @@ stored types convert into one of them without changing any weight's value, block
   q3_k: float16 d, 16 six-bit sub-block scales ls, 256 three-bit integers q in -4..3 (w = d (ls - 32) q) -> q6_k
         with sc = ls - 32 and codes q + 32 (for a layer that fuses it with Q6_K rows: 6.56 bits a weight);
   q4_1 and q8_0 are kernel formats already, and so are q5_1, q3_k, q4_k, q5_k and q6_k where the int16-activation
-  kernels run (worker/kquant_formats.py; q3_k at 3.56 bits a weight for the file's 3.44).
+  kernels run (worker/weights/kquants.py; q3_k at 3.56 bits a weight for the file's 3.44).
 A layer whose rows all come in types that share such a format takes its file's values into that format, bit for bit
 (tests/worker/test_stored_formats.py checks every value against gguf's own dequantization). A layer whose rows
 include a type that converts into none of the formats that run here (the K-quants, q5_0 and q5_1 under
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from lmserve.block_formats import (
+from lmserve.formats.block_formats import (
     BLOCK_FORMATS,
     EXACT_INTO,
     HELD_INTO,

@@ -1,6 +1,6 @@
 """llama.cpp's q4_1 and q8_0 blocks: a file's blocks as the loader hands them over (StoredBlocks), float weights
 quantized into them, and both rearranged byte for byte into the panels the block kernels read
-(kernels/quantized_linear.cpp). The K-quant formats' layouts are worker/stored_formats.py's and kquant_formats.py's."""
+(kernels/quantized_linear.cpp). The K-quant formats' layouts are worker/weights/stored_formats.py's and kquants.py's."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmserve.gguf_file import dequantize_gguf_blocks
-from lmserve.worker.kernel_choice import BLOCK_SIZE
-from lmserve.worker.stored_formats import (
+from lmserve.formats.gguf_file import dequantize_gguf_blocks
+from lmserve.worker.weights.kernel_choice import BLOCK_SIZE
+from lmserve.worker.weights.stored_formats import (
     BLOCK_FORMATS,
     EXACT_INTO,
     HELD_INTO,

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
-from lmserve.worker.block_packing import StoredBlocks
-from lmserve.worker.quantization import BlockQuantizedLinear
-from lmserve.worker.stored_formats import STORED_BLOCK_BYTES, block_width
+from lmserve.worker.weights.block_linear import BlockQuantizedLinear
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.stored_formats import STORED_BLOCK_BYTES, block_width
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmserve.worker.block_packing import StoredBlocks
 from lmserve.worker.layer_program import LinearPlan
-from lmserve.worker.quantization import PendingBlockLinear, PendingLayer
+from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.layer_format import PendingLayer
+from lmserve.worker.weights.pending import PendingBlockLinear
 
 
 class PendingSegmentsLinear(PendingLayer):

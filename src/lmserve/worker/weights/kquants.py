@@ -13,16 +13,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmserve.worker.block_packing import StoredBlocks, StoredRows
-from lmserve.worker.kernel_choice import (
+from lmserve.formats.block_formats import BLOCK_TYPES, INTEGER_ONLY_FORMATS
+from lmserve.worker.kernels import cpu_kernels
+from lmserve.worker.weights.block_linear import BlockQuantizedLinear
+from lmserve.worker.weights.block_packing import StoredBlocks, StoredRows
+from lmserve.worker.weights.kernel_choice import (
     INTEGER_ACTIVATIONS,
     BatchedPath,
     block_kernels_load,
     int16_kernel_loads,
 )
-from lmserve.worker.kernels import cpu_kernels
-from lmserve.worker.quantization import BlockQuantizedLinear, register_layer_type
-from lmserve.worker.stored_formats import (
+from lmserve.worker.weights.layer_format import LayerFormat
+from lmserve.worker.weights.stored_formats import (
     BLOCK_FORMATS,
     HELD_INTO,
     KERNEL_FORMATS,
@@ -32,9 +34,11 @@ from lmserve.worker.stored_formats import (
 
 SUPER_BLOCK = 256
 GROUP_ROWS = 16  # output rows per group of the kernel's layout
-# llama.cpp's block_q2_K, block_q3_K, block_q4_K, block_q5_K, block_q6_K
-KQUANT_BLOCK_BYTES = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-INT16_BLOCK_METHODS = ("q4_0", "q5_0", "q5_1", "iq4_nl")  # kernels/int16_activations.cpp's, blocks of 32
+# llama.cpp's block_q2_K, block_q3_K, block_q4_K, block_q5_K, block_q6_K (formats/block_formats.py's table)
+KQUANT_BLOCK_BYTES = {name: BLOCK_TYPES[name].block_bytes for name in INTEGER_ONLY_FORMATS
+                      if BLOCK_TYPES[name].block_width == SUPER_BLOCK}
+# kernels/int16_activations.cpp's, blocks of 32
+INT16_BLOCK_METHODS = tuple(name for name in INTEGER_ONLY_FORMATS if BLOCK_TYPES[name].block_width == 32)
 
 
 def kernel_formats(activations_setting: str | None = "auto") -> tuple[str, ...]:
@@ -219,6 +223,26 @@ class Int16BlockLinear(KQuantLinear):
     ones (stored_formats.convert_blocks), with the same values."""
 
 
-for _method in (*KQUANT_BLOCK_BYTES, *INT16_BLOCK_METHODS):
-    _base = Int16BlockLinear if _method in INT16_BLOCK_METHODS else KQuantLinear
-    register_layer_type(_method, type(f"{_method.upper()}Linear", (_base,), {"method": _method}))
+def _layer_type(method: str, base: type[KQuantLinear]) -> type[KQuantLinear]:
+    """The layer class of one format: its family's class with the format named (Q4_KLinear, Q5_0Linear...)."""
+    return type(f"{method.upper()}Linear", (base,), {"method": method, "__module__": __name__})
+
+
+_KQUANT_KERNEL = "kernels/kquant_int16.cpp"
+_KQUANT_PACKING = "<format>_int16_pack (pack_kquant its NumPy statement): super-blocks regrouped 16 rows a group"
+_INT16_KERNEL = "kernels/int16_activations.cpp"
+_INT16_PACKING = "<format>_int16_pack: blocks of 32 regrouped 16 rows a group"
+# The family's table: integer activations only, the file's blocks at their stored size, 16 output rows a group.
+KQUANT_LAYER_FORMATS = (
+    LayerFormat("q2_k", _layer_type("q2_k", KQuantLinear), _KQUANT_KERNEL, _KQUANT_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q3_k", _layer_type("q3_k", KQuantLinear), _KQUANT_KERNEL, _KQUANT_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q4_k", _layer_type("q4_k", KQuantLinear), _KQUANT_KERNEL, _KQUANT_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q5_k", _layer_type("q5_k", KQuantLinear), _KQUANT_KERNEL, _KQUANT_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q6_k", _layer_type("q6_k", KQuantLinear), _KQUANT_KERNEL, _KQUANT_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q4_0", _layer_type("q4_0", Int16BlockLinear), _INT16_KERNEL, _INT16_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q5_0", _layer_type("q5_0", Int16BlockLinear), _INT16_KERNEL, _INT16_PACKING, group_rows=GROUP_ROWS),
+    LayerFormat("q5_1", _layer_type("q5_1", Int16BlockLinear), _INT16_KERNEL, _INT16_PACKING, group_rows=GROUP_ROWS),
+    # IQ4_XS files' blocks run here too, each sub-block's scale rounded once (stored_formats.convert_blocks).
+    LayerFormat("iq4_nl", _layer_type("iq4_nl", Int16BlockLinear), _INT16_KERNEL, _INT16_PACKING,
+                group_rows=GROUP_ROWS),
+)

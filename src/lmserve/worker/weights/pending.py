@@ -1,0 +1,122 @@
+"""Layers built before their weights load: a model is built on the meta device with each linear layer already in
+the format it will hold (PendingBlockLinear for a block format; float16.PendingFloat16Linear, row_segments'
+PendingSegmentsLinear), the checkpoint's rows go straight into them as the loader yields them, and
+finish_block_linears turns each into its layer (layer_types.LAYER_TYPES): no float32 copy of a block layer's weights
+is ever made. quantize_linears converts an already loaded model's float layers instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lmserve.formats.block_formats import STORED_BLOCK_BYTES, block_width
+from lmserve.worker.weights.block_linear import BlockQuantizedLinear
+from lmserve.worker.weights.block_packing import StoredBlocks, StoredRows, as_blocks
+from lmserve.worker.weights.layer_format import PendingLayer
+from lmserve.worker.weights.layer_types import LAYER_TYPES, layer_fits
+
+
+def quantize_linears(module: nn.Module, method: str) -> int:
+    """Replaces every nn.Linear under module with its `method` version, in place; returns how many were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, LAYER_TYPES[method](child.weight, child.bias))
+            count += 1
+        else:
+            count += quantize_linears(child, method)
+    return count
+
+
+class PendingBlockLinear(PendingLayer):
+    """A block layer whose weights are still being loaded: the checkpoint's rows arrive one tensor (or shard) at a time
+    as rows of llama.cpp blocks, a file's blocks of the same format kept where the loader has them (the file's mapping),
+    anything else rounded to the format (as_blocks). finish() then packs them into the layer, a fused layer's parts
+    (q, k, v; gate, up) together, with no copy of the whole layer first. Built on the meta device with the rest of the
+    model (worker/model_builder.py), it never holds the weights in float."""
+
+    def __init__(self, method: str, in_features: int, out_features: int, bias: bool, activations: str = "float32"
+                 ) -> None:
+        super().__init__()
+        self.activations = activations  # the finished layer's (BlockQuantizedLinear)
+        width = block_width(method)
+        if in_features % width:
+            raise ValueError(f"{method} layers need in_features that are a multiple of {width}; a layer has "
+                             f"{in_features}")
+        self.method, self.in_features, self.out_features = method, in_features, out_features
+        self.row_shape = (in_features // width, STORED_BLOCK_BYTES[method])  # a row's blocks and their bytes
+        self.parts: dict[int, torch.Tensor] = {}  # first row: those rows' blocks
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
+        """Rows start, start + 1, ... of the weight (a fused layer's q, k and v arrive one after another)."""
+        blocks = as_blocks(self.method, weight)
+        if tuple(blocks.shape[1:]) != self.row_shape or start < 0 or start + blocks.shape[0] > self.out_features:
+            raise ValueError(
+                f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
+                f"[{self.out_features}, {self.in_features}] layer"
+            )
+        if start in self.parts:
+            raise ValueError(f"rows {start}.. of a [{self.out_features}, {self.in_features}] {self.method} layer were "
+                             f"loaded twice")
+        self.parts[start] = blocks
+
+    def finish(self) -> BlockQuantizedLinear:
+        starts = sorted(self.parts)
+        covered = 0
+        for start in starts:
+            if start != covered:
+                raise ValueError(f"rows {min(start, covered)}.. of a [{self.out_features}, {self.in_features}] "
+                                 f"{self.method} layer were {'never loaded' if start > covered else 'loaded twice'}")
+            covered += self.parts[start].shape[0]
+        if covered != self.out_features:
+            raise ValueError(f"rows {covered}.. of a [{self.out_features}, {self.in_features}] {self.method} layer "
+                             f"were never loaded")
+        parts = [self.parts[start] for start in starts]
+        weight = StoredBlocks(self.method, parts[0]) if len(parts) == 1 else StoredRows(self.method, tuple(parts))
+        self.parts = {}
+        return LAYER_TYPES[self.method](weight, self.bias, activations=self.activations)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} weights, loading"
+
+
+def pend_block_linears(
+    module: nn.Module, method: str | Callable[[str], str | None], prefix: str = "", activations: str = "float32",
+    unfit: list[tuple[str, str, int, int]] | None = None,
+) -> int:
+    """Replaces every nn.Linear under module (on the meta device: shapes only) with a PendingBlockLinear of
+    `method`, in place; returns how many were replaced. `method` may be a function of the layer's name under module
+    (e.g. "0.mlp.down_proj"), whose None leaves that layer a float one. activations: the finished layers' kernel.
+    unfit: where given, gets (name, method, out_features, in_features) of each layer that has a format but whose
+    shape (this rank's slice, under tensor parallel) does not fit it, so it stays a float layer."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            layer_method = method(prefix + name) if callable(method) else method
+            if layer_method is None:
+                continue
+            if not layer_fits(layer_method, child.out_features, child.in_features):
+                if unfit is not None:
+                    unfit.append((prefix + name, layer_method, child.out_features, child.in_features))
+                continue
+            bias = child.bias is not None
+            setattr(module, name, PendingBlockLinear(layer_method, child.in_features, child.out_features, bias,
+                                                     activations))
+            count += 1
+        else:
+            count += pend_block_linears(child, method, f"{prefix}{name}.", activations, unfit)
+    return count
+
+
+def finish_block_linears(module: nn.Module) -> None:
+    """Replaces every PendingLayer under module (PendingBlockLinear, weights/row_segments.PendingSegmentsLinear) with
+    the layer its loaded rows make."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, PendingLayer):
+            setattr(module, name, child.finish())
+        else:
+            finish_block_linears(child)
