@@ -24,7 +24,7 @@ WORDS = ["hello", "world", "the", "cat", "sat", "on", "mat", "search", "query", 
 TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"\u2581{w}" for w in WORDS), "s", "ing", "\u2581:", ":"]
 
 
-def write_tiny_nomic(path: Path, pooling_type: int = 1) -> dict[str, np.ndarray]:
+def write_tiny_nomic(path: Path, pooling_type: int = 1, quantized: str | None = None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     vocab = len(TOKENS)
     weights = {"token_embd.weight": rng.normal(0, 0.5, (vocab, HIDDEN)),
@@ -57,7 +57,11 @@ def write_tiny_nomic(path: Path, pooling_type: int = 1) -> dict[str, np.ndarray]
     for name, value in weights.items():
         # Matrices in F16 as the real file stores them, vectors in F32.
         stored[name] = value.astype(np.float16 if value.ndim == 2 else np.float32)
-        writer.add_tensor(name, stored[name])
+        if name == quantized:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, stored[name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -130,3 +134,10 @@ def test_a_pooling_type_lmserve_does_not_run_is_refused(tmp_path: Path) -> None:
     write_tiny_nomic(path, pooling_type=4)  # llama.cpp's rank: a reranker's classification head
     with pytest.raises(ValueError, match="pooling_type 4"):
         load_pooling_config(resolve_model(str(path)))
+
+
+def test_a_block_format_weight_is_refused_not_copied_into_floats(tmp_path: Path) -> None:
+    path = tmp_path / "q8.gguf"
+    write_tiny_nomic(path, quantized="blk.1.ffn_down.weight")
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight is stored as Q8_0"):
+        PoolingModelRunner(ModelConfig(model=str(path), dtype="float32"), CacheConfig())
