@@ -103,14 +103,73 @@ def test_the_product_is_the_float64_product_of_the_files_weights(stored, method:
 
 @needs_kernel
 @pytest.mark.parametrize("method", METHODS)
-def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(stored, method: str) -> None:
+@pytest.mark.parametrize(("activations", "per_256"), [("int16", True), ("int8", True), ("int8", False)])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(stored, method: str, activations: str,
+                                                               per_256: bool) -> None:
+    """Under 16-bit activations, and under 8-bit ones with one scale per 256 inputs (q4_k, q5_k, q6_k) or per 32."""
     blocks, _ = stored(method, 64, 1024, seed=7)
-    layer = KQuantLinear(StoredBlocks(method, torch.from_numpy(blocks)), None)
+    layer = LAYER_TYPES[method](StoredBlocks(method, torch.from_numpy(blocks)), None, batched_path("none"),
+                                activations=activations)
     x = torch.randn(23, 1024, generator=torch.Generator().manual_seed(8))
-    together = layer(x)
-    for i in range(23):
-        assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
-    assert torch.equal(layer(x[5:12]), together[5:12])
+    ops = cpu_kernels()
+    before = ops.set_kquant_super_scale(per_256)
+    try:
+        together = layer(x)
+        for i in range(23):
+            assert torch.equal(layer(x[i : i + 1]), together[i : i + 1]), i
+        assert torch.equal(layer(x[5:12]), together[5:12])
+    finally:
+        ops.set_kquant_super_scale(before)
+
+
+def _q8_k(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's q8_K activations, in float64: per 256 inputs s = (largest |x|) / 127, x = s round(x / s)
+    (the quotient as the kernel computes it, x times 127 / largest in float32)."""
+    rows = x.reshape(x.shape[0], -1, 256)
+    largest = rows.abs().amax(-1, keepdim=True)
+    q = torch.round(rows * (127.0 / largest))
+    return (q.double() * (largest / 127.0).double()).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_8_bit_k_quant_products_take_one_activation_scale_per_256_inputs(stored, method: str, rows: int) -> None:
+    """The int8 q4_k, q5_k and q6_k products are the float64 products of the file's weights with llama.cpp's q8_K
+    activations (the sub-block scales and minimums folded into int32 sums, one float step per 256 inputs), to float32's
+    rounding; set_kquant_super_scale(False) gives the per-32 products back, which are another rounding of x."""
+    blocks, values = stored(method, 48, 1024, seed=60 + rows)
+    weight = pack_kquant(method, blocks)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(61 + rows))
+    x[0, :40] *= 30  # an outlier: its super-block's scale is 30x the others'
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(62))
+    ops = cpu_kernels()
+    linear = getattr(ops, f"{method}_int8_linear")
+    expected = _q8_k(x) @ torch.from_numpy(values).double().T + bias.double()
+    got = linear(x, weight, 48, bias)
+    scale = expected.abs().max().item()
+    assert (got.double() - expected).abs().max().item() < 1e-5 * scale
+    before = ops.set_kquant_super_scale(False)
+    try:
+        per_32 = linear(x, weight, 48, bias)
+    finally:
+        ops.set_kquant_super_scale(before)
+    assert (per_32.double() - expected).abs().max().item() > 1e-4 * scale  # the other rounding
+    exact = x.double() @ torch.from_numpy(values).double().T + bias.double()
+    assert (per_32.double() - exact).abs().max().item() < 2e-2 * scale
+    assert (got.double() - exact).abs().max().item() < 2e-2 * scale
+
+
+@needs_kernel
+def test_per_256_activation_scales_are_turned_off_by_their_disabled_feature() -> None:
+    """LMSERVE_DISABLE_CPU_FEATURES=q8k: the kernels load with one activation scale per 32 inputs for the 8-bit
+    K-quant products (the setting the next set_kquant_super_scale call replaces); without it, one per 256."""
+    script = ("from lmserve.worker.kernels import cpu_kernels; ops = cpu_kernels(); "
+              "print(ops.set_kquant_super_scale(True))")
+    for disabled, expected in (("q8k", "False"), ("", "True")):
+        env = {**os.environ, "LMSERVE_DISABLE_CPU_FEATURES": disabled}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.split() == [expected], disabled
 
 
 @needs_kernel
@@ -159,6 +218,7 @@ def test_the_avx2_splits_give_the_same_halves_and_each_row_its_own_bits(stored, 
     bias = torch.randn(48, generator=torch.Generator().manual_seed(14))
     linear = getattr(ops, f"{method}_{activations}_linear")
     results = {}
+    per_256 = ops.set_kquant_super_scale(False)  # the per-32 products read the split's halves; per 256 has its own
     try:
         for vectors in (True, False):
             ops.set_avx2_split(vectors)
@@ -169,6 +229,7 @@ def test_the_avx2_splits_give_the_same_halves_and_each_row_its_own_bits(stored, 
             results[vectors] = alone
     finally:
         ops.set_avx2_split(True)
+        ops.set_kquant_super_scale(per_256)
     if method == "q6_k":
         assert _equal_with_nan(results[True], results[False])
     else:
@@ -194,9 +255,11 @@ def test_the_avx2_split_is_turned_off_by_its_disabled_feature() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("method", METHODS)
-def test_a_non_finite_input_gives_nan_in_its_row_only(stored, method: str) -> None:
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_a_non_finite_input_gives_nan_in_its_row_only(stored, method: str, activations: str) -> None:
     blocks, _ = stored(method, 16, 256, seed=9)
-    layer = KQuantLinear(StoredBlocks(method, torch.from_numpy(blocks)), None)
+    layer = LAYER_TYPES[method](StoredBlocks(method, torch.from_numpy(blocks)), None, batched_path("none"),
+                                activations=activations)
     x = torch.randn(3, 256)
     x[1, 7] = float("inf")
     y = layer(x)

@@ -42,8 +42,9 @@ KERNEL_MARCH_VARIABLE = "LMSERVE_KERNEL_MARCH"
 # another CPU kind would make (batched_path's auto, block_activations' auto) without another build.
 DISABLED_FEATURES_VARIABLE = "LMSERVE_DISABLE_CPU_FEATURES"
 # avx2-split: the AVX2 build's activation split in vectors (kernels/int16_activations.h), so that the element-by-element
-# one before it stays runnable and measurable.
-DISABLEABLE_FEATURES = ("amx", "vnni", "avx2-split")
+# one before it stays runnable and measurable. q8k: the 8-bit K-quant products' one activation scale per 256 inputs
+# (kernels/kquant_int16.cpp, llama.cpp's q8_K); disabled, one per 32 as before.
+DISABLEABLE_FEATURES = ("amx", "vnni", "avx2-split", "q8k")
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
 LIBRARY = "lmserve_cpu_kernels"
 BUILD_STAMP = f"{LIBRARY}.stamp"  # build_key() of the library beside it
@@ -75,8 +76,9 @@ def kernel_march() -> str:
 
 def disabled_features() -> frozenset[str]:
     """What LMSERVE_DISABLE_CPU_FEATURES names (amx: no AMX kernel, prompt rows as a CPU without AMX runs them; vnni:
-    no int16-activation kernel; avx2-split: the AVX2 build's int16 kernels split activations element by element); an
-    unknown name raises."""
+    no int16-activation kernel; avx2-split: the AVX2 build's int16 kernels split activations element by element; q8k:
+    the 8-bit q4_k, q5_k and q6_k products take one activation scale per 32 inputs instead of per 256); an unknown
+    name raises."""
     names = frozenset(n.strip() for n in os.environ.get(DISABLED_FEATURES_VARIABLE, "").split(",") if n.strip())
     unknown = sorted(names - set(DISABLEABLE_FEATURES))
     if unknown:
@@ -167,6 +169,7 @@ def cpu_kernels():
         raise RuntimeError(f"could not build lmserve's CPU kernels: {exc}") from exc
     if hasattr(torch.ops.lmserve, "set_avx2_split"):  # built where the int16 kernels build
         torch.ops.lmserve.set_avx2_split("avx2-split" not in disabled_features())
+        torch.ops.lmserve.set_kquant_super_scale("q8k" not in disabled_features())
     logger.debug("CPU kernels ready in %.1fs", time.perf_counter() - started)
     return torch.ops.lmserve
 

@@ -136,12 +136,9 @@ inline void split_rows_portable(const float* x, int64_t M, int64_t K, Activation
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
-    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
-// split_rows_portable in AVX2 vectors, for the AVX2 build: the same operations on each input (the halves' bits are
-// the same), the block's float sum in another order. Element by element it took ~15% of a 512-row q4_k or q6_k
-// product of 2,048 inputs by 2,048 outputs with 8-bit activations on one core of a shared 2-core Zen 3 (8.0 ms of a
-// 16-output call, against 2.0 ms now): 1.08-1.18x the whole op at 64-512 rows.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Reductions of one AVX2 register, for the AVX2 split below and kquant_int16.cpp's per-256 split (every build that
+// has the int16 kernels has AVX2: the AVX-512 kinds too).
 inline int32_t sum_lanes(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -166,6 +163,14 @@ inline void store_bytes(int8_t* out, __m256i v) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
 }
 
+#endif  // AVX2 with FMA and F16C
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+// split_rows_portable in AVX2 vectors, for the AVX2 build: the same operations on each input (the halves' bits are
+// the same), the block's float sum in another order. Element by element it took ~15% of a 512-row q4_k or q6_k
+// product of 2,048 inputs by 2,048 outputs with 8-bit activations on one core of a shared 2-core Zen 3 (8.0 ms of a
+// 16-output call, against 2.0 ms now): 1.08-1.18x the whole op at 64-512 rows.
 inline void split_rows_avx2(const float* x, int64_t M, int64_t K, Activations& a) {
   size_for(M, K, a);
   const int64_t blocks = K / kBlock;

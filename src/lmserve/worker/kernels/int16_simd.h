@@ -72,6 +72,37 @@ inline F32 bytes_signed(const uint8_t* p) {
 inline U8 lookup16(U8 codes, const uint8_t table[16]) {
   return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), codes);
 }
+// Integer sub-block scales folded into the products (kquant_int16.cpp's per-256 activations): a block's 16 scale
+// bytes, one per output lane (AVX-512: as int32; AVX2: as two equal int16 per lane, what VPMADDWD pairs them with).
+using Scales = __m512i;
+inline Scales scales_unsigned(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Scales scales_signed(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// acc + scale x (the dot products of rows[0..count) with the 4 activations each at x + 4j), per lane.
+template <int kPerWiden>
+inline I32 dot_rows_scaled(I32 acc, const U8* rows, int count, const int8_t* x, Scales scale) {
+  I32 dot = _mm512_setzero_si512();
+  for (int j = 0; j < count; ++j) dot = dot4(dot, rows[j], x + 4 * j);
+  return _mm512_add_epi32(acc, _mm512_mullo_epi32(dot, scale));
+}
+// Lane n: the 16-bit pair (a[n], b[n]) of two rows of 16 bytes (unsigned or signed), for madd_pairs.
+inline I32 byte_pairs(const uint8_t* a, const uint8_t* b, bool is_signed) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i low = _mm_unpacklo_epi8(va, vb), high = _mm_unpackhi_epi8(va, vb);
+  const __m256i lo = is_signed ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low);
+  const __m256i hi = is_signed ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+// acc + per lane: pairs' first 16-bit value x packed's low half + its second x packed's high half.
+inline I32 madd_pairs(I32 acc, I32 pairs, int32_t packed) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi32(packed)));
+}
+inline I32 sub_i(I32 a, I32 b) { return _mm512_sub_epi32(a, b); }
+template <int N> inline I32 shift_left32(I32 a) { return _mm512_slli_epi32(a, N); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LMSERVE_INT16_KERNELS_AVX2 1
 constexpr bool kAvx512 = false;
@@ -181,6 +212,45 @@ inline U8 lookup16(U8 codes, const uint8_t table[16]) {
   const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
   return {_mm256_shuffle_epi8(t, codes.lo), _mm256_shuffle_epi8(t, codes.hi)};
 }
+using Scales = I32;  // lane n: the 16-bit pair (sc[n], sc[n])
+inline Scales scales_unsigned(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v))};
+}
+inline Scales scales_signed(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v)), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v, v))};
+}
+// dot_rows with each output's scale as VPMADDWD's multiplier in place of ones: the scale costs no instruction.
+template <int kPerWiden>
+inline I32 dot_rows_scaled(I32 acc, const U8* rows, int count, const int8_t* x, Scales scale) {
+  for (int j = 0; j < count; j += kPerWiden) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int w = 0; w < kPerWiden; ++w) {
+      int32_t v;
+      std::memcpy(&v, x + 4 * (j + w), 4);
+      const __m256i b = _mm256_set1_epi32(v);
+      lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(rows[j + w].lo, b));
+      hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(rows[j + w].hi, b));
+    }
+    acc = {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, scale.lo)),
+           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, scale.hi))};
+  }
+  return acc;
+}
+inline I32 byte_pairs(const uint8_t* a, const uint8_t* b, bool is_signed) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i low = _mm_unpacklo_epi8(va, vb), high = _mm_unpackhi_epi8(va, vb);
+  if (is_signed) return {_mm256_cvtepi8_epi16(low), _mm256_cvtepi8_epi16(high)};
+  return {_mm256_cvtepu8_epi16(low), _mm256_cvtepu8_epi16(high)};
+}
+inline I32 madd_pairs(I32 acc, I32 pairs, int32_t packed) {
+  const __m256i b = _mm256_set1_epi32(packed);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(pairs.lo, b)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(pairs.hi, b))};
+}
+inline I32 sub_i(I32 a, I32 b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+template <int N> inline I32 shift_left32(I32 a) { return {_mm256_slli_epi32(a.lo, N), _mm256_slli_epi32(a.hi, N)}; }
 #endif
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)) || \

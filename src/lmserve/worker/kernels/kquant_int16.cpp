@@ -34,6 +34,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -254,6 +256,148 @@ void group_product(const uint8_t* group, int64_t blocks, const Activations& a, i
   for (int t = 0; t < T; ++t) storeu(y + (row + t) * N + n0, add(acc[t], bv));
 }
 
+// 8-bit activations with one scale per super-block of 256 inputs (llama.cpp's q8_K), for q4_k, q5_k and q6_k: the
+// sub-block scales sc (and q4_k's, q5_k's minimums mn) multiply the integer dot products in int32 (on AVX2 as
+// VPMADDWD's multiplier, where dot_rows widens with ones), so a row pays one float step per 256 inputs instead of
+// one per 32 (with one scale per 32, the float step was most of a prompt product: a register-blocked integer core
+// alone ran at 70-95 G multiply-adds/s against the product's 25-40). Each row is quantized and summed alone, so a
+// row's bits stay its own whatever shares its call. The activations are coarser than one scale per 32 (the same ones
+// llama.cpp multiplies these files with); set_kquant_super_scale(false) (LMSERVE_DISABLE_CPU_FEATURES=q8k) runs the
+// per-32 products instead.
+//   q4_k, q5_k: y = sum over super-blocks of (d s) (sum_b sc_b (q_b . x_b)) - (dmin s) (sum_b mn_b (sum of x_b))
+//   q6_k:       y = sum over super-blocks of (d s) (sum_h sc_h (q_h . x_h) - 32 sum_h sc_h (sum of x_h))
+// x the integer activations, s their scale; all sums in int32 (q4_k: below 2^25, q6_k below 2^29).
+std::atomic<bool> kquant_super_scale{true};
+
+template <class Format>
+constexpr bool kSuperScaled = std::is_same_v<Format, Q4_K> || std::is_same_v<Format, Q5_K> ||
+                              std::is_same_v<Format, Q6_K>;
+
+struct SuperActivations {
+  std::vector<int8_t> q;       // [M][K]: round(x / s), |q| <= 127
+  std::vector<float> scale;    // [M][K / 256]: s = (largest |x|) / 127; NaN where the super-block holds an inf or NaN
+  std::vector<int16_t> sum16;  // [M][K / 16]: sums of q over each 16 inputs (q6_k's sub-blocks)
+  std::vector<int16_t> sum32;  // [M][K / 32]: over each 32 (q4_k's, q5_k's)
+};
+
+// Rows of x (K a multiple of 256) as SuperActivations, in AVX2 vectors (every kind that builds these kernels has them).
+inline void split_super_rows(const float* x, int64_t M, int64_t K, SuperActivations& a) {
+  const int64_t supers = K / kSuper;
+  a.q.resize(M * K);
+  a.scale.resize(M * supers);
+  a.sum16.resize(M * K / 16);
+  a.sum32.resize(M * K / kBlock);
+  at::parallel_for(0, M * supers, 8, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t i = begin; i < end; ++i) {  // i: row i / supers, super-block i % supers
+      const float* src = x + i * kSuper;
+      __m256 amax = _mm256_setzero_ps();
+      __m256i infinite = _mm256_setzero_si256();
+      for (int j = 0; j < kSuper / 8; ++j) {
+        const __m256 v = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+        // From the bits: -ffast-math lets the compiler assume no float compare ever sees an inf or NaN.
+        infinite = _mm256_or_si256(
+            infinite, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent));
+      }
+      const bool finite = _mm256_testz_si256(infinite, infinite);
+      const float largest = max_lanes(amax);
+      a.scale[i] = std::bit_cast<float>(finite ? std::bit_cast<uint32_t>(largest / 127.0f) : 0x7FC00000u);
+      const __m256 inverse = _mm256_set1_ps(finite && largest > 0 ? 127.0f / largest : 0.0f);
+      int8_t* q = a.q.data() + i * kSuper;
+      int16_t* sum16 = a.sum16.data() + i * (kSuper / 16);
+      for (int g = 0; g < kSuper / 16; ++g) {
+        const __m256i first = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + 16 * g), inverse), kRound));
+        const __m256i second =
+            _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + 16 * g + 8), inverse), kRound));
+        store_bytes(q + 16 * g, first);
+        store_bytes(q + 16 * g + 8, second);
+        sum16[g] = static_cast<int16_t>(sum_lanes(_mm256_add_epi32(first, second)));
+      }
+      for (int b = 0; b < kBlocksPerSuper; ++b)
+        a.sum32[i * kBlocksPerSuper + b] = static_cast<int16_t>(sum16[2 * b] + sum16[2 * b + 1]);
+    }
+  });
+}
+
+inline int32_t two_sums(const int16_t* p) {  // p[0] in the low 16 bits, p[1] in the high: madd_pairs' packed
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// T input rows (from row `row`) against one group of 16 outputs, with SuperActivations.
+template <class Format, int T>
+void super_product(const uint8_t* group, int64_t supers, const SuperActivations& a, int64_t row, int64_t K,
+                   const float* bias, float* y, int64_t N, int64_t n0) {
+  constexpr bool kSixBit = std::is_same_v<Format, Q6_K>;
+  F32 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = zero_f();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* super = group + s * super_bytes<Format>();
+    I32 sums[T], offsets[T];
+    for (int t = 0; t < T; ++t) sums[t] = offsets[t] = zero_i();
+    for (int b = 0; b < kBlocksPerSuper; ++b) {
+      const uint8_t* block = super + Format::kHeader + b * Format::kBlockBytes;
+      prefetch_block(block, Format::kBlockBytes);
+      U8 rows[8];
+      Format::quants(block, rows);
+      if constexpr (kSixBit) {
+        const Scales first = scales_signed(block), second = scales_signed(block + 16);
+        const I32 pairs = byte_pairs(block, block + 16, true);  // (sc of the first 16 inputs, of the second)
+        for (int t = 0; t < T; ++t) {
+          const int8_t* x = a.q.data() + (row + t) * K + s * kSuper + b * kBlock;
+          sums[t] = dot_rows_scaled<Format::kPerWiden>(sums[t], rows, 4, x, first);
+          sums[t] = dot_rows_scaled<Format::kPerWiden>(sums[t], rows + 4, 4, x + 16, second);
+          offsets[t] = madd_pairs(offsets[t], pairs, two_sums(a.sum16.data() + ((row + t) * K + s * kSuper) / 16 + 2 * b));
+        }
+      } else {
+        const Scales scale = scales_unsigned(block);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* x = a.q.data() + (row + t) * K + s * kSuper + b * kBlock;
+          sums[t] = dot_rows_scaled<Format::kPerWiden>(sums[t], rows, 8, x, scale);
+        }
+      }
+    }
+    const F32 d = widen16(super);
+    if constexpr (kSixBit) {
+      for (int t = 0; t < T; ++t) {
+        const F32 s_x = set1(a.scale[(row + t) * supers + s]);
+        acc[t] = fmadd(to_float(sub_i(sums[t], shift_left32<5>(offsets[t]))), mul(d, s_x), acc[t]);
+      }
+    } else {
+      // The minimums: mn of blocks 2p and 2p + 1 as pairs against the rows' sums over those blocks.
+      I32 minimums[kBlocksPerSuper / 2];
+      for (int p = 0; p < kBlocksPerSuper / 2; ++p) {
+        const uint8_t* block = super + Format::kHeader + 2 * p * Format::kBlockBytes;
+        minimums[p] = byte_pairs(block + 16, block + Format::kBlockBytes + 16, false);
+      }
+      const F32 dmin = widen16(super + 32);
+      for (int t = 0; t < T; ++t) {
+        const int16_t* sum32 = a.sum32.data() + ((row + t) * K + s * kSuper) / kBlock;
+        I32 m = zero_i();
+        for (int p = 0; p < kBlocksPerSuper / 2; ++p) m = madd_pairs(m, minimums[p], two_sums(sum32 + 2 * p));
+        const F32 s_x = set1(a.scale[(row + t) * supers + s]);
+        acc[t] = fmadd(to_float(sums[t]), mul(d, s_x), acc[t]);
+        acc[t] = fnmadd(to_float(m), mul(dmin, s_x), acc[t]);
+      }
+    }
+  }
+  const F32 bv = bias ? loadu(bias + n0) : zero_f();
+  for (int t = 0; t < T; ++t) storeu(y + (row + t) * N + n0, add(acc[t], bv));
+}
+
+template <class Format, int T = Format::kTileRows8>
+void super_tile(int rows, const uint8_t* group, int64_t supers, const SuperActivations& a, int64_t row, int64_t K,
+                const float* bias, float* y, int64_t N, int64_t n0) {
+  if constexpr (T > 1) {
+    if (rows < T) return super_tile<Format, T - 1>(rows, group, supers, a, row, K, bias, y, N, n0);
+  }
+  super_product<Format, T>(group, supers, a, row, K, bias, y, N, n0);
+}
+
 template <class Format>
 void check_weight(const at::Tensor& weight, int64_t N, int64_t K) {
   check_packed_weight(weight, Format::kName, N, K, kSuper, K / kSuper * super_bytes<Format>());
@@ -276,9 +420,20 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
   const int64_t K = call.K, N = call.N, M = call.M, blocks = K / kBlock;
   check_weight<Format>(weight, N, K);
   if (M == 0) return call.y.view(call.out_shape);
+  float* yp = call.y.data_ptr<float>();
+  if constexpr (!kLow && kSuperScaled<Format>) {
+    if (kquant_super_scale.load(std::memory_order_relaxed)) {
+      SuperActivations a;
+      split_super_rows(call.x.data_ptr<float>(), M, K, a);
+      for_each_tile<Format::kTileRows8>(M, N, K / kSuper * super_bytes<Format>(), K, weight.data_ptr<uint8_t>(),
+                                        [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
+                                          super_tile<Format>(rows, group, K / kSuper, a, row, K, call.bias, yp, N, n0);
+                                        });
+      return call.y.view(call.out_shape);
+    }
+  }
   Activations a;
   split<true>(call.x.data_ptr<float>(), M, K, a);
-  float* yp = call.y.data_ptr<float>();
   constexpr int kRows = kLow ? Format::kTileRows : Format::kTileRows8;
   for_each_tile<kRows>(M, N, K / kSuper * super_bytes<Format>(), K * (kLow ? 2 : 1), weight.data_ptr<uint8_t>(),
                        [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
@@ -483,6 +638,9 @@ void dequantize(const at::Tensor& weight, at::Tensor& out) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
+  // Whether the int8 q4_k, q5_k and q6_k products take one activation scale per 256 inputs (on) or per 32 (off);
+  // returns the setting it replaces. Set before a model runs, not during.
+  m.def("set_kquant_super_scale(bool enabled) -> bool", [](bool enabled) { return kquant_super_scale.exchange(enabled); });
   m.def("q4_k_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("q4_k_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
