@@ -194,3 +194,28 @@ def test_float32_experts_run_the_python_loop(moe_dirs) -> None:
     """Experts that are plain float32 layers are not what the C++ block runs: the block says so and keeps its loop."""
     p = Parity(moe_dirs["qwen3_moe"], max_model_len=256, num_blocks=32, atol=TINY_ATOL)
     assert all(block.program_block() is None for block in p.runner.model.moe_blocks().values())
+
+
+def test_the_combine_sums_each_tokens_experts_in_its_own_order_whatever_the_other_tokens() -> None:
+    """kernels/moe_block.h's combine_slots (the C++ block's weighted sum, read from each expert's own output rows; the
+    Python loop's through `moe_combine`): token t gets scale[t, 0] v[t, 0] then one FMA per further expert in its top-k
+    order, its bits the same alone as beside other tokens."""
+    from lmserve.worker.kernels import moe_combine_op
+
+    combine = moe_combine_op()
+    if combine is None:
+        pytest.skip("the CPU kernels did not build")
+    tokens, k, hidden = 7, 4, 100
+    generator = torch.Generator().manual_seed(3)
+    slot_out = torch.randn(tokens * k, hidden, generator=generator)
+    scale = torch.rand(tokens, k, generator=generator)
+    got = combine(slot_out, scale)
+    by_choice = slot_out.view(tokens, k, hidden).double()
+    expected = (by_choice * scale.double().unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+    for t in range(tokens):
+        assert torch.equal(combine(slot_out[t * k : (t + 1) * k], scale[t : t + 1]), got[t : t + 1]), t
+    first_then_fma = slot_out[0::k] * scale[:, :1]
+    for j in range(1, k):
+        first_then_fma = torch.addcmul(first_then_fma, slot_out[j::k], scale[:, j : j + 1])
+    torch.testing.assert_close(got, first_then_fma, rtol=0, atol=1e-6)

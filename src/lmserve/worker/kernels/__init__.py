@@ -195,6 +195,16 @@ def top_p_mask_op():
         return None
 
 
+@functools.cache
+def moe_combine_op():
+    """`torch.ops.lmserve.moe_combine` (kernels/moe_block.h's combine_slots, the C++ MoE block's weighted sum), or
+    None where the kernels do not build."""
+    try:
+        return cpu_kernels().moe_combine
+    except RuntimeError:
+        return None
+
+
 def write_kv_cache_op():
     """`torch.ops.lmserve.write_kv_cache` (worker/kernels/paged_attention.cpp)."""
     return cpu_kernels().write_kv_cache

@@ -218,7 +218,24 @@ struct LayerProgram : torch::CustomClassHolder {
 
 }  // namespace
 
+// slot_out float32 [tokens * k, hidden] (slot t k + j: token t's j-th expert's output), scale float32 [tokens, k] ->
+// [tokens, hidden]: MoeBlock's sum (moe_block.h's combine_slots), for worker/models/moe.py's loop.
+at::Tensor moe_combine(const at::Tensor& slot_out, const at::Tensor& scale) {
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat, "moe_combine: scale must be float32 [tokens, k]");
+  const int64_t tokens = scale.size(0), k = scale.size(1);
+  TORCH_CHECK(slot_out.dim() == 2 && slot_out.scalar_type() == at::kFloat && slot_out.size(0) == tokens * k,
+              "moe_combine: slot_out must be float32 [tokens * k, hidden]");
+  const at::Tensor rows = slot_out.contiguous(), scales = scale.contiguous();
+  const int64_t hidden = rows.size(1);
+  std::vector<const float*> slot_row(tokens * k);
+  for (int64_t s = 0; s < tokens * k; ++s) slot_row[s] = rows.data_ptr<float>() + s * hidden;
+  at::Tensor out = at::empty({tokens, hidden}, rows.options());
+  lmserve_program::combine_slots(slot_row, scales.data_ptr<float>(), tokens, k, hidden, out.data_ptr<float>());
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(lmserve, m) {
+  m.def("moe_combine(Tensor slot_out, Tensor scale) -> Tensor", &moe_combine);
   m.class_<MoeBlock>("MoeBlock")
       .def(torch::init<int64_t, int64_t, int64_t, bool, bool, at::Tensor, std::optional<at::Tensor>, at::Tensor>())
       .def("add_segment", &MoeBlock::add_segment)

@@ -9,8 +9,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,6 +21,30 @@
 #include "linear_segments.h"
 
 namespace lmserve_program {
+
+// A token's experts summed in its own top-k order: out[t] = sum over j of scale[t, j] rows[t k + j] (j = 0 first, then
+// one FMA per further j), each token alone, so its bits do not depend on the other tokens. `rows[s]`: slot s's output
+// row, wherever it lies (an expert's own output: no scatter into a slot-ordered copy first). MoeBlock and the
+// `moe_combine` op (worker/models/moe.py's loop) both call this one function, so they agree to the bit.
+__attribute__((noinline)) inline void combine_slots(const std::vector<const float*>& rows, const float* scale,
+                                                    int64_t tokens, int64_t k, int64_t hidden, float* out) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k * hidden)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = out + t * hidden;
+      const float* first = rows[t * k];
+      const float s0 = scale[t * k];
+#pragma omp simd
+      for (int64_t h = 0; h < hidden; ++h) o[h] = first[h] * s0;
+      for (int64_t j = 1; j < k; ++j) {
+        const float* r = rows[t * k + j];
+        const float sj = scale[t * k + j];
+#pragma omp simd
+        for (int64_t h = 0; h < hidden; ++h) o[h] = std::fma(r[h], sj, o[h]);
+      }
+    }
+  });
+}
 
 // One expert's MLP (or the shared expert's): gate_up, then SiLU or GELU(tanh) of the gate times up, then down.
 struct ExpertMlp {
@@ -84,46 +111,49 @@ struct MoeBlock : torch::CustomClassHolder {
 
   // x [tokens, hidden] -> this rank's share of the block's output (the caller all-reduces under tensor parallel).
   at::Tensor forward(const at::Tensor& x) const {
-    TORCH_CHECK(x.dim() == 2, "MoeBlock: x must be [tokens, hidden]");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "MoeBlock: x must be float32 [tokens, hidden]");
     const int64_t tokens = x.size(0), k = top_k, hidden = x.size(1);
     // RouterWeight.forward, softmax, top-k (highest first) and SparseMoeBlock.route's normalisation.
     const at::Tensor probs = at::softmax(at::matmul(x.to(at::kDouble), router.t()).to(at::kFloat), -1);
     auto [weights, chosen] = at::topk(probs, k, -1, true, true);
     if (normalize_top_k) weights = weights / weights.sum(-1, true);
     routed_tokens.add_(at::bincount(chosen.flatten(), {}, router.size(0)));
-    const at::Tensor scale = weights.to(x.scalar_type());
+    const at::Tensor scale = weights.to(x.scalar_type()).contiguous();
 
     // Slot s = t * k + j: token t's j-th choice; each expert's slots in token order.
     const at::Tensor choices = chosen.contiguous();
     const int64_t* choice = choices.data_ptr<int64_t>();
     std::vector<std::vector<int64_t>> slots(experts.size());
-    bool every_chosen_present = true;
-    for (int64_t s = 0; s < tokens * k; ++s) {
-      slots[choice[s]].push_back(s);
-      every_chosen_present = every_chosen_present && experts[choice[s]].present();
+    for (int64_t s = 0; s < tokens * k; ++s) slots[choice[s]].push_back(s);
+    // Every present expert's token rows gathered in one copy, expert after expert: each expert's input is a run of
+    // consecutive rows of it (one decode: x itself, every expert it chose).
+    std::vector<int64_t> first_row(experts.size(), 0), token_of;
+    token_of.reserve(tokens * k);
+    for (size_t e = 0; e < experts.size(); ++e) {
+      first_row[e] = static_cast<int64_t>(token_of.size());
+      if (!experts[e].present()) continue;
+      for (int64_t s : slots[e]) token_of.push_back(s / k);
     }
-    // An expert another rank holds adds nothing here: its slots stay zero.
-    at::Tensor slot_out = every_chosen_present ? at::empty({tokens * k, hidden}, x.options())
-                                               : at::zeros({tokens * k, hidden}, x.options());
     const auto index_options = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor grouped =
+        tokens == 1 || token_of.empty()
+            ? x
+            : x.index_select(0, at::from_blob(token_of.data(), {static_cast<int64_t>(token_of.size())}, index_options));
+    // Each slot's output row where its expert wrote it; an expert another rank holds adds nothing here (zeros).
+    const std::vector<float> zeros(hidden, 0.0f);
+    std::vector<const float*> slot_row(tokens * k, zeros.data());
+    std::vector<at::Tensor> outputs;
     for (size_t e = 0; e < experts.size(); ++e) {
       const std::vector<int64_t>& mine = slots[e];
       if (mine.empty() || !experts[e].present()) continue;
       const int64_t count = static_cast<int64_t>(mine.size());
-      at::Tensor rows;
-      if (count == tokens) {
-        rows = x;  // every token chose this expert (one decode: every expert it chose)
-      } else {
-        std::vector<int64_t> token_of(mine.size());
-        for (size_t i = 0; i < mine.size(); ++i) token_of[i] = mine[i] / k;
-        rows = x.index_select(0, at::from_blob(token_of.data(), {count}, index_options).clone());
-      }
-      const at::Tensor y = mlp(experts[e], intermediate, rows);
-      slot_out.index_copy_(0, at::from_blob(const_cast<int64_t*>(mine.data()), {count}, index_options).clone(), y);
+      const at::Tensor rows = tokens == 1 ? x : grouped.narrow(0, first_row[e], count);
+      outputs.push_back(mlp(experts[e], intermediate, rows).contiguous());
+      const float* y = outputs.back().data_ptr<float>();
+      for (int64_t i = 0; i < count; ++i) slot_row[mine[i]] = y + i * hidden;
     }
-    const at::Tensor by_choice = slot_out.view({tokens, k, hidden});
-    at::Tensor out = by_choice.select(1, 0) * scale.slice(1, 0, 1);
-    for (int64_t j = 1; j < k; ++j) out.addcmul_(by_choice.select(1, j), scale.slice(1, j, j + 1));
+    at::Tensor out = at::empty({tokens, hidden}, x.options());
+    combine_slots(slot_row, scale.data_ptr<float>(), tokens, k, hidden, out.data_ptr<float>());
     if (shared.present()) {
       const at::Tensor gate = at::sigmoid(at::matmul(x.to(at::kDouble), shared_router->t()).to(at::kFloat));
       out.add_(mlp(shared, shared_intermediate, x) * gate.to(x.scalar_type()));

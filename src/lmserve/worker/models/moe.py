@@ -31,6 +31,7 @@ from torch import nn
 
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.moe_shape import MoeShape
+from lmserve.worker.kernels import moe_combine_op
 from lmserve.worker.layer_program import add_linear, new_moe_block
 from lmserve.worker.models.layers import MLP, MissingLayer
 
@@ -168,11 +169,7 @@ class SparseMoeBlock(nn.Module):
         scale = weights.to(x.dtype)
         if tokens == 1 and not self.expert_parallel:
             # One decode: its experts in turn, no grouping to do; the same products and sums as below, to the bit.
-            experts = chosen[0].tolist()
-            out = self.experts[experts[0]](x) * scale[:, :1]
-            for j in range(1, k):
-                out.addcmul_(self.experts[experts[j]](x), scale[:, j : j + 1])
-            return out
+            return _combine(torch.cat([self.experts[e](x) for e in chosen[0].tolist()]), scale)
         # Slot s = t * k + j: token t's j-th choice. Grouped by expert (stable: tokens in order within an expert).
         order = torch.argsort(chosen.flatten(), stable=True)
         slot_out = x.new_zeros(tokens * k, x.shape[1]) if self.expert_parallel else x.new_empty(tokens * k, x.shape[1])
@@ -184,11 +181,7 @@ class SparseMoeBlock(nn.Module):
             start += count
             if self.is_local(expert):
                 slot_out[slots] = self.experts[expert](x[slots // k])
-        slot_out = slot_out.view(tokens, k, -1)
-        out = slot_out[:, 0] * scale[:, :1]
-        for j in range(1, k):  # one token's experts in its own top-k order, whatever the batch
-            out.addcmul_(slot_out[:, j], scale[:, j : j + 1])
-        return out
+        return _combine(slot_out, scale)
 
     def keep_experts_on_kernels(self) -> None:
         """Once loaded: every expert's block layers, the shared expert's too, run their kernel on every row and never
@@ -206,6 +199,20 @@ class SparseMoeBlock(nn.Module):
         if self.routed_tokens is None:
             return [0] * self.num_experts
         return self.routed_tokens.tolist()
+
+
+def _combine(slot_out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """sum over j of scale[t, j] * slot_out[t * k + j], one token's experts in its own top-k order whatever the batch:
+    on CPU in float32 the C++ MoE block's own function (kernels/moe_block.h's combine_slots), so both agree to the bit."""
+    tokens, k = scale.shape
+    combine = moe_combine_op() if slot_out.device.type == "cpu" and slot_out.dtype == torch.float32 else None
+    if combine is not None:
+        return combine(slot_out, scale.float())
+    by_choice = slot_out.view(tokens, k, -1)
+    out = by_choice[:, 0] * scale[:, :1]
+    for j in range(1, k):
+        out.addcmul_(by_choice[:, j], scale[:, j : j + 1])
+    return out
 
 
 def _expert(config: PretrainedConfig, parallel: ParallelGroups, intermediate: int) -> MLP:
