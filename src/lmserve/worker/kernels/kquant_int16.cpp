@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "int16_simd.h"
@@ -328,6 +329,56 @@ inline int32_t two_sums(const int16_t* p) {  // p[0] in the low 16 bits, p[1] in
   return v;
 }
 
+#if defined(LMSERVE_INT16_KERNELS_AVX2)
+// Row J of a block's codes (inputs 4J .. 4J + 3 of each output), decoded alone: Format::quants' rows[J].
+template <class Format, int J>
+inline U8 quant_row(const uint8_t* block) {
+  const U8 v = load64(block + 32 + 64 * (J / 2));
+  U8 row = and8(J % 2 ? shift_right16<4>(v) : v, 0x0F);
+  if constexpr (std::is_same_v<Format, Q5_K>)
+    row = or8(row, and8(shift16<4 - J>(load64(block + 32 + 256)), 0x10));
+  if constexpr (std::is_same_v<Format, Q6_K>)
+    row = or8(row, and8(shift16<4 - 2 * (J % 4)>(load64(block + 32 + 256 + 64 * (J / 4))), 0x30));
+  return row;
+}
+
+// One widening group (rows G .. G + kPerWiden - 1) of a block against T rows of activations: each code row decoded
+// once and multiplied with every activation row while it is in a register, the T int16 sums kept in registers (2 T +
+// 4 of the 16), then widened by the group's scale into sums. Decoding all 8 rows first, as group_product does, left
+// 16 registers of codes live and the compiler spilled every product (~2 stack moves a VPMADDUBSW).
+template <class Format, int T, int G>
+inline void scaled_group(const uint8_t* block, const int8_t* const x[T], Scales scale, I32 sums[T]) {
+  __m256i lo[T], hi[T];
+  for (int t = 0; t < T; ++t) lo[t] = hi[t] = _mm256_setzero_si256();
+  [&]<int... W>(std::integer_sequence<int, W...>) {
+    (
+        [&] {
+          const U8 row = quant_row<Format, G + W>(block);
+          for (int t = 0; t < T; ++t) {
+            int32_t v;
+            std::memcpy(&v, x[t] + 4 * (G + W), 4);
+            const __m256i b = _mm256_set1_epi32(v);
+            lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(row.lo, b));
+            hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(row.hi, b));
+          }
+        }(),
+        ...);
+  }(std::make_integer_sequence<int, Format::kPerWiden>{});
+  for (int t = 0; t < T; ++t)
+    sums[t] = {_mm256_add_epi32(sums[t].lo, _mm256_madd_epi16(lo[t], scale.lo)),
+               _mm256_add_epi32(sums[t].hi, _mm256_madd_epi16(hi[t], scale.hi))};
+}
+
+// A block's 8 code rows against T activation rows, group by group (a q6_k group never straddles its two halves).
+template <class Format, int T>
+inline void scaled_block(const uint8_t* block, const int8_t* const x[T], Scales first, Scales second, I32 sums[T]) {
+  [&]<int... Gi>(std::integer_sequence<int, Gi...>) {
+    (scaled_group<Format, T, Gi * Format::kPerWiden>(block, x, Gi * Format::kPerWiden < 4 ? first : second, sums),
+     ...);
+  }(std::make_integer_sequence<int, 8 / Format::kPerWiden>{});
+}
+#endif
+
 // T input rows (from row `row`) against one group of 16 outputs, with SuperActivations.
 template <class Format, int T>
 void super_product(const uint8_t* group, int64_t supers, const SuperActivations& a, int64_t row, int64_t K,
@@ -342,6 +393,22 @@ void super_product(const uint8_t* group, int64_t supers, const SuperActivations&
     for (int b = 0; b < kBlocksPerSuper; ++b) {
       const uint8_t* block = super + Format::kHeader + b * Format::kBlockBytes;
       prefetch_block(block, Format::kBlockBytes);
+#if defined(LMSERVE_INT16_KERNELS_AVX2)
+      {
+        const int8_t* x[T];
+        for (int t = 0; t < T; ++t) x[t] = a.q.data() + (row + t) * K + s * kSuper + b * kBlock;
+        if constexpr (kSixBit) {
+          scaled_block<Format, T>(block, x, scales_signed(block), scales_signed(block + 16), sums);
+          const I32 pairs = byte_pairs(block, block + 16, true);
+          for (int t = 0; t < T; ++t)
+            offsets[t] = madd_pairs(offsets[t], pairs, two_sums(a.sum16.data() + ((row + t) * K + s * kSuper) / 16 + 2 * b));
+        } else {
+          const Scales scale = scales_unsigned(block);
+          scaled_block<Format, T>(block, x, scale, scale, sums);
+        }
+        continue;
+      }
+#endif
       U8 rows[8];
       Format::quants(block, rows);
       if constexpr (kSixBit) {
@@ -389,7 +456,12 @@ void super_product(const uint8_t* group, int64_t supers, const SuperActivations&
   for (int t = 0; t < T; ++t) storeu(y + (row + t) * N + n0, add(acc[t], bv));
 }
 
-template <class Format, int T = Format::kTileRows8>
+// Activation rows a tile of the per-256 product takes: on AVX2 four (scaled_group keeps 2 T + 4 registers live, and
+// each decoded code row serves four activation rows; q6_k's per-32 tile of two decoded its rows for every two).
+template <class Format>
+constexpr int kSuperTileRows = kAvx512 ? Format::kTileRows8 : 4;
+
+template <class Format, int T = kSuperTileRows<Format>>
 void super_tile(int rows, const uint8_t* group, int64_t supers, const SuperActivations& a, int64_t row, int64_t K,
                 const float* bias, float* y, int64_t N, int64_t n0) {
   if constexpr (T > 1) {
@@ -425,7 +497,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, int64_t out
     if (kquant_super_scale.load(std::memory_order_relaxed)) {
       SuperActivations a;
       split_super_rows(call.x.data_ptr<float>(), M, K, a);
-      for_each_tile<Format::kTileRows8>(M, N, K / kSuper * super_bytes<Format>(), K, weight.data_ptr<uint8_t>(),
+      for_each_tile<kSuperTileRows<Format>>(M, N, K / kSuper * super_bytes<Format>(), K, weight.data_ptr<uint8_t>(),
                                         [&](int rows, const uint8_t* group, int64_t row, int64_t n0) {
                                           super_tile<Format>(rows, group, K / kSuper, a, row, K, call.bias, yp, N, n0);
                                         });

@@ -124,7 +124,8 @@ def block_activations(setting: str | None = "auto", decoder_weights: int = 0) ->
     int8 (the same kernels and layout with 8-bit activations per block of 32, the high halves alone, as llama.cpp's q8
     activations: half the integer products, so each row a batch, a prompt or a speculative verify step adds costs
     about half; perplexity +0.06% on Qwen2.5 0.5B Q4_K_M, +1.9% on the default model, whose activations carry
-    outliers, int16's < 0.01%). A row's result is its own whatever its batch under both integer settings, where the
+    outliers, int16's < 0.01%; q4_k, q5_k and q6_k layers take one scale per 256 inputs, llama.cpp's q8_K, with
+    one float step per 256 instead of per 32: kernels/kquant_int16.cpp). A row's result is its own whatever its batch under both integer settings, where the
     float32 kernel sums a row in an order set by the batch's size (on the AVX2 build a seeded request drew another
     token in a batch of 16 than alone).
     auto, wherever the integer kernels run (the AVX2 build included): int8 for a model of at least
