@@ -164,6 +164,16 @@ class ModelConfig:
         "where every layer is what it runs (block-format or float16 weights, fused ops, paged-cpu attention, not "
         "split by tensor parallelism; a pipeline stage runs its own layers so): the same kernels, without Python "
         "between them")
+    packed_weights_cache: str = setting(
+        "auto", "where a GGUF file's weights, once packed into the kernels' layout, are kept on disk so that later "
+        "starts map them instead of packing again (keyed by the file's size, modification time and header): auto "
+        "($LMSERVE_PACKED_CACHE where set, else <lmserve cache>/packed), off, or a directory")
+    packed_weights_cache_size: int | None = setting(
+        None, "the packed weights cache's largest size on disk, e.g. 40GiB (the default); the entries read least "
+        "recently are removed first", parse=parse_memory)
+    packed_weights_cache_min_bytes: int | None = setting(
+        None, "models whose packed weights are smaller are not cached (default 64 MiB; tests cache tiny ones)",
+        flag=False)
     device: str = setting("auto", "auto | cpu | cuda")
     max_model_len: int | None = setting(None, "context length (default: the model's own)")
     seed: int = setting(0, "seed of the model's random state")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
+from lmserve.config_values import parse_memory
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.heap import release_freed_heap, reuse_large_blocks
@@ -40,6 +41,7 @@ from lmserve.worker.weights.block_linear import prepare_batched_copies
 from lmserve.worker.weights.choice import choose_weight_formats, settle_block_kernels
 from lmserve.worker.weights.kernel_choice import LAYER_METHODS
 from lmserve.worker.weights.loader import load_weights
+from lmserve.worker.weights.packed_cache import PackedWeightsCache, packed_cache_settings, use_packed_cache
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +151,14 @@ class ModelRunner:
                             formats.block_method, formats.per_layer, formats.formats,
                             formats.layer_activations(model_config, decoder_weights), formats.float16_layers,
                             formats.embedding_dtype(source), expert_parallel=self.expert_parallel)
+        packed_cache, self.packed_weights_mapped = self._packed_cache(model, model_config, source)
         # float16 layers load their rows as the checkpoint stores them; a block layer takes the file's own blocks.
         model.load_weights(load_weights(source, None if formats.float16_layers else self.dtype,
                                         blocks=formats.loaded_blocks, wanted=model.wants, part=model.checkpoint_part))
         self.block_kernels = settle_block_kernels(model, model.layers, formats, model_config, decoder_weights)
+        # A first start writes what it packed for the next (the thread: tests wait for it).
+        self.packed_weights_saving = (packed_cache.save_in_background(model)
+                                      if packed_cache is not None and not self.packed_weights_mapped else None)
         self.block_activations = self.block_kernels.activations
         self.batched_path = self.block_kernels.batched_path
         self.prompt_copies = self.block_kernels.prompt_copies
@@ -172,6 +178,22 @@ class ModelRunner:
             self.block_kernels.describe(), self.fused_ops, self.device, time.perf_counter() - started,
         )
         return model
+
+    def _packed_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, source: ModelSource
+                      ) -> tuple[PackedWeightsCache | None, bool]:
+        """A GGUF's block layers from the packed weights cache where an earlier start wrote them (weights/
+        packed_cache.py), keyed by what chose their layout here as well as by the file."""
+        if source.kind != "gguf":
+            return None, False
+        settings = packed_cache_settings(model_config.packed_weights_cache,
+                                         parse_memory(model_config.packed_weights_cache_size),
+                                         model_config.packed_weights_cache_min_bytes)
+        context = {
+            "quantization": self.quantization, "dtype": str(self.dtype), "device": str(self.device),
+            "block_activations": model_config.block_activations, "batched_weights": model_config.batched_weights,
+            "rank": [self.layout.rank, self.layout.tp_size, self.layout.pp_size], "expert_parallel": self.expert_parallel,
+        }
+        return use_packed_cache(model, settings, source.path, context)
 
     def _allocate_kv_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
                            scheduler_config: SchedulerConfig) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from lmserve.formats.block_formats import STORED_BLOCK_BYTES, block_width
 from lmserve.worker.weights.block_linear import BlockQuantizedLinear
-from lmserve.worker.weights.block_packing import StoredBlocks, StoredRows, as_blocks
+from lmserve.worker.weights.block_packing import PackedBlocks, StoredBlocks, StoredRows, as_blocks
 from lmserve.worker.weights.layer_format import PendingLayer
 from lmserve.worker.weights.layer_types import LAYER_TYPES, layer_fits
 
@@ -50,10 +50,26 @@ class PendingBlockLinear(PendingLayer):
         self.row_shape = (in_features // width, STORED_BLOCK_BYTES[method])  # a row's blocks and their bytes
         self.parts: dict[int, torch.Tensor] = {}  # first row: those rows' blocks
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # The layer's blocks as an earlier start packed them (weights/packed_cache.py): the checkpoint's rows are then
+        # only checked for shape, neither converted nor packed.
+        self.packed: PackedBlocks | None = None
+
+    def use_packed(self, packed: PackedBlocks) -> None:
+        if (packed.method, packed.out_features, packed.in_features) != (self.method, self.out_features,
+                                                                         self.in_features):
+            raise ValueError(f"packed {packed.method} [{packed.out_features}, {packed.in_features}] weights for a "
+                             f"[{self.out_features}, {self.in_features}] {self.method} layer")
+        self.packed = packed
 
     def load_rows(self, start: int, weight: torch.Tensor | StoredBlocks) -> None:
         """Rows start, start + 1, ... of the weight (a fused layer's q, k and v arrive one after another)."""
-        blocks = as_blocks(self.method, weight)
+        if self.packed is None:
+            blocks = as_blocks(self.method, weight)
+        elif weight.shape[1] != self.in_features:
+            raise ValueError(f"rows of shape {tuple(weight.shape)} do not fit a [{self.out_features}, "
+                             f"{self.in_features}] layer")
+        else:  # only the rows' count is needed: a stand-in of their shape, without their bytes
+            blocks = torch.empty((weight.shape[0], *self.row_shape), dtype=torch.uint8, device="meta")
         if tuple(blocks.shape[1:]) != self.row_shape or start < 0 or start + blocks.shape[0] > self.out_features:
             raise ValueError(
                 f"rows of shape {tuple(weight.shape)} do not fit at row {start} of a "
@@ -78,6 +94,8 @@ class PendingBlockLinear(PendingLayer):
         parts = [self.parts[start] for start in starts]
         weight = StoredBlocks(self.method, parts[0]) if len(parts) == 1 else StoredRows(self.method, tuple(parts))
         self.parts = {}
+        if self.packed is not None:
+            return LAYER_TYPES[self.method](self.packed, self.bias, activations=self.packed.activations)
         return LAYER_TYPES[self.method](weight, self.bias, activations=self.activations)
 
     def extra_repr(self) -> str:
