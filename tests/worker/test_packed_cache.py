@@ -20,6 +20,8 @@ import torch
 from test_model_parity import scheduled
 
 from lmserve.config import CacheConfig, ModelConfig, cache_directory
+from lmserve.formats.gguf_file import read_gguf_blocks, read_gguf_header
+from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_runner import ModelRunner
 from lmserve.worker.weights.block_linear import BlockQuantizedLinear
 from lmserve.worker.weights.packed_cache import DIRECTORY_VARIABLE, ENTRY_SUFFIX, packed_cache_settings
@@ -192,3 +194,26 @@ def test_the_cache_stays_under_its_size(model_copy: Path, mixed_gguf: Path, tmp_
     # An entry larger than the whole cache is not written.
     start(model_copy, tmp_path / "small", packed_weights_cache_size=min(sizes) - 1)
     assert entries(tmp_path / "small") == []
+
+
+def test_a_stacked_expert_tensor_is_packed_in_one_call_into_each_experts_own_bytes(moe_kquant, tmp_path: Path
+                                                                                   ) -> None:
+    """Every expert's gate_up (and down) blocks are views of one pack call's result, and hold what packing that
+    expert alone gives."""
+    _, path = moe_kquant
+    runner = start(path, "off")
+    tensors = {t.name: t for t in read_gguf_header(path).tensors}
+    ops = cpu_kernels()
+    for index, layer in enumerate(runner.model.layers):
+        experts = layer.mlp.experts
+        stacks = {name: read_gguf_blocks(path, tensors[f"blk.{index}.{name}.weight"])
+                  for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+        stacks = {name: torch.from_numpy(blocks.reshape(len(experts), -1, *blocks.shape[1:]).copy())
+                  for name, blocks in stacks.items()}
+        for slot, method, parts in (("gate_up_proj", "q4_k", ("ffn_gate_exps", "ffn_up_exps")),
+                                    ("down_proj", "q6_k", ("ffn_down_exps",))):
+            linears = [getattr(expert, slot) for expert in experts]
+            assert len({linear.blocks.untyped_storage().data_ptr() for linear in linears}) == 1, slot
+            for e, linear in enumerate(linears):
+                alone = getattr(ops, f"{method}_int16_pack")([stacks[part][e] for part in parts])
+                assert linear.method == method and torch.equal(linear.blocks, alone), (index, slot, e)
