@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from lmserve.config import cache_directory
+from lmserve.formats.block_formats import STORED_BLOCK_BYTES, block_width
 from lmserve.formats.gguf_file import gguf_header_digest
 from lmserve.worker import kernels
 from lmserve.worker.weights.block_linear import BlockQuantizedLinear
@@ -180,6 +181,11 @@ class PackedWeightsCache:
                     raise ValueError(f"{entry['name']} is not a layer of this model's shape")
                 if start % _ALIGNMENT or start + nbytes > size - _TRAILER.size or nbytes != int(np.prod(shape)):
                     raise ValueError(f"{entry['name']}'s bytes lie outside the file")
+                # Every kernel layout holds at least the stored blocks' bytes (it widens scales, pads rows): fewer
+                # would let a kernel read past the tensor.
+                method, rows, columns = self.plan[entry["name"]]
+                if nbytes < rows * columns // block_width(method) * STORED_BLOCK_BYTES[method]:
+                    raise ValueError(f"{entry['name']} has fewer bytes than its blocks")
                 data = mapped[start : start + nbytes]
                 if _sample_crc(data) != entry["crc"]:
                     raise ValueError(f"{entry['name']}'s bytes do not match their checksum")
@@ -210,9 +216,16 @@ class PackedWeightsCache:
             return None
         # NumPy views, taken here: the thread then only copies bytes and never calls into torch.
         arrays = {name: p.blocks.numpy() for name, p in layers.items()}
-        thread = threading.Thread(target=self.save, args=(layers, arrays), name="packed-weights-cache", daemon=True)
+        thread = threading.Thread(target=self._save_or_log, args=(layers, arrays), name="packed-weights-cache",
+                                  daemon=True)
         thread.start()
         return thread
+
+    def _save_or_log(self, layers: Mapping[str, PackedBlocks], arrays: Mapping[str, np.ndarray]) -> None:
+        try:
+            self.save(layers, arrays)
+        except Exception:  # a thread's failure is this cache's, never the server's: the weights are in memory
+            logger.exception("packed weights cache: saving %s failed; the next start packs again", self.path)
 
     def save(self, layers: Mapping[str, PackedBlocks], arrays: Mapping[str, np.ndarray] | None = None) -> Path | None:
         """Writes the entry (temporary file, then renamed into place); the path written, or None where it was not
