@@ -182,6 +182,9 @@ class ModelConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.packed_weights_cache_size is not None and (parse_memory(self.packed_weights_cache_size) or 0) <= 0:
+            raise ValueError(f"packed_weights_cache_size must be more than 0 bytes, e.g. 40GiB, got "
+                             f"{self.packed_weights_cache_size!r}")
         if self.max_model_len is not None and not _positive_integer(self.max_model_len):
             raise ValueError(f"max_model_len must be an integer >= 1 (leave it out for the model's own), got "
                              f"{self.max_model_len!r}")
