@@ -217,3 +217,21 @@ def test_a_stacked_expert_tensor_is_packed_in_one_call_into_each_experts_own_byt
             for e, linear in enumerate(linears):
                 alone = getattr(ops, f"{method}_int16_pack")([stacks[part][e] for part in parts])
                 assert linear.method == method and torch.equal(linear.blocks, alone), (index, slot, e)
+
+
+@pytest.mark.parametrize("model_copy", ["tiny_kquant_gguf"], indirect=True)
+def test_a_writers_temporary_file_is_never_read_and_an_abandoned_one_is_removed(model_copy: Path, tmp_path: Path
+                                                                                ) -> None:
+    """Another server's write in progress is a hidden temporary file until it is renamed into place: a start neither
+    reads it nor removes it; one whose writer died long ago (a server stopped mid-write) goes at the next save."""
+    cache = tmp_path / "packed"
+    cache.mkdir()
+    writing, abandoned = cache / ".entry.packed.123.aaaa.tmp", cache / ".entry.packed.456.bbbb.tmp"
+    for leftover in (writing, abandoned):
+        leftover.write_bytes(b"LMSPACK1 half a file")
+    two_hours_ago = abandoned.stat().st_mtime - 7200
+    os.utime(abandoned, (two_hours_ago, two_hours_ago))
+    assert not start(model_copy, cache).packed_weights_mapped
+    assert writing.exists() and not abandoned.exists()
+    assert len(entries(cache)) == 1
+    assert start(model_copy, cache).packed_weights_mapped
