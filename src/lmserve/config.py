@@ -26,16 +26,22 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
 # one list for the resolver, the worker and the planner.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert",
+                         "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Those that are encoders (bidirectional attention, no decode): the server runs them as a pooling runner (vLLM's
 # `--runner pooling`), which answers /v1/embeddings and not the generating routes (docs/embeddings.md).
 POOLING_MODEL_TYPES = ("bert", "nomic_bert")
 # Those whose MLPs are mixtures of experts (lmserve.moe_shape says how each routes).
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "qwen3_next")
+# Hybrid models: Gated DeltaNet (linear attention, a fixed-size recurrent state per request) between full-attention
+# layers with an output gate, partial RoPE and zero-centred (1 + weight) norms (worker/models/hybrid.py).
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The same families' multimodal checkpoints (a vision tower beside the text model): refused, text only for now.
+HYBRID_MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 # Those of them that run Gemma's decoder layer (HF directories name Gemma 3 gemma3_text, GGUF files gemma3).
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 # Those that normalize each head of q and k before RoPE (one RMSNorm weight of head_dim each, shared by the heads).
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text", "qwen3_moe", *HYBRID_MODEL_TYPES)
 # Those that normalize the whole q and k projections instead (OLMoE: one RMSNorm weight of heads x head_dim each).
 FULL_QK_NORM_MODEL_TYPES = ("olmoe",)
 # Those whose q/k/v projections always carry biases (the others: where the config's attention_bias says).

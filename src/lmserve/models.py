@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lmserve.config import (
     DEFAULT_MODEL,
     GEMMA_MODEL_TYPES,
+    HYBRID_MULTIMODAL_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     default_layer_types,
 )
@@ -260,6 +261,11 @@ def read_config_dict(source: ModelSource) -> dict[str, Any]:
     if source.kind == "hf":
         config_file = source.path / "config.json"
         config = json.loads(config_file.read_text())
+        if config.get("model_type") in HYBRID_MULTIMODAL_MODEL_TYPES:
+            raise ValueError(
+                f"{config_file} is {config['model_type']} with its vision tower ({', '.join(config.get('architectures') or [])}): "
+                "lmserve runs the text-only Qwen3.5 checkpoints for now (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM: "
+                "model_type qwen3_5_text, qwen3_5_moe_text)")
         _check_model_type(config.get("model_type", "<missing>"), config_file)
         if config["model_type"] == "gemma3":
             raise ValueError(f"{config_file} is Gemma 3 with its vision tower (model_type gemma3); lmserve runs "

@@ -44,7 +44,8 @@ def allocate_kv_cache(model: LlamaForCausalLM, hf_config: Any, pp_size: int, dev
     groups = model_kv_groups(hf_config, hybrid=not cache_config.disable_hybrid_kv_cache_manager)
     model.kv_layer_groups = groups.layer_groups
     # Every rank holds as many blocks (one block table serves them all): size them for the largest stage.
-    largest_stage = len(stage_layers(hf_config.num_hidden_layers, pp_size, 0))
+    # (One stage: the model's own count, which for a hybrid model is its full-attention layers only.)
+    largest_stage = model.num_layers if pp_size == 1 else len(stage_layers(hf_config.num_hidden_layers, pp_size, 0))
     layers_per_block = groups.slots if groups.is_hybrid else largest_stage
     per_block = kv_bytes_per_block(layers_per_block, num_kv_heads, head_dim, block_size, kv_dtype.itemsize)
     blocks_per_request = groups.request_blocks(max_model_len, block_size, scheduler_config.max_num_batched_tokens)
@@ -53,7 +54,8 @@ def allocate_kv_cache(model: LlamaForCausalLM, hf_config: Any, pp_size: int, dev
             model, scheduler_config.max_num_batched_tokens, max_model_len, scheduler_config.max_num_seqs,
             block_size, attention_backend, kv_dtype,
         ),
-    ), most_blocks_usable=scheduler_config.max_num_seqs * blocks_per_request)
+    ), most_blocks_usable=scheduler_config.max_num_seqs * blocks_per_request,
+        reserved_bytes=scheduler_config.max_num_seqs * getattr(model, "state_bytes_per_slot", 0))
     k_shape, v_shape = kv_cache_shapes(attention_backend, num_blocks, num_kv_heads, block_size, head_dim)
     tensors = [(zeroed_lazily(k_shape, kv_dtype, device), zeroed_lazily(v_shape, kv_dtype, device))
                for _ in range(layers_per_block if groups.is_hybrid else model.num_layers)]

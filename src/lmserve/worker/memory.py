@@ -34,18 +34,24 @@ class DeviceMemory:
 
 def num_kv_blocks(
     cache_config: CacheConfig, per_block_bytes: int, device: torch.device, measure: Callable[[], DeviceMemory],
-    most_blocks_usable: int | None = None,
+    most_blocks_usable: int | None = None, reserved_bytes: int = 0,
 ) -> int:
     """KV blocks to allocate; `measure` is called only on CUDA when no explicit size is set. `most_blocks_usable`:
-    the blocks max_num_seqs full-length requests hold at once; the CPU default never allocates more."""
+    the blocks max_num_seqs full-length requests hold at once; the CPU default never allocates more.
+    `reserved_bytes`: taken from the same budget first (a hybrid model's per-request state slots)."""
     if cache_config.num_blocks:
         return cache_config.num_blocks
     if cache_config.kv_cache_memory is None and device.type == "cuda":
         m = measure()
         return kv_blocks_for_memory_utilization(
-            m.total_bytes, cache_config.gpu_memory_utilization, m.used_bytes, per_block_bytes, m.free_bytes
+            m.total_bytes, cache_config.gpu_memory_utilization, m.used_bytes + reserved_bytes, per_block_bytes,
+            m.free_bytes - reserved_bytes,
         )
-    blocks = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block_bytes
+    budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    if reserved_bytes >= budget:
+        raise ValueError(f"kv_cache_memory too small: the state slots of --max-num-seqs requests need "
+                         f"{reserved_bytes} bytes of its {budget} (lower --max-num-seqs or raise --kv-cache-memory)")
+    blocks = (budget - reserved_bytes) // per_block_bytes
     if cache_config.kv_cache_memory is None and most_blocks_usable:
         blocks = min(blocks, most_blocks_usable)
     if blocks < 1:

@@ -70,7 +70,9 @@ class Worker:
         return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
                           prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups,
                           layer_program=runner.layer_program,
-                          runner=getattr(runner, "runner", "generate"))
+                          runner=getattr(runner, "runner", "generate"),
+                          num_state_slots=getattr(runner, "num_state_slots", 0),
+                          state_bytes_per_slot=getattr(runner, "state_bytes_per_slot", 0))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)
