@@ -17,6 +17,7 @@ from hybrid_models import HYBRID_FAMILIES
 from test_model_parity import KERNELS, TINY_ATOL, Parity, chunked_prefill_then_decode, mixed_batch, scheduled
 
 from lmserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from lmserve.kv_transfer_config import parse_kv_transfer_config
 from lmserve.models import load_hf_config, resolve_model
 from lmserve.speculative_config import parse_speculative_config
 from lmserve.worker.model_runner import ModelRunner
@@ -111,3 +112,13 @@ def test_the_state_slots_are_paid_from_the_kv_memory_budget(hybrid_dirs) -> None
     assert runner.model.states.recurrent.shape == (3, 4, 4, 16, 8)
     assert runner.num_blocks == (2**20 - 4 * per_slot) // runner.kv_bytes_per_block
     assert torch.count_nonzero(runner.model.states.conv) == 0
+
+
+def test_kv_transfer_is_refused_for_a_hybrid_model(hybrid_dirs, tmp_path) -> None:
+    """A consumer would start a request from stored blocks without the linear layers' state."""
+    transfer = parse_kv_transfer_config(json.dumps({
+        "kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}))
+    with pytest.raises(ValueError, match="kv transfer is not supported for qwen3_next"):
+        ModelRunner(ModelConfig(model=str(hybrid_dirs["qwen3_next"]), dtype="float32", device="cpu"),
+                    CacheConfig(num_blocks=8, kv_transfer_config=transfer))

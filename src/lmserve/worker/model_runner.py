@@ -234,6 +234,9 @@ class ModelRunner:
         transfer = cache_config.kv_transfer_config
         if transfer is None:
             return None
+        if self.num_state_slots:
+            raise ValueError(f"kv transfer is not supported for {self.hf_config.model_type} (hybrid linear attention): "
+                             "a consumer would need each request's recurrent state as well as its blocks")
         if self.kv_groups.is_hybrid:
             raise ValueError("kv transfer needs one KV-cache group; this model has sliding-window layers in groups "
                              "of their own: start both instances with --disable-hybrid-kv-cache-manager")
