@@ -103,14 +103,17 @@ def test_speculative_decoding_is_refused_for_a_hybrid_model(hybrid_dirs) -> None
                         '{"method": "ngram", "num_speculative_tokens": 2}')))
 
 
-def test_the_state_slots_are_paid_from_the_kv_memory_budget(hybrid_dirs) -> None:
+@pytest.mark.parametrize(("memory", "slots"), [("1MiB", 4), ("48KiB", 2)])
+def test_the_state_slots_are_paid_from_the_kv_memory_budget(hybrid_dirs, memory: str, slots: int) -> None:
+    """One slot per --max-num-seqs request, or where they would take more than half the budget, what half holds."""
     runner = ModelRunner(ModelConfig(model=str(hybrid_dirs["qwen3_5_text"]), dtype="float32", device="cpu"),
-                         CacheConfig(kv_cache_memory="1MiB", kv_cache_dtype="float32"),
+                         CacheConfig(kv_cache_memory=memory, kv_cache_dtype="float32"),
                          scheduler_config=SchedulerConfig(max_num_seqs=4))
     per_slot = 3 * 4 * (96 * 3 + 4 * 16 * 8)  # 3 linear layers: conv (96 channels x 3) + state (4 heads x 16 x 8)
-    assert runner.num_state_slots == 4 and runner.state_bytes_per_slot == per_slot
-    assert runner.model.states.recurrent.shape == (3, 4, 4, 16, 8)
-    assert runner.num_blocks == (2**20 - 4 * per_slot) // runner.kv_bytes_per_block
+    assert runner.num_state_slots == slots and runner.state_bytes_per_slot == per_slot
+    assert runner.model.states.recurrent.shape == (3, slots, 4, 16, 8)
+    budget = 2**20 if memory == "1MiB" else 48 * 2**10
+    assert runner.num_blocks == (budget - slots * per_slot) // runner.kv_bytes_per_block
     assert torch.count_nonzero(runner.model.states.conv) == 0
 
 

@@ -59,6 +59,19 @@ def num_kv_blocks(
     return blocks
 
 
+def num_state_slots(cache_config: CacheConfig, bytes_per_slot: int, max_num_seqs: int, device: torch.device) -> int:
+    """A hybrid model's per-request state slots: one per request that may run at once (--max-num-seqs), unless that
+    would take more than half of a CPU's KV memory budget (Qwen3.5 at transformers' default shape: 50 MiB a slot, 64
+    of them more than the default 2 GiB): then as many as half of it holds, at least one, and requests past them
+    wait for a slot as for blocks. 0 for a model without such state."""
+    if not bytes_per_slot:
+        return 0
+    if cache_config.num_blocks or (cache_config.kv_cache_memory is None and device.type == "cuda"):
+        return max_num_seqs
+    budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    return max(1, min(max_num_seqs, budget // 2 // bytes_per_slot))
+
+
 def profiling_batch_lengths(num_tokens: int, max_model_len: int) -> list[int]:
     """The largest step the scheduler can hand out: num_tokens positions as first prefill chunks of at most
     max_model_len positions each (one request cannot be longer)."""

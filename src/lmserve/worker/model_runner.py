@@ -183,17 +183,19 @@ class ModelRunner:
                                   self.max_model_len, self.block_size, model_config, cache_config, scheduler_config)
         self.attention_backend, self.kv_cache_dtype, self.kv_groups = setup.attention_backend, setup.dtype, setup.groups
         self.num_blocks, self.kv_caches, self.kv_bytes_per_block = setup.num_blocks, setup.caches, setup.bytes_per_block
+        self.kv_state_slots = setup.state_slots
 
     def _allocate_states(self, model: LlamaForCausalLM, scheduler_config: SchedulerConfig) -> None:
-        """A hybrid model's per-request states (worker/models/hybrid.py): one slot per request that may run at once,
-        already taken from the KV memory budget (kv_cache_setup); the engine hands the slots out."""
+        """A hybrid model's per-request states (worker/models/hybrid.py): the slots kv_cache_setup took from the KV
+        memory budget (one per request that may run at once, where half the budget holds them); the engine hands
+        them out."""
         self.num_state_slots, self.state_bytes_per_slot = 0, 0
         if not isinstance(model, HybridForCausalLM):
             return
         if scheduler_config.speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.hf_config.model_type} (hybrid linear "
                              "attention) yet: a rejected draft would need the recurrent state before it")
-        self.num_state_slots = scheduler_config.max_num_seqs
+        self.num_state_slots = self.kv_state_slots
         self.state_bytes_per_slot = model.state_bytes_per_slot
         model.allocate_states(self.num_state_slots, self.device)
         logger.info("linear-attention state: %d slots of %.2f MiB (%d layers), constant in a request's length",
