@@ -204,7 +204,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         max_concurrency = max(0, devices[0].kv_bytes) // per_request
         notes.append(f"linear-attention layers: {state / 2**20:.2f} MiB of state per request whatever its length "
                      f"(KV only for the {spec.kv_layers} full-attention layers of {spec.num_layers}); the engine "
-                     f"sets aside --max-num-seqs ({settings.max_num_seqs}) such slots from the KV memory")
+                     f"sets aside up to --max-num-seqs ({settings.max_num_seqs}) such slots from the KV memory")
     max_context = min(max_model_len, kv_capacity_tokens(min_blocks // settings.concurrency, bs, max_model_len,
                                                         groups, settings.max_num_batched_tokens))
     return Plan(
