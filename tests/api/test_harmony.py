@@ -1,0 +1,138 @@
+"""gpt-oss's harmony format: lmserve's rendering against the chat template gpt-oss ships, token for token; the
+parser of the model's output (analysis -> reasoning_content, commentary to functions.NAME -> tool calls, final ->
+content), whole and streamed.
+
+The template is tests/api/data/gpt_oss_chat_template.jinja: openai/gpt-oss-120b's chat_template.jinja as llama.cpp
+keeps it (models/templates/openai-gpt-oss-120b.jinja), applied by transformers as for any model."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from lmserve.api.protocol import ChatCompletionRequest
+from lmserve.harmony import render_harmony, uses_harmony
+
+TEMPLATE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(default_tokenizer) -> transformers.PreTrainedTokenizerBase:
+    """The default model's tokenizer with harmony's special tokens and gpt-oss's template."""
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "The city's name."},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+        "days": {"type": "integer", "default": 1},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                  "required": ["lat"]},
+        "points": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}}}},
+        "flag": {"type": "boolean", "nullable": True},
+        "anything": {},
+        "either": {"type": ["string", "number"]},
+        "choice": {"oneOf": [{"type": "string", "description": "a name"}, {"type": "number"}]},
+    }}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now.", "parameters": {}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+# (name, OpenAI-shaped messages as a client sends them, template kwargs)
+CONVERSATIONS: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
+    ("plain", [{"role": "user", "content": "What is 2+2?"}], {}),
+    ("system_and_effort", [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+     {"reasoning_effort": "high"}),
+    ("developer", [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+     {"reasoning_effort": "low"}),
+    ("tools", [{"role": "user", "content": "Weather in Paris?"}], {"tools": [WEATHER, CLOCK]}),
+    ("system_and_tools", [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather?"}],
+     {"tools": [WEATHER]}),
+    ("call_and_result", [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "I should call get_weather.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
+    ], {"tools": [WEATHER]}),
+    ("call_result_and_answer_then_new_question", [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Call the tool.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "The tool said sunny."},
+        {"role": "user", "content": "Thanks! And tomorrow?"},
+    ], {"tools": [WEATHER]}),
+    ("multi_turn_with_earlier_reasoning", [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy: Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome.", "reasoning": "Rome, of course."},
+        {"role": "user", "content": "Spain?"},
+    ], {"reasoning_effort": "medium"}),
+    ("unicode", [{"role": "user", "content": "Ça va? 日本語 \"quotes\" and \\ backslash"}], {}),
+]
+
+
+def as_template_sees_it(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the template's own input would be: the thinking in its `thinking` field."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        for key in ("reasoning_content", "reasoning"):
+            if key in message:
+                message["thinking"] = message.pop(key)
+        out.append(message)
+    return out
+
+
+@pytest.mark.parametrize(("name", "messages", "kwargs"), CONVERSATIONS, ids=[c[0] for c in CONVERSATIONS])
+def test_rendering_equals_gpt_oss_template_token_for_token(harmony_tokenizer, name: str, messages: list[dict],
+                                                           kwargs: dict[str, Any]) -> None:
+    # The messages go through the chat request's own model, as the server hands them to the template.
+    request = ChatCompletionRequest.model_validate({"messages": messages, "tools": kwargs.get("tools"),
+                                                    "reasoning_effort": kwargs.get("reasoning_effort")})
+    template_messages, template_kwargs = request.template_messages(), request.template_kwargs()
+    ours = render_harmony(template_messages, True, **template_kwargs)
+    theirs = harmony_tokenizer.apply_chat_template(as_template_sees_it(template_messages), tokenize=False,
+                                                   add_generation_prompt=True, **template_kwargs)
+    assert ours == theirs
+    assert harmony_tokenizer.encode(ours, add_special_tokens=False) == \
+        harmony_tokenizer.encode(theirs, add_special_tokens=False)
+
+
+def test_a_training_example_keeps_the_last_turns_thinking_and_ends_with_return(harmony_tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "thinking": "Greet."}]
+    ours = render_harmony(messages, False)
+    assert ours == harmony_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert ours.endswith("<|start|>assistant<|channel|>analysis<|message|>Greet.<|end|>"
+                         "<|start|>assistant<|channel|>final<|message|>Hello!<|return|>")
+
+
+def test_earlier_reasoning_is_dropped_and_a_pending_calls_reasoning_kept() -> None:
+    _, multi, _ = next(c for c in CONVERSATIONS if c[0] == "multi_turn_with_earlier_reasoning")
+    rendered = render_harmony(multi)
+    assert "Easy: Paris." not in rendered and "Rome, of course." not in rendered
+    _, pending, _ = next(c for c in CONVERSATIONS if c[0] == "call_and_result")
+    assert "<|channel|>analysis<|message|>I should call get_weather.<|end|>" in render_harmony(pending)
+
+
+@pytest.mark.parametrize(("effort", "written"), [("minimal", "low"), ("none", "low"), ("xhigh", "high"),
+                                                 (None, "medium")])
+def test_reasoning_effort_is_one_of_the_formats_three_levels(effort: str | None, written: str) -> None:
+    assert f"Reasoning: {written}\n\n" in render_harmony([{"role": "user", "content": "Hi"}],
+                                                         reasoning_effort=effort)
+
+
+def test_which_models_speak_harmony() -> None:
+    assert uses_harmony("gpt_oss", None) and uses_harmony("gpt-oss", None)
+    assert uses_harmony("llama", TEMPLATE)
+    assert not uses_harmony("qwen2", "{{ messages }}") and not uses_harmony(None, None)
