@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +30,7 @@ RETURN, CALL = "<|return|>", "<|call|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 STOP_TEXTS = (RETURN, CALL)  # the tokens that end an assistant's turn (openai-harmony's stop tokens for actions)
 
+FUNCTIONS = "functions."  # the namespace of the request's tools: a call's recipient is `functions.NAME`
 HARMONY_MODEL_TYPES = {"gpt_oss", "gpt-oss"}  # Hugging Face's model_type, GGUF's general.architecture
 REASONING_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "minimal": "low", "none": "low",
                      "xhigh": "high"}
@@ -40,6 +42,11 @@ def uses_harmony(model_type: str | None, chat_template: str | None) -> bool:
     if model_type in HARMONY_MODEL_TYPES:
         return True
     return chat_template is not None and all(marker in chat_template for marker in (START, CHANNEL, MESSAGE))
+
+
+def is_function(recipient: str | None) -> bool:
+    """A message to this recipient calls one of the request's tools."""
+    return recipient is not None and recipient.startswith(FUNCTIONS) and len(recipient) > len(FUNCTIONS)
 
 
 class HarmonyRenderError(ValueError):
@@ -222,3 +229,140 @@ def _typescript(spec: Mapping[str, Any]) -> str:
                   for name, sub in properties.items()]
         return "{\n" + ", ".join(fields) + "}"
     return "any"
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class Header:
+    """A message's header: `assistant to=functions.get_weather<|channel|>commentary <|constrain|>json`."""
+
+    role: str
+    channel: str | None
+    recipient: str | None = None  # `to=...`: a tool call's function, as `functions.NAME`
+    content_type: str | None = None  # `json` (after <|constrain|> or the channel)
+
+
+@dataclass
+class Piece:
+    """Text the model wrote: a piece of one message's body, or (header None) text outside the format."""
+
+    message: int  # which message of the output (pieces of one message share it)
+    header: Header | None
+    text: str
+    ended: bool = False  # the message is complete (its end token, or the end of the output)
+    end: str | None = None  # the token that ended it: <|end|>, <|call|> or <|return|> (None: the output ended)
+
+
+# A header is a role, a recipient, a channel and a content type: longer than this without <|message|>, it is not one.
+MAX_HEADER_CHARS = 256
+_BODY_ENDS = (END, CALL, RETURN, START)  # START: a model that forgot <|end|> began the next message
+
+
+def _held_back(text: str, start: int, markers: Sequence[str]) -> int:
+    """How many trailing characters of text[start:] could begin one of the markers (not yet decided)."""
+    for k in range(min(max(map(len, markers)) - 1, len(text) - start), 0, -1):
+        if any(marker.startswith(text[len(text) - k:]) for marker in markers):
+            return k
+    return 0
+
+
+def parse_header(raw: str, first: bool) -> Header | None:
+    """The header of a message the model wrote (`first`: the prompt already wrote `<|start|>assistant`); None when
+    the text is not a header."""
+    if any(marker in raw for marker in (START, END, MESSAGE, RETURN, CALL)):
+        return None
+    before, found, after = raw.partition(CHANNEL)
+    if not found:
+        return None
+    words = before.split()
+    role = "assistant" if first else (words.pop(0) if words and not words[0].startswith("to=") else "")
+    if not role or role.startswith("to="):
+        return None
+    rest = after.replace(CONSTRAIN, " ").split()
+    if not rest:
+        return None
+    channel, rest = rest[0], rest[1:]
+    recipient = next((w[3:] for w in words + rest if w.startswith("to=")), None)
+    others = [w for w in words + rest if not w.startswith("to=")]
+    if len(others) > 1 or (recipient is not None and not recipient):
+        return None
+    return Header(role, channel, recipient, others[0] if others else None)
+
+
+class HarmonyReader:
+    """The model's output, read as harmony messages while it streams: `feed` takes the next text and returns the
+    pieces that can no longer change. A body's end tokens are held back while only their beginning has come. Text
+    that does not follow the format (no header where one must be, a header too long, another role than the
+    assistant's) is read, from there on, as one plain piece (header None): a caller makes it content."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # what was read so far
+        self.state = "header"  # header, body, between (after an end token), plain
+        self.header: Header | None = None
+        self.message = 0
+
+    def feed(self, delta: str, finished: bool = False) -> list[Piece]:
+        self.text += delta
+        pieces: list[Piece] = []
+        while True:
+            if self.state == "plain":
+                if self.pos < len(self.text):
+                    pieces.append(Piece(self.message, None, self.text[self.pos:], ended=finished))
+                    self.pos = len(self.text)
+                return pieces
+            if self.state == "header":
+                if not self._header(finished):
+                    return pieces
+            elif self.state == "body":
+                if not self._body(pieces, finished):
+                    return pieces
+            elif not self._between(finished):
+                return pieces
+
+    def _plain(self) -> bool:
+        self.state = "plain"
+        self.message += 1
+        return True
+
+    def _header(self, finished: bool) -> bool:
+        end = self.text.find(MESSAGE, self.pos)
+        if end < 0:
+            if finished and (self.message > 0 or CHANNEL in self.text[self.pos:]):
+                self.pos, self.state = len(self.text), "between"  # a header cut off by max_tokens: no message
+                return False
+            if finished or len(self.text) - self.pos > MAX_HEADER_CHARS:
+                return self._plain()
+            return False
+        header = parse_header(self.text[self.pos:end], first=self.message == 0)
+        if header is None or header.role != "assistant":
+            return self._plain()
+        self.header, self.pos, self.state = header, end + len(MESSAGE), "body"
+        return True
+
+    def _body(self, pieces: list[Piece], finished: bool) -> bool:
+        found = [(i, marker) for marker in _BODY_ENDS if (i := self.text.find(marker, self.pos)) >= 0]
+        if found:
+            end, marker = min(found)
+            pieces.append(Piece(self.message, self.header, self.text[self.pos:end], True, marker))
+            self.pos = end + (len(marker) if marker != START else 0)
+            self.state, self.message = "between", self.message + 1
+            return True
+        hold = 0 if finished else _held_back(self.text, self.pos, _BODY_ENDS)
+        cut = len(self.text) - hold
+        if cut > self.pos or finished:
+            pieces.append(Piece(self.message, self.header, self.text[self.pos:cut], ended=finished))
+            self.pos = cut
+        return False
+
+    def _between(self, finished: bool) -> bool:
+        rest = self.text[self.pos:]
+        if rest.startswith(START):
+            self.pos += len(START)
+            self.state = "header"
+            return True
+        if not rest or (START.startswith(rest) and not finished):
+            return False
+        return self._plain()

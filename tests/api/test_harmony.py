@@ -8,14 +8,19 @@ keeps it (models/templates/openai-gpt-oss-120b.jinja), applied by transformers a
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmserve.api.protocol import ChatCompletionRequest
-from lmserve.harmony import render_harmony, uses_harmony
+from lmserve.api.reasoning_parsers import get_reasoning_parser
+from lmserve.api.tool_parsers import get_tool_parser
+from lmserve.harmony import MARKERS, render_harmony, uses_harmony
 
 TEMPLATE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
@@ -136,3 +141,87 @@ def test_which_models_speak_harmony() -> None:
     assert uses_harmony("gpt_oss", None) and uses_harmony("gpt-oss", None)
     assert uses_harmony("llama", TEMPLATE)
     assert not uses_harmony("qwen2", "{{ messages }}") and not uses_harmony(None, None)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+REASONER, TOOLS = get_reasoning_parser("harmony"), get_tool_parser("harmony")
+THOUGHT = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+ANSWER = "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
+A_CALL = ('<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>'
+          '{"city":"Paris"}<|call|>')
+
+
+def parse(text: str) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """(reasoning, content, calls as (name, arguments)) as the chat path gets them: reasoning parser, then tools."""
+    split = REASONER.extract(text)
+    found = TOOLS.extract(split.content or "")
+    return split.reasoning, found.content, [(c.name, c.arguments) for c in found.tool_calls]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (THOUGHT + ANSWER, ("The user wants the weather.", "It is sunny.", [])),
+    (THOUGHT + ANSWER.removesuffix("<|return|>"), ("The user wants the weather.", "It is sunny.", [])),  # stop token dropped
+    (THOUGHT + A_CALL, ("The user wants the weather.", None, [("get_weather", '{"city": "Paris"}')])),
+    # The recipient in the channel part of the header, as gpt-oss also writes it; the first message a call.
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>',
+     (None, None, [("get_weather", '{"city": "Rome"}')])),
+    ('<|channel|>commentary<|message|>Let me check.<|end|>' + A_CALL,  # a preamble is shown to the user
+     (None, "Let me check.", [("get_weather", '{"city": "Paris"}')])),
+    ("<|channel|>analysis<|message|>cut off by max_tok", ("cut off by max_tok", None, [])),
+    (THOUGHT + "<|start|>assistant<|channel|>fin", ("The user wants the weather.", None, [])),  # a cut header
+    ("<|channel|>final<|message|>Just the answer.", (None, "Just the answer.", [])),
+    # Malformed output is content, never an error.
+    ("No format at all.", (None, "No format at all.", [])),
+    (THOUGHT + "stray text", ("The user wants the weather.", "stray text", [])),
+    (THOUGHT + "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{not json<|call|>",
+     ("The user wants the weather.", "{not json", [])),
+    ("<|channel|>analysis to=python code<|message|>print(1)<|call|>", ("print(1)", None, [])),  # a built-in tool
+    ("<|channel|>commentary to=browser.search json<|message|>{}<|call|>", (None, "{}", [])),
+    (THOUGHT + "<|start|>user<|message|>I answer myself<|end|>", ("The user wants the weather.",
+                                                                 "user<|message|>I answer myself<|end|>", [])),
+    ("", (None, None, [])),
+])
+def test_extract(text: str, expected: tuple) -> None:
+    assert parse(text) == expected
+
+
+def streamed(text: str, pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+    reasoner, tools = REASONER.streaming(), TOOLS.streaming()
+    reasoning, content, calls = "", "", []
+    for i, piece in enumerate(pieces):
+        finished = i == len(pieces) - 1
+        thought, rest = reasoner.feed(piece, finished=finished)
+        out = tools.feed(rest)
+        if finished:
+            last = tools.finish()
+            out.content += last.content
+            out.tool_calls += last.tool_calls
+        reasoning, content = reasoning + thought, content + out.content
+        calls += [(c.name, c.arguments) for c in out.tool_calls]
+    return reasoning, content, calls
+
+
+def split_at(text: str, points: list[int]) -> list[str]:
+    cuts = sorted({p % (len(text) + 1) for p in points} | {0, len(text)})
+    return [text[a:b] for a, b in itertools.pairwise(cuts)] or [""]
+
+
+harmony_texts = st.lists(st.sampled_from([*MARKERS, "assistant", "analysis", "final", "commentary", " to=functions.f",
+                                          " json", '{"a": 1}', "hi", " ", "<|", "é"]), max_size=14).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(harmony_texts, st.sampled_from([THOUGHT + ANSWER, THOUGHT + A_CALL])),
+       st.lists(st.integers(0, 300), max_size=10))
+def test_a_stream_split_anywhere_agrees_with_extract(text: str, points: list[int]) -> None:
+    reasoning, content, calls = parse(text)
+    assert streamed(text, split_at(text, points)) == (reasoning or "", content or "", calls)
+
+
+def test_nothing_is_sent_while_an_end_token_may_be_coming() -> None:
+    reasoner, tools = REASONER.streaming(), TOOLS.streaming()
+    assert reasoner.feed("<|channel|>analysis<|message|>thinking <|") == ("thinking ", "<|channel|>analysis<|message|>thinking <|")
+    assert reasoner.feed("en")[0] == "" and reasoner.feed("d|>")[0] == ""
+    assert tools.feed("<|channel|>final<|message|>Hello <|re").content == "Hello "
+    assert tools.feed("turn|>").content == ""

@@ -1,7 +1,7 @@
 """Tool calls in a model's own text format, found after generation (`extract`) or while it streams (`streaming`).
 
 Parsers are chosen by vLLM's `--tool-call-parser` names (TOOL_PARSERS). They are pure text: no tokenizer, no engine.
-One module per format (hermes, llama3_json, mistral, pythonic) over what they share (common: the call types, the JSON
+One module per format (harmony, hermes, llama3_json, mistral, pythonic) over what they share (common: the call types, the JSON
 scanner and re-serialiser, the streams' base).
 
 Agreement between the two paths: for any output, the streamed content concatenates to `extract(text).content`
@@ -25,15 +25,18 @@ from dataclasses import dataclass
 
 from lmserve.api.reasoning_parsers import REASONING_PARSERS
 from lmserve.api.tool_parsers.common import ToolParser
+from lmserve.api.tool_parsers.harmony import HarmonyToolParser
 from lmserve.api.tool_parsers.hermes import HermesToolParser
 from lmserve.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from lmserve.api.tool_parsers.mistral import MistralToolParser
 from lmserve.api.tool_parsers.pythonic import PythonicToolParser
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
+__all__ = ["TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
            "ToolConfig", "ToolParser", "get_tool_parser"]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    HarmonyToolParser.name: HarmonyToolParser,
+    "openai": HarmonyToolParser,  # vLLM's name for gpt-oss's
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
     MistralToolParser.name: MistralToolParser,
