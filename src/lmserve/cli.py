@@ -259,12 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "each holds a file descriptor (default: %(default)s)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide to call tools (tool_choice "auto"), parsed by --tool-call-parser')
-    srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral", "pythonic"),
+    srv.add_argument("--tool-call-parser", default=None,
+                     choices=("hermes", "llama3_json", "mistral", "pythonic", "harmony", "openai"),
                      help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral "
-                          "(Mistral's [TOOL_CALLS]), pythonic (Llama 3.2 and 4's Python call lists)")
-    srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                          "(Mistral's [TOOL_CALLS]), pythonic (Llama 3.2 and 4's Python call lists), harmony or "
+                          "openai (gpt-oss's; chosen by itself for a gpt-oss model)")
+    srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3", "harmony", "openai_gptoss"),
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
-                          "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
+                          "(DeepSeek-R1 and its distills), qwen3 (Qwen3); harmony or openai_gptoss: gpt-oss's analysis "
+                          "channel (chosen by itself for a gpt-oss model)")
     models = srv.add_argument_group(
         "more models", "serve an embedding model and a reranker beside the chat model, each in an engine process of "
         "its own; a request's `model` picks one (docs/embeddings.md)")

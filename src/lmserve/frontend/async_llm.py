@@ -36,7 +36,12 @@ from lmserve.frontend.input_processor import (
 )
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
-from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids, tokenizer_fim_tokens
+from lmserve.frontend.tokenizer import (
+    load_frontend_tokenizer,
+    tokenizer_chat_format,
+    tokenizer_eos_token_ids,
+    tokenizer_fim_tokens,
+)
 from lmserve.generation_config import default_sampling
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
@@ -152,6 +157,7 @@ class AsyncLLM:
             self.tokenizer = load_frontend_tokenizer(config.model)
             self.tokenizer_eos_token_ids = tokenizer_eos_token_ids(config.model, self.tokenizer)
             self.fim_tokens = tokenizer_fim_tokens(config.model, self.tokenizer)
+            self.chat_format = tokenizer_chat_format(config.model, self.tokenizer)
             self.default_sampling = default_sampling(
                 resolve_model(config.model.model), config.model.generation_config,
                 config.model.override_generation_config,
@@ -415,7 +421,7 @@ class AsyncLLM:
                     self.tokenizer, message.max_model_len, message.vocab_size,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
                     scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=[*message.eos_token_ids, *self.tokenizer_eos_token_ids],
-                    default_max_tokens=self.default_sampling.get("max_tokens"),
+                    default_max_tokens=self.default_sampling.get("max_tokens"), chat_format=self.chat_format,
                 )
                 self.is_ready = True
                 self._ready.set()

@@ -31,7 +31,7 @@ from lmserve.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from lmserve.api.tool_parsers.mistral import MistralToolParser
 from lmserve.api.tool_parsers.pythonic import PythonicToolParser
 
-__all__ = ["TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
+__all__ = ["HARMONY_PARSERS", "TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
            "ToolConfig", "ToolParser", "get_tool_parser"]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -42,6 +42,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     MistralToolParser.name: MistralToolParser,
     PythonicToolParser.name: PythonicToolParser,
 }
+
+
+# The names of gpt-oss's parsers (lmserve's and vLLM's), reasoning and tools: they read the same messages, together.
+HARMONY_PARSERS = {"harmony", "openai", "openai_gptoss"}
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -67,3 +71,17 @@ class ToolConfig:
                              f"{', '.join(TOOL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+        harmony = {self.reasoning_parser in HARMONY_PARSERS, self.tool_call_parser in HARMONY_PARSERS}
+        if harmony == {True, False} and None not in (self.reasoning_parser, self.tool_call_parser):
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser} and --tool-call-parser "
+                             f"{self.tool_call_parser} read different formats: gpt-oss's harmony messages are read "
+                             "by harmony for both")
+
+    def for_chat_format(self, chat_format: str | None) -> ToolConfig:
+        """A harmony model's output is read as harmony, reasoning and tool calls (tool_choice "auto" included: its
+        calls are unambiguous), unless the server was told otherwise."""
+        if chat_format != "harmony" or (self.reasoning_parser is not None and self.tool_call_parser is not None):
+            return self
+        return ToolConfig(enable_auto_tool_choice=self.enable_auto_tool_choice or self.tool_call_parser is None,
+                          tool_call_parser=self.tool_call_parser or "harmony",
+                          reasoning_parser=self.reasoning_parser or "harmony")
