@@ -56,10 +56,15 @@ class HarmonyRenderError(ValueError):
 def render_harmony(
     messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
     tools: Sequence[Mapping[str, Any]] | None = None, reasoning_effort: str | None = None,
-    model_identity: str | None = None, today: str | None = None, **_ignored: Any,
+    model_identity: str | None = None, today: str | None = None, continue_final_message: bool = False,
+    **_ignored: Any,
 ) -> str:
     """The prompt gpt-oss's chat template writes for these OpenAI-shaped messages (see the module's notes).
-    `today`: the "Current date" line's date (default: today, as the template's strftime_now)."""
+    `today`: the "Current date" line's date (default: today, as the template's strftime_now). Other template
+    variables are ignored, as the template ignores them."""
+    if continue_final_message:
+        # The template always closes the last message: a turn to continue would be a new message.
+        raise HarmonyRenderError("continue_final_message is not supported by the harmony format (gpt-oss)")
     effort = REASONING_EFFORTS.get(reasoning_effort or "medium", reasoning_effort or "medium")
     system = [
         f"{model_identity if model_identity is not None else DEFAULT_MODEL_IDENTITY}\n",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,8 +20,11 @@ from hypothesis import strategies as st
 
 from lmserve.api.protocol import ChatCompletionRequest
 from lmserve.api.reasoning_parsers import get_reasoning_parser
-from lmserve.api.tool_parsers import get_tool_parser
+from lmserve.api.responses import ResponsesRequest
+from lmserve.api.tool_parsers import HarmonyToolParser, ToolConfig, get_tool_parser
 from lmserve.harmony import MARKERS, render_harmony, uses_harmony
+from lmserve.model_tokenizer import end_of_generation_ids
+from lmserve.models import ModelSource
 
 TEMPLATE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
@@ -225,3 +229,54 @@ def test_nothing_is_sent_while_an_end_token_may_be_coming() -> None:
     assert reasoner.feed("en")[0] == "" and reasoner.feed("d|>")[0] == ""
     assert tools.feed("<|channel|>final<|message|>Hello <|re").content == "Hello "
     assert tools.feed("turn|>").content == ""
+
+
+def test_what_the_format_cannot_write_is_a_value_error() -> None:
+    for messages, kwargs, words in [
+        ([{"role": "tool", "content": "21"}], {}, "must follow an assistant message with a tool call"),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<|channel|>final<|message|>x"}], {},
+         "channel tags"),
+        ([{"role": "user", "content": "Hi"}], {"continue_final_message": True}, "continue_final_message"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            render_harmony(messages, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ choosing
+
+
+def test_a_harmony_model_reads_its_output_as_harmony_unless_told_otherwise() -> None:
+    chosen = ToolConfig().for_chat_format("harmony")
+    assert (chosen.enable_auto_tool_choice, chosen.tool_call_parser, chosen.reasoning_parser) == \
+        (True, "harmony", "harmony")
+    assert ToolConfig().for_chat_format(None) == ToolConfig()
+    vllm_names = ToolConfig(True, "openai", "openai_gptoss")
+    assert vllm_names.for_chat_format("harmony") is vllm_names
+    assert isinstance(get_tool_parser("openai"), HarmonyToolParser)
+    with pytest.raises(ValueError, match="read different formats"):
+        ToolConfig(True, "hermes", "harmony")
+
+
+def test_a_gguf_vocabulary_with_return_and_call_does_not_end_at_end() -> None:
+    """As llama.cpp: gpt-oss's <|end|> closes its thinking and the model goes on; <|return|> and <|call|> end it."""
+    harmony = {"<|end|>": 5, "<|return|>": 6, "<|call|>": 7, "<|endoftext|>": 8}
+    phi = {"<|end|>": 5, "<|endoftext|>": 8}
+    source = ModelSource("gguf", Path("unused.gguf"), "unused")
+    for vocabulary, expected in ((harmony, {6, 7, 8}), (phi, {5, 8})):
+        tokenizer = SimpleNamespace(eos_token_id=None,
+                                    backend_tokenizer=SimpleNamespace(token_to_id=vocabulary.get))
+        assert set(end_of_generation_ids(source, tokenizer)) == expected
+
+
+def test_responses_reasoning_items_go_back_with_the_turn_they_precede() -> None:
+    request = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Sunny."}]},
+        {"role": "assistant", "content": "It is sunny."},
+    ]})
+    messages = request.to_chat()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["reasoning_content"] == "Call it." and messages[3]["reasoning_content"] == "Sunny."
