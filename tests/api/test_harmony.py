@@ -22,6 +22,8 @@ from lmserve.api.protocol import ChatCompletionRequest
 from lmserve.api.reasoning_parsers import get_reasoning_parser
 from lmserve.api.responses import ResponsesRequest
 from lmserve.api.tool_parsers import HarmonyToolParser, ToolConfig, get_tool_parser
+from lmserve.config import ModelConfig
+from lmserve.frontend.tokenizer import tokenizer_chat_format
 from lmserve.harmony import MARKERS, render_harmony, uses_harmony
 from lmserve.model_tokenizer import end_of_generation_ids
 from lmserve.models import ModelSource
@@ -280,3 +282,14 @@ def test_responses_reasoning_items_go_back_with_the_turn_they_precede() -> None:
     messages = request.to_chat()["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     assert messages[1]["reasoning_content"] == "Call it." and messages[3]["reasoning_content"] == "Sunny."
+
+
+def test_a_gpt_oss_directory_is_harmony_unless_the_operator_gives_another_template(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_oss"}')
+    tokenizer = SimpleNamespace(chat_template=None)  # a file without a template: lmserve needs none
+    assert tokenizer_chat_format(ModelConfig(model=str(tmp_path)), tokenizer) == "harmony"
+    chatml = "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"
+    assert tokenizer_chat_format(ModelConfig(model=str(tmp_path), chat_template=chatml),
+                                 SimpleNamespace(chat_template=chatml)) is None
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert tokenizer_chat_format(ModelConfig(model=str(tmp_path)), SimpleNamespace(chat_template=TEMPLATE)) == "harmony"

@@ -37,6 +37,7 @@ def tokenizer_fim_tokens(config: ModelConfig, tokenizer: Any) -> FimTokens | Non
 
 def tokenizer_chat_format(config: ModelConfig, tokenizer: Any) -> str | None:
     """"harmony" for a model that speaks gpt-oss's format (lmserve.harmony renders its prompts, whatever its
-    template); None: the chat template's text is the prompt."""
-    model_type = model_type_of(resolve_model(config.model))
+    template); None: the chat template's text is the prompt. A --chat-template of the operator's is taken at its
+    word: harmony only if it writes harmony."""
+    model_type = None if config.chat_template is not None else model_type_of(resolve_model(config.model))
     return "harmony" if uses_harmony(model_type, getattr(tokenizer, "chat_template", None)) else None
