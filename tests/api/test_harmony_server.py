@@ -157,3 +157,16 @@ def test_responses_function_call_and_its_output(oai: openai.OpenAI) -> None:
                                             "output": f"{SUN} 21 degrees"}])
     assert followed.output_text == ANSWER_TEXT
     assert [i.type for i in followed.output] == ["reasoning", "message"]
+
+
+def test_output_that_breaks_the_format_is_content_not_an_error(oai: openai.OpenAI, model_dir: Path) -> None:
+    # Every token forced to <|message|>: no header, no channel; the text is the answer as written.
+    message_token = transformers.AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|message|>")
+    for stream in (False, True):
+        reply = chat(oai, ASK_SUNNY, stream=stream, max_tokens=6, logit_bias={str(message_token): 100})
+        if stream:
+            reasoning, content = streamed_message(reply)[:2]
+        else:
+            message = reply.choices[0].message
+            reasoning, content = getattr(message, "reasoning_content", None) or "", message.content
+        assert (reasoning, content) == ("", "<|message|>" * 6)
