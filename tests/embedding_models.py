@@ -23,19 +23,59 @@ def bert_tokenizer() -> transformers.PreTrainedTokenizerBase:
     return transformers.BertTokenizer(vocab={token: i for i, token in enumerate(dict.fromkeys(tokens))})
 
 
-def save_tiny_bert(directory: Path, pooling: str = "mean", normalize: bool = True, seed: int = 0,
-                   **config_extra: object) -> Path:
-    """A random BertModel with a WordPiece tokenizer, in sentence-transformers' layout: modules.json,
-    1_Pooling/config.json and (with `normalize`) a Normalize module."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = bert_tokenizer()
-    config = transformers.BertConfig(vocab_size=len(tokenizer), **TINY_BERT, **config_extra)
+def xlm_roberta_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """A Unigram tokenizer of whole words with XLM-R's special tokens (<s> 0, <pad> 1, </s> 2, <unk> 3)."""
+    pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + word, -1.0) for word in WORDS] + [(chr(c), -5.0) for c in range(ord("a"), ord("z") + 1)]
+    pieces.append(("<mask>", 0.0))
+    return transformers.XLMRobertaTokenizer(vocab=pieces)
+
+
+def mpnet_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """MPNet's WordPiece tokenizer with its special tokens (<s> 0, <pad> 1: the padding id its positions skip)."""
+    tokens = ["<s>", "<pad>", "</s>", "[UNK]", "<mask>", *WORDS] + ["##" + chr(c) for c in range(ord("a"), ord("z") + 1)]
+    return transformers.MPNetTokenizer(vocab={token: i for i, token in enumerate(dict.fromkeys(tokens))})
+
+
+# Each encoder family: its tokenizer, config class, and the model classes of an embedder and a cross-encoder.
+ENCODER_FAMILIES = {
+    "bert": (bert_tokenizer, transformers.BertConfig, transformers.BertModel,
+             transformers.BertForSequenceClassification),
+    "xlm-roberta": (xlm_roberta_tokenizer, transformers.XLMRobertaConfig, transformers.XLMRobertaModel,
+                    transformers.XLMRobertaForSequenceClassification),
+    "mpnet": (mpnet_tokenizer, transformers.MPNetConfig, transformers.MPNetModel,
+              transformers.MPNetForSequenceClassification),
+}
+
+
+def _tiny_encoder(family: str, seed: int, cross_encoder: bool = False, **config_extra: object):
+    make_tokenizer, config_class, model_class, classifier_class = ENCODER_FAMILIES[family]
+    tokenizer = make_tokenizer()
+    shape = dict(TINY_BERT)
+    if family != "bert":  # positions from the padding id + 1: 128 tokens need 130 rows
+        shape["max_position_embeddings"] += 2
+    if family == "xlm-roberta":
+        config_extra = {"type_vocab_size": 1, **config_extra}
+    config = config_class(vocab_size=len(tokenizer), **shape, **config_extra)
     torch.manual_seed(seed)
-    model = transformers.BertModel(config)
+    model = classifier_class(config) if cross_encoder else model_class(config)
     with torch.no_grad():  # transformers initialises norms to 1 and biases to 0, which would hide a misplaced one
         for name, param in model.named_parameters():
             if "LayerNorm" in name or name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+            if "token_type" in name and cross_encoder:  # make the second segment's type matter
+                param.normal_(0.0, 0.5)
+            if "relative_attention_bias" in name:  # MPNet's: large enough to matter
+                param.normal_(0.0, 1.0)
+    return tokenizer, config, model
+
+
+def save_tiny_bert(directory: Path, pooling: str = "mean", normalize: bool = True, seed: int = 0,
+                   family: str = "bert", **config_extra: object) -> Path:
+    """A random BertModel (or XLMRobertaModel, MPNetModel: `family`) with its tokenizer, in sentence-transformers'
+    layout: modules.json, 1_Pooling/config.json and (with `normalize`) a Normalize module."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer, config, model = _tiny_encoder(family, seed, **config_extra)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -54,9 +94,10 @@ def save_tiny_bert(directory: Path, pooling: str = "mean", normalize: bool = Tru
 @torch.inference_mode()
 def reference_embeddings(directory: Path, texts: list[str] | list[list[int]], pooling: str = "mean",
                          normalize: bool = True) -> torch.Tensor:
-    """transformers' BertModel over each text alone (no padding), pooled as sentence-transformers pools."""
+    """transformers' model (BertModel, XLMRobertaModel, MPNetModel) over each text alone (no padding), pooled as
+    sentence-transformers pools."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = transformers.BertModel.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModel.from_pretrained(directory, dtype=torch.float32).eval()
     vectors = []
     for text in texts:
         ids = tokenizer(text)["input_ids"] if isinstance(text, str) else text
@@ -67,20 +108,11 @@ def reference_embeddings(directory: Path, texts: list[str] | list[list[int]], po
     return torch.stack(vectors)
 
 
-def save_tiny_cross_encoder(directory: Path, seed: int = 0) -> Path:
-    """A random BertForSequenceClassification with one label (a reranker), as sentence-transformers' CrossEncoder
-    saves one (no modules.json)."""
+def save_tiny_cross_encoder(directory: Path, seed: int = 0, family: str = "bert") -> Path:
+    """A random BertForSequenceClassification (XLMRoberta..., MPNet...: `family`) with one label (a reranker), as
+    sentence-transformers' CrossEncoder saves one (no modules.json)."""
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = bert_tokenizer()
-    config = transformers.BertConfig(vocab_size=len(tokenizer), **TINY_BERT, num_labels=1)
-    torch.manual_seed(seed)
-    model = transformers.BertForSequenceClassification(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "LayerNorm" in name or name.endswith(".bias"):
-                param.add_(torch.randn_like(param) * 0.1)
-            if "token_type" in name:  # make the second segment's type matter
-                param.normal_(0.0, 0.5)
+    tokenizer, _, model = _tiny_encoder(family, seed, cross_encoder=True, num_labels=1)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -88,7 +120,7 @@ def save_tiny_cross_encoder(directory: Path, seed: int = 0) -> Path:
 
 @torch.inference_mode()
 def reference_scores(directory: Path, pairs: list[tuple[str, str]]) -> torch.Tensor:
-    """sigmoid of transformers' BertForSequenceClassification logit for each pair alone (CrossEncoder's score)."""
+    """sigmoid of transformers' ...ForSequenceClassification logit for each pair alone (CrossEncoder's score)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = transformers.BertForSequenceClassification.from_pretrained(directory, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
     return torch.stack([torch.sigmoid(model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0]) for a, b in pairs])

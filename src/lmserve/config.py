@@ -26,10 +26,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
 # one list for the resolver, the worker and the planner.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert", "xlm-roberta", "mpnet")
 # Those that are encoders (bidirectional attention, no decode): the server runs them as a pooling runner (vLLM's
 # `--runner pooling`), which answers /v1/embeddings and not the generating routes (docs/embeddings.md).
-POOLING_MODEL_TYPES = ("bert", "nomic_bert")
+POOLING_MODEL_TYPES = ("bert", "nomic_bert", "xlm-roberta", "mpnet")
 # Those whose MLPs are mixtures of experts (lmserve.moe_shape says how each routes).
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # Those of them that run Gemma's decoder layer (HF directories name Gemma 3 gemma3_text, GGUF files gemma3).

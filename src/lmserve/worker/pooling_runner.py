@@ -24,7 +24,7 @@ from lmserve.models import load_model_config, resolve_model
 from lmserve.pooling_config import load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
-from lmserve.worker.models.bert import BertCrossEncoder, BertModel
+from lmserve.worker.models.bert import ENCODER_PREFIXES, BertCrossEncoder, BertModel, max_sequence_length
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.nomic_bert import NomicBertModel
 from lmserve.worker.placement import apply_placement
@@ -61,7 +61,8 @@ class PoolingModelRunner:
                             blas_does_matmuls=self.dtype == torch.float32 and NUMPY_BLAS)
         source = resolve_model(model_config.model)
         self.hf_config = load_model_config(source)
-        native_len = int(self.hf_config.max_position_embeddings)
+        native_len = max_sequence_length(self.hf_config) if self.hf_config.model_type in ENCODER_PREFIXES \
+            else int(self.hf_config.max_position_embeddings)
         self.pooling = load_pooling_config(source)
         # Learned positions end at native_len; a sentence-transformers model was trained up to its max_seq_length
         # (vLLM takes it as the default length too). A longer input is a 400, or cut with truncate_prompt_tokens.
@@ -78,8 +79,8 @@ class PoolingModelRunner:
             model.load_gguf(source.path)
             model.to(device=self.device, dtype=self.dtype)
         elif source.kind == "gguf":
-            raise ValueError(f"{source.path}: BERT runs from Hugging Face directories (sentence-transformers' layout); "
-                             "its GGUF files are not read yet")
+            raise ValueError(f"{source.path}: {self.hf_config.model_type} runs from Hugging Face directories "
+                             "(sentence-transformers' layout); its GGUF files are not read yet")
         else:
             model = BertCrossEncoder(self.hf_config) if self.pooling.task == "score" else BertModel(self.hf_config)
             model.to(device=self.device, dtype=self.dtype)
