@@ -124,3 +124,97 @@ def reference_scores(directory: Path, pairs: list[tuple[str, str]]) -> torch.Ten
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
     return torch.stack([torch.sigmoid(model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0]) for a, b in pairs])
+
+
+QWEN3_QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+
+
+def _write_st_modules(directory: Path, pooling: str, hidden_size: int, dense: list[tuple[int, int]] = (),
+                      prompts: dict[str, str] | None = None, seed: int = 0) -> None:
+    """sentence-transformers' files beside a saved model: modules.json (Transformer, Pooling, Dense..., Normalize),
+    1_Pooling/config.json, each Dense module's config and random weights, config_sentence_transformers.json."""
+    from safetensors.torch import save_file
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    settings = {"word_embedding_dimension": hidden_size, **{key: False for key in ST_POOLING_KEYS.values()},
+                "include_prompt": True}
+    settings[ST_POOLING_KEYS[pooling]] = True
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(settings))
+    generator = torch.Generator().manual_seed(seed + 1)
+    for i, (inputs, outputs) in enumerate(dense, start=2):
+        folder = directory / f"{i}_Dense"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({
+            "in_features": inputs, "out_features": outputs, "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity"}))
+        save_file({"linear.weight": torch.randn(outputs, inputs, generator=generator) * inputs**-0.5},
+                  str(folder / "model.safetensors"))
+        modules.append({"idx": i, "name": str(i), "path": folder.name, "type": "sentence_transformers.models.Dense"})
+    normalize = len(modules)
+    modules.append({"idx": normalize, "name": str(normalize), "path": f"{normalize}_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})
+    (directory / f"{normalize}_Normalize").mkdir(exist_ok=True)
+    (directory / "modules.json").write_text(json.dumps(modules))
+    if prompts is not None:
+        (directory / "config_sentence_transformers.json").write_text(json.dumps(
+            {"prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}))
+
+
+def save_tiny_decoder_embedder(directory: Path, family: str, tokenizer: transformers.PreTrainedTokenizerBase,
+                               seed: int = 0) -> Path:
+    """A random decoder embedding model in sentence-transformers' layout, saved as its base model (no `model.` prefix,
+    no output layer, as the released checkpoints are): `qwen3` as Qwen3-Embedding (causal, last token, the query
+    instruction prompt), `gemma3` as EmbeddingGemma (bidirectional attention with local layers, mean pooling, two
+    Dense projections)."""
+    from tiny_sizes import TINY_SIZES
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**TINY_SIZES, **ids, head_dim=32, rope_theta=1000000.0,
+                                          tie_word_embeddings=True)
+        model = transformers.Qwen3Model(config)
+    else:
+        # A window of 8 (transformers keeps 8 // 2 + 1 = 5: keys within 4 on either side) on five local layers of
+        # six; weights large enough that attention is far from uniform.
+        config = transformers.Gemma3TextConfig(**{**TINY_SIZES, "num_hidden_layers": 6}, **ids, head_dim=16,
+                                               query_pre_attn_scalar=16, sliding_window=8, initializer_range=0.1,
+                                               use_bidirectional_attention=True)
+        model = transformers.Gemma3TextModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    if family == "qwen3":
+        _write_st_modules(directory, "last", config.hidden_size, prompts={"query": QWEN3_QUERY_PROMPT, "document": ""})
+    else:
+        _write_st_modules(directory, "mean", config.hidden_size, dense=[(64, 256), (256, 64)],
+                          prompts={"query": "task: search result | query: ", "document": "title: none | text: "})
+    return directory
+
+
+@torch.inference_mode()
+def reference_decoder_embeddings(directory: Path, token_ids: list[list[int]]) -> torch.Tensor:
+    """transformers' base model over each input alone, pooled, projected by the Dense modules and normalised as
+    the sentence-transformers files say (what SentenceTransformer(directory).encode computes)."""
+    from safetensors.torch import load_file
+
+    model = transformers.AutoModel.from_pretrained(directory, dtype=torch.float32).eval()
+    modules = json.loads((directory / "modules.json").read_text())
+    pooling = json.loads((directory / "1_Pooling" / "config.json").read_text())
+    dense = [load_file(str(directory / m["path"] / "model.safetensors"))["linear.weight"] for m in modules
+             if m["type"].endswith(".Dense")]
+    vectors = []
+    for ids in token_ids:
+        hidden = model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        vector = hidden[-1] if pooling["pooling_mode_lasttoken"] else hidden.mean(0)
+        for weight in dense:
+            vector = weight @ vector
+        vectors.append(torch.nn.functional.normalize(vector, dim=0))
+    return torch.stack(vectors)

@@ -30,6 +30,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3
 # Those that are encoders (bidirectional attention, no decode): the server runs them as a pooling runner (vLLM's
 # `--runner pooling`), which answers /v1/embeddings and not the generating routes (docs/embeddings.md).
 POOLING_MODEL_TYPES = ("bert", "nomic_bert", "xlm-roberta", "mpnet")
+# Decoders that are embedding models when their directory is in sentence-transformers' layout (modules.json):
+# Qwen3-Embedding (causal, last token), EmbeddingGemma (bidirectional, mean, Dense heads). Run by the decoder's code.
+DECODER_EMBEDDING_MODEL_TYPES = ("qwen3", "gemma3_text")
 # Those whose MLPs are mixtures of experts (lmserve.moe_shape says how each routes).
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # Those of them that run Gemma's decoder layer (HF directories name Gemma 3 gemma3_text, GGUF files gemma3).

@@ -143,7 +143,8 @@ class AsyncLLM:
         # An encoder makes this server a pooling runner (vLLM's --runner pooling): /v1/embeddings, no generation.
         source = resolve_model(config.model.model)
         self.pooling: PoolingConfig | None = load_pooling_config(source) if is_pooling_model(source) else None
-        self.embedding_size = int(read_config_dict(source).get("hidden_size", 0)) if self.pooling else 0
+        self.embedding_size = self.pooling.output_size(int(read_config_dict(source).get("hidden_size", 0))) \
+            if self.pooling else 0
         self._pooled: dict[str, asyncio.Future[bytes]] = {}  # pooling requests in the engine -> their vector
         # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
         # Started first: it loads the model while this process loads the tokenizer.

@@ -1,5 +1,10 @@
-"""The runner of a pooling model (an encoder: BERT): each scheduled request is a whole prompt, and the step returns
-one pooled vector per request instead of a sampled token.
+"""The runner of a pooling model (an encoder: BERT, XLM-R, MPNet, nomic-bert; or a decoder in sentence-transformers'
+layout: Qwen3-Embedding, EmbeddingGemma): each scheduled request is a whole prompt, and the step returns one pooled
+vector per request instead of a sampled token.
+
+A decoder runs the generating models' own code (worker/models/llama.py), built and loaded as the decoder runner builds
+it, with its attention told to take whole sequences without a KV cache (attention.WholeSequences): causal for
+Qwen3-Embedding, both ways for EmbeddingGemma (use_bidirectional_attention). Its output layer is not built.
 
 Why no paged KV cache here: an encoder's attention is bidirectional, so a request is computed in one forward pass over
 its whole prompt and its K/V are never read again (no decode follows, and a prefix's K/V depend on the tokens after
@@ -13,19 +18,29 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
+from lmserve.config import (
+    DECODER_EMBEDDING_MODEL_TYPES,
+    CacheConfig,
+    ModelConfig,
+    PlacementConfig,
+    SchedulerConfig,
+)
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.models import load_model_config, resolve_model
-from lmserve.pooling_config import load_pooling_config
+from lmserve.pooling_config import DenseLayer, load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
+from lmserve.worker.attention import WholeSequences
+from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
 from lmserve.worker.models.bert import ENCODER_PREFIXES, BertCrossEncoder, BertModel, max_sequence_length
-from lmserve.worker.models.layers import NUMPY_BLAS
+from lmserve.worker.models.layers import NUMPY_BLAS, Linear
+from lmserve.worker.models.llama import LlamaForCausalLM
 from lmserve.worker.models.nomic_bert import NomicBertModel
 from lmserve.worker.placement import apply_placement
 from lmserve.worker.pooler import pool
@@ -69,13 +84,22 @@ class PoolingModelRunner:
         default_len = min(native_len, self.pooling.max_seq_length or native_len)
         self.max_model_len = min(model_config.max_model_len or default_len, native_len)
         torch.manual_seed(model_config.seed)
-        if self.hf_config.model_type == "nomic_bert":
+        self.project: torch.nn.Sequential | None = None  # sentence-transformers' Dense modules
+        model_type = self.hf_config.model_type
+        if model_type in DECODER_EMBEDDING_MODEL_TYPES:
+            if source.kind != "hf":
+                raise ValueError(f"{source.path}: a {model_type} embedding model runs from a Hugging Face directory "
+                                 "in sentence-transformers' layout; its GGUF files are not read yet")
+            model = self._load_decoder(source)
+        elif model_type not in (*ENCODER_PREFIXES, "nomic_bert"):
+            raise ValueError(f"{source.path}: {model_type} is not an embedding model lmserve runs")
+        elif model_type == "nomic_bert":
             if source.kind != "gguf":
                 raise ValueError(f"{source.path}: nomic-bert runs from GGUF files (llama.cpp's tensor names); its "
                                  "Hugging Face checkpoints need remote code")
             if getattr(self.hf_config, "is_causal", False):
                 raise ValueError(f"{source.path}: a causal nomic-bert is not an encoder lmserve runs")
-            model: BertModel | BertCrossEncoder | NomicBertModel = NomicBertModel(self.hf_config)
+            model: BertModel | BertCrossEncoder | NomicBertModel | LlamaForCausalLM = NomicBertModel(self.hf_config)
             model.load_gguf(source.path)
             model.to(device=self.device, dtype=self.dtype)
         elif source.kind == "gguf":
@@ -86,6 +110,8 @@ class PoolingModelRunner:
             model.to(device=self.device, dtype=self.dtype)
             model.load_weights(load_weights(source, self.dtype))
         self.model = model.eval()
+        if self.pooling.dense:
+            self.project = load_dense_layers(source.path, self.pooling.dense, self.device, self.dtype)
         self.vocab_size = self.hf_config.vocab_size
         self.hidden_size = self.hf_config.hidden_size
         # What WorkerInfo reads of a runner: no block pool, nothing computed apart, no layer program, no transfer.
@@ -99,6 +125,21 @@ class PoolingModelRunner:
         logger.info("loaded %s (%s encoder, %s pooling%s, %s, %s) in %.1fs", source.name,
                     self.hf_config.model_type, self.pooling.pooling, ", normalised" if self.pooling.normalize else "",
                     self.dtype, self.device, time.perf_counter() - started)
+
+    def _load_decoder(self, source) -> LlamaForCausalLM:
+        """The decoder as the generating runner builds it (float layers), without its output layer: an embedding
+        checkpoint (Qwen3-Embedding, EmbeddingGemma) has none, and the vectors come from the final norm's output."""
+        config = self.hf_config
+        self.causal = not getattr(config, "use_bidirectional_attention", False)
+        if self.pooling.task != "embed":
+            raise ValueError(f"{source.path}: a {config.model_type} checkpoint serves embeddings only")
+        if self.causal and self.pooling.pooling != "last":
+            logger.warning("%s: a causal decoder pooled by %s (its last token alone has seen the whole text)",
+                           source.name, self.pooling.pooling)
+        model = build_model(config, self.max_model_len, self.device, self.dtype)
+        model.lm_head = None
+        model.load_weights(load_weights(source, self.dtype, wanted=model.wants))
+        return model
 
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], dimensions: list[int | None] | None = None,
@@ -117,9 +158,14 @@ class PoolingModelRunner:
         if isinstance(self.model, BertCrossEncoder):
             hidden = self.model.bert(input_ids, positions, seq_lens, token_types)
             return list(self.model.scores(hidden, seq_lens))
-        hidden = self.model(input_ids, positions, seq_lens, token_types) if token_types is not None \
-            else self.model(input_ids, positions, seq_lens)
-        return pool(hidden, seq_lens, self.pooling, dimensions or [None] * len(prompts))
+        if isinstance(self.model, LlamaForCausalLM):
+            no_cache = [(None, None)] * self.model.num_layers
+            hidden = self.model(input_ids, positions, no_cache, WholeSequences(seq_lens, self.causal))
+        elif token_types is not None:
+            hidden = self.model(input_ids, positions, seq_lens, token_types)
+        else:
+            hidden = self.model(input_ids, positions, seq_lens)
+        return pool(hidden, seq_lens, self.pooling, dimensions or [None] * len(prompts), self.project)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         scheduled = scheduler_output.scheduled
@@ -136,3 +182,28 @@ class PoolingModelRunner:
 
     def expert_load(self) -> dict[str, list[int]]:
         return {}
+
+
+def load_dense_layers(directory: Path, layers: tuple[DenseLayer, ...], device: torch.device,
+                      dtype: torch.dtype) -> torch.nn.Sequential:
+    """sentence-transformers' Dense modules (linear, then its activation) from their folders' weights, in order."""
+    from safetensors.torch import load_file
+
+    modules: list[torch.nn.Module] = []
+    for layer in layers:
+        folder = directory / layer.path
+        path = folder / "model.safetensors"
+        if not path.is_file():
+            raise ValueError(f"{folder}: the Dense module's weights (model.safetensors) are missing")
+        weights = load_file(path)
+        linear = Linear(layer.in_features, layer.out_features, bias=layer.bias)
+        expected = {"linear.weight": linear.weight, **({"linear.bias": linear.bias} if layer.bias else {})}
+        for name, param in expected.items():
+            if name not in weights or weights[name].shape != param.shape:
+                raise ValueError(f"{path}: expected {name} of shape {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(weights[name])
+        modules.append(linear)
+        if layer.activation.endswith(".Tanh"):
+            modules.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*modules).to(device=device, dtype=dtype).eval()
