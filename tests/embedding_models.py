@@ -218,3 +218,29 @@ def reference_decoder_embeddings(directory: Path, token_ids: list[list[int]]) ->
             vector = weight @ vector
         vectors.append(torch.nn.functional.normalize(vector, dim=0))
     return torch.stack(vectors)
+
+
+def yes_no_token_ids(tokenizer: transformers.PreTrainedTokenizerBase, query: str, document: str) -> list[int]:
+    """A pair as Qwen3-Reranker's model card tokenizes it: its prefix, the instruction, query and document as one
+    string, its suffix (each without special tokens added)."""
+    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+              'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    instruction = "Given a web search query, retrieve relevant passages that answer the query"
+    pair = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    return [*tokenizer.encode(prefix, add_special_tokens=False), *tokenizer.encode(pair, add_special_tokens=False),
+            *tokenizer.encode(suffix, add_special_tokens=False)]
+
+
+@torch.inference_mode()
+def reference_yes_no_scores(directory: Path, token_ids: list[list[int]]) -> torch.Tensor:
+    """Qwen3-Reranker's score with transformers, as its model card computes it: the last position's logits of "no"
+    and "yes", log_softmax over the two, exp of yes's."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
+    scores = []
+    for ids in token_ids:
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        scores.append(torch.log_softmax(torch.stack([logits[no], logits[yes]]), dim=0)[1].exp())
+    return torch.stack(scores)

@@ -58,6 +58,9 @@ class PoolingConfig:
     # instruction), and the one used when a request names none (None: no prefix).
     prompts: tuple[tuple[str, str], ...] = ()
     default_prompt_name: str | None = None
+    # A decoder scoring pairs by the logits of "yes" and "no" at its prompt's last token (Qwen3-Reranker, --task
+    # score): the pair is written into YES_NO_PAIR between YES_NO_PREFIX and YES_NO_SUFFIX, and relevance = sigmoid(logit(yes) - logit(no)).
+    yes_no: bool = False
 
     def prompt(self, name: str | None) -> str:
         """The prefix for prompt `name` (None: the model's default prompt, or none). KeyError for a name the model
@@ -110,10 +113,24 @@ def _st_pooling(directory: Path, module: dict[str, Any]) -> str:
 GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 
-def load_pooling_config(source: ModelSource) -> PoolingConfig:
+# Qwen3-Reranker's prompt, as its model card builds it (vLLM's examples/offline_inference/qwen3_reranker.py too): the
+# prefix's tokens, the pair's text tokenized as one string, the suffix's tokens; the score is P(yes) of the next
+# token against "no".
+YES_NO_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+                 "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+YES_NO_PAIR = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+YES_NO_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+YES_NO_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+YES_NO_TOKENS = ("no", "yes")
+
+
+def load_pooling_config(source: ModelSource, task: str = "auto") -> PoolingConfig:
     """The model's pooling: sentence-transformers' modules in an HF directory, the header's pooling_type in a GGUF
-    (normalised, as llama.cpp's embeddings are by default)."""
+    (normalised, as llama.cpp's embeddings are by default). task: ModelConfig.task (score: a Qwen3 decoder is a
+    yes/no reranker)."""
     config = read_config_dict(source)
+    if _is_yes_no_reranker(source, config, task):
+        return PoolingConfig("last", normalize=False, task="score", yes_no=True)
     if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
         return PoolingConfig("cls", normalize=False, task="score")  # the [CLS] row through the classifier head
     dims = config.get("matryoshka_dimensions") or ()
@@ -178,14 +195,35 @@ def _st_max_seq_length(directory: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def is_pooling_model(source: ModelSource) -> bool:
-    """Whether the server runs the model as a pooling runner: an encoder (config.POOLING_MODEL_TYPES), or a decoder
-    of config.DECODER_EMBEDDING_MODEL_TYPES in sentence-transformers' layout (modules.json: Qwen3-Embedding,
-    EmbeddingGemma)."""
+def _is_yes_no_reranker(source: ModelSource, config: dict[str, Any], task: str) -> bool:
+    """--task score on a Qwen3 decoder that is not an embedding model: a yes/no reranker. --task score on a model
+    that can score no way raises, naming it."""
+    from lmserve.config import DECODER_RERANKER_MODEL_TYPES, POOLING_MODEL_TYPES
+
+    if task != "score":
+        return False
+    model_type = config.get("model_type")
+    st_layout = source.kind == "hf" and (source.path / "modules.json").is_file()
+    if model_type in DECODER_RERANKER_MODEL_TYPES and not st_layout:
+        if source.kind != "hf":
+            raise ValueError(f"{source.path}: a {model_type} yes/no reranker runs from a Hugging Face directory; its "
+                             "GGUF files are not read yet")
+        return True
+    if model_type not in POOLING_MODEL_TYPES and not st_layout:
+        raise ValueError(f"{source.path}: --task score runs cross-encoders (...ForSequenceClassification of "
+                         f"bert, xlm-roberta, mpnet) and Qwen3 yes/no rerankers, not {model_type}")
+    return False
+
+
+def is_pooling_model(source: ModelSource, task: str = "auto") -> bool:
+    """Whether the server runs the model as a pooling runner: an encoder (config.POOLING_MODEL_TYPES), a decoder of
+    config.DECODER_EMBEDDING_MODEL_TYPES in sentence-transformers' layout (modules.json: Qwen3-Embedding,
+    EmbeddingGemma), or with task "score" a Qwen3 yes/no reranker (Qwen3-Reranker)."""
     from lmserve.config import DECODER_EMBEDDING_MODEL_TYPES, POOLING_MODEL_TYPES
 
-    model_type = read_config_dict(source).get("model_type")
-    if model_type in POOLING_MODEL_TYPES:
+    config = read_config_dict(source)
+    model_type = config.get("model_type")
+    if model_type in POOLING_MODEL_TYPES or _is_yes_no_reranker(source, config, task):
         return True
     return model_type in DECODER_EMBEDDING_MODEL_TYPES and source.kind == "hf" and \
         (source.path / "modules.json").is_file()

@@ -33,7 +33,7 @@ from lmserve.config import (
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.models import load_model_config, resolve_model
-from lmserve.pooling_config import DenseLayer, load_pooling_config
+from lmserve.pooling_config import YES_NO_TOKENS, DenseLayer, load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.attention import WholeSequences
 from lmserve.worker.model_builder import build_model
@@ -78,7 +78,7 @@ class PoolingModelRunner:
         self.hf_config = load_model_config(source)
         native_len = max_sequence_length(self.hf_config) if self.hf_config.model_type in ENCODER_PREFIXES \
             else int(self.hf_config.max_position_embeddings)
-        self.pooling = load_pooling_config(source)
+        self.pooling = load_pooling_config(source, model_config.task)
         # Learned positions end at native_len; a sentence-transformers model was trained up to its max_seq_length
         # (vLLM takes it as the default length too). A longer input is a 400, or cut with truncate_prompt_tokens.
         default_len = min(native_len, self.pooling.max_seq_length or native_len)
@@ -86,7 +86,9 @@ class PoolingModelRunner:
         torch.manual_seed(model_config.seed)
         self.project: torch.nn.Sequential | None = None  # sentence-transformers' Dense modules
         model_type = self.hf_config.model_type
-        if model_type in DECODER_EMBEDDING_MODEL_TYPES:
+        if self.pooling.yes_no:
+            model = self._load_yes_no_reranker(source)
+        elif model_type in DECODER_EMBEDDING_MODEL_TYPES:
             if source.kind != "hf":
                 raise ValueError(f"{source.path}: a {model_type} embedding model runs from a Hugging Face directory "
                                  "in sentence-transformers' layout; its GGUF files are not read yet")
@@ -141,6 +143,24 @@ class PoolingModelRunner:
         model.load_weights(load_weights(source, self.dtype, wanted=model.wants))
         return model
 
+    def _load_yes_no_reranker(self, source) -> LlamaForCausalLM:
+        """A Qwen3 decoder scoring pairs (Qwen3-Reranker): causal attention, and of its output layer only the rows of
+        "no" and "yes" (two rows kept instead of the vocabulary's)."""
+        from lmserve.model_tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(source)
+        ids = [tokenizer.convert_tokens_to_ids(token) for token in YES_NO_TOKENS]
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            raise ValueError(f"{source.path}: the tokenizer has no single token for {' and '.join(YES_NO_TOKENS)}, "
+                             "which a yes/no reranker scores")
+        self.causal = True
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
+        model.load_weights(load_weights(source, self.dtype, wanted=model.wants))
+        table = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.yes_no_rows = table[ids].detach().clone()  # [2, hidden]: "no", "yes"
+        model.lm_head = None
+        return model
+
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], dimensions: list[int | None] | None = None,
               second_segments: list[int | None] | None = None) -> list[torch.Tensor]:
@@ -161,6 +181,10 @@ class PoolingModelRunner:
         if isinstance(self.model, LlamaForCausalLM):
             no_cache = [(None, None)] * self.model.num_layers
             hidden = self.model(input_ids, positions, no_cache, WholeSequences(seq_lens, self.causal))
+            if self.pooling.yes_no:  # P(yes) against "no" at each pair's last token: sigmoid(yes - no)
+                last = hidden[torch.as_tensor(np.cumsum(seq_lens) - 1, device=hidden.device)]
+                logits = (last @ self.yes_no_rows.t()).float()
+                return list(torch.sigmoid(logits[:, 1:] - logits[:, :1]))
         elif token_types is not None:
             hidden = self.model(input_ids, positions, seq_lens, token_types)
         else:
