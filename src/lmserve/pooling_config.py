@@ -225,5 +225,10 @@ def is_pooling_model(source: ModelSource, task: str = "auto") -> bool:
     model_type = config.get("model_type")
     if model_type in POOLING_MODEL_TYPES or _is_yes_no_reranker(source, config, task):
         return True
+    classifier = next((a for a in config.get("architectures") or () if str(a).endswith("ForSequenceClassification")),
+                      None)
+    if classifier is not None:  # a decoder's classification head (a converted Qwen3-Reranker): not served yet
+        raise ValueError(f"{source.path}: {classifier} is not served yet (lmserve scores with encoder cross-encoders "
+                         "and, with --task score, with the original Qwen3-Reranker's yes/no logits)")
     return model_type in DECODER_EMBEDDING_MODEL_TYPES and source.kind == "hf" and \
         (source.path / "modules.json").is_file()

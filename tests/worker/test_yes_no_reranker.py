@@ -38,3 +38,14 @@ def test_yes_no_scores_match_transformers(tiny_qwen3_dir: Path, default_tokenize
 def test_task_score_on_a_model_that_cannot_score_names_it(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--task score runs cross-encoders .* not llama"):
         is_pooling_model(resolve_model(str(tiny_llama_dir)), "score")
+
+
+def test_a_decoders_sequence_classifier_is_refused_by_name(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    import json
+    import shutil
+
+    directory = Path(shutil.copytree(tiny_qwen3_dir, tmp_path / "seq-cls"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"]}))
+    with pytest.raises(ValueError, match="Qwen3ForSequenceClassification is not served yet"):
+        is_pooling_model(resolve_model(str(directory)))
