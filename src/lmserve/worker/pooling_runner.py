@@ -104,9 +104,12 @@ class PoolingModelRunner:
             model: BertModel | BertCrossEncoder | NomicBertModel | LlamaForCausalLM = NomicBertModel(self.hf_config)
             model.load_gguf(source.path)
             model.to(device=self.device, dtype=self.dtype)
-        elif source.kind == "gguf":
-            raise ValueError(f"{source.path}: {self.hf_config.model_type} runs from Hugging Face directories "
-                             "(sentence-transformers' layout); its GGUF files are not read yet")
+        elif source.kind == "gguf":  # llama.cpp's bert (BERT, and XLM-RoBERTa written as one)
+            if self.pooling.task != "embed":
+                raise ValueError(f"{source.path}: a reranker from GGUF is not served yet")
+            model = BertModel(self.hf_config)
+            model.to(device=self.device, dtype=self.dtype)
+            model.load_gguf(source.path)
         else:
             model = BertCrossEncoder(self.hf_config) if self.pooling.task == "score" else BertModel(self.hf_config)
             model.to(device=self.device, dtype=self.dtype)

@@ -18,15 +18,64 @@ cache: an encoder computes each request once (worker/pooling_runner.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmserve.formats.gguf_file import ggml_type_name, read_gguf_header, read_gguf_tensor
 from lmserve.worker.models.layers import (
     Linear,  # nn.Linear whose float32 CPU products go through NumPy's BLAS
 )
+
+GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+# llama.cpp's names of a bert's tensors (its LLM_ARCH_BERT) -> BertModel's.
+_GGUF_BERT_TOP = {"token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+                  "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+_GGUF_BERT_LAYER = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                    "ffn_up": "intermediate.dense", "ffn_down": "output.dense",
+                    "layer_output_norm": "output.LayerNorm"}
+
+
+def load_gguf_floats(module: nn.Module, path: Path, our_name: Callable[[str], str | None], what: str) -> None:
+    """Every parameter of `module` from a GGUF file, each tensor under the name our_name gives it (None: not one of
+    ours); a missing or mis-shaped one raises. Float weights only (F32, F16, BF16): a block-format tensor is refused
+    rather than turned into a float copy several times its stored size, until the encoders run block formats in
+    their stored bytes as the decoders do."""
+    params = dict(module.named_parameters())
+    loaded = set()
+    for info in read_gguf_header(path).tensors:
+        name = our_name(info.name)
+        param = None if name is None else params.get(name)
+        if param is None:
+            continue
+        stored = ggml_type_name(info.ggml_type)
+        if stored not in GGUF_FLOAT_TYPES:
+            raise ValueError(f"{path}: {info.name} is stored as {stored}; lmserve runs embedding models from "
+                             "float GGUF files (F32, F16, BF16) only so far: use the model's F16 file")
+        values = torch.from_numpy(read_gguf_tensor(path, info).copy())
+        if tuple(values.shape) != tuple(param.shape):
+            raise ValueError(f"{path}: {info.name} has shape {tuple(values.shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(values)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} {what} tensor(s): {', '.join(missing[:5])}")
+
+
+def gguf_bert_name(name: str) -> str | None:
+    """BertModel's name of a llama.cpp bert tensor ("blk.3.attn_q.weight" -> "encoder.layer.3.attention.self.query.
+    weight"), or None."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_BERT_LAYER:
+        return f"encoder.layer.{parts[1]}.{_GGUF_BERT_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_BERT_TOP:
+        return f"{_GGUF_BERT_TOP[parts[0]]}.{parts[1]}"
+    return None
 
 # transformers' names for the activations BERT configs use (its ACT2FN), without importing transformers in the engine.
 ACTIVATIONS = {
@@ -243,6 +292,13 @@ class BertModel(nn.Module):
             for theirs, ours in _MPNET_NAMES:
                 name = name.replace(theirs, ours)
         return name
+
+    def load_gguf(self, path: Path) -> None:
+        """From a GGUF file of llama.cpp's bert (F32/F16/BF16 tensors); a classifier head (a reranker) is refused."""
+        if any(t.name.startswith("cls.") for t in read_gguf_header(path).tensors):
+            raise ValueError(f"{path}: a bert reranker (classification head) from GGUF is not served yet; use its "
+                             "Hugging Face directory")
+        load_gguf_floats(self, path, gguf_bert_name, "bert")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """By transformers' names; a BertFor... checkpoint's `bert.` prefix is dropped and its heads skipped. Every
