@@ -132,7 +132,17 @@ def _packaged_file(model: _PackagedModel) -> Path:
     )
 
 
+# Architectures lmserve knows but does not read from this kind of file yet: what to serve instead.
+_NOT_READ_YET = {
+    "gemma-embedding": "EmbeddingGemma's GGUF files (llama.cpp's gemma-embedding) are not read yet; serve its Hugging "
+                       "Face directory (sentence-transformers' layout: bidirectional Gemma 3, mean pooling, 2_Dense "
+                       "and 3_Dense)",
+}
+
+
 def _check_model_type(model_type: str, where: Path) -> None:
+    if model_type in _NOT_READ_YET:
+        raise ValueError(f"{where}: {_NOT_READ_YET[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture '{model_type}' in {where}: "

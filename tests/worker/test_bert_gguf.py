@@ -108,3 +108,14 @@ def test_a_gguf_bert_reranker_is_refused_by_name(tmp_path: Path, bert_pair: tupl
     path = write_bert_gguf(bert_pair[0], tmp_path / "reranker.gguf", cls_head=True)
     with pytest.raises(ValueError, match="bert reranker .* from GGUF is not served yet"):
         PoolingModelRunner(ModelConfig(model=str(path), dtype="float32"), CacheConfig())
+
+
+def test_an_embeddinggemma_gguf_is_refused_naming_the_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "embeddinggemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma-embedding")
+    writer.add_uint32("gemma-embedding.block_count", 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="gemma-embedding.*not read yet; serve its Hugging Face directory"):
+        is_pooling_model(resolve_model(str(path)))
