@@ -36,6 +36,7 @@ from lmserve.models import load_model_config, resolve_model
 from lmserve.pooling_config import YES_NO_TOKENS, DenseLayer, load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
 from lmserve.worker.attention import WholeSequences
+from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
 from lmserve.worker.models.bert import ENCODER_PREFIXES, BertCrossEncoder, BertModel, max_sequence_length
@@ -84,6 +85,7 @@ class PoolingModelRunner:
         default_len = min(native_len, self.pooling.max_seq_length or native_len)
         self.max_model_len = min(model_config.max_model_len or default_len, native_len)
         torch.manual_seed(model_config.seed)
+        self.fused_ops = model_config.fused_ops
         self.project: torch.nn.Sequential | None = None  # sentence-transformers' Dense modules
         model_type = self.hf_config.model_type
         if self.pooling.yes_no:
@@ -141,9 +143,17 @@ class PoolingModelRunner:
         if self.causal and self.pooling.pooling != "last":
             logger.warning("%s: a causal decoder pooled by %s (its last token alone has seen the whole text)",
                            source.name, self.pooling.pooling)
-        model = build_model(config, self.max_model_len, self.device, self.dtype)
+        model = self._build_decoder(source)
         model.lm_head = None
+        return model
+
+    def _build_decoder(self, source) -> LlamaForCausalLM:
+        """The decoder with its weights, float layers, and the generating runner's fused CPU ops where they run
+        (--fused-ops: RMSNorm + residual, SiLU-and-multiply, RoPE as one C++ op each)."""
+        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         model.load_weights(load_weights(source, self.dtype, wanted=model.wants))
+        if check_fused_ops(self.fused_ops, self.device, self.dtype) == "cpu":
+            model.use_fused_ops(cpu_kernels())
         return model
 
     def _load_yes_no_reranker(self, source) -> LlamaForCausalLM:
@@ -157,8 +167,7 @@ class PoolingModelRunner:
             raise ValueError(f"{source.path}: the tokenizer has no single token for {' and '.join(YES_NO_TOKENS)}, "
                              "which a yes/no reranker scores")
         self.causal = True
-        model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
-        model.load_weights(load_weights(source, self.dtype, wanted=model.wants))
+        model = self._build_decoder(source)
         table = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.yes_no_rows = table[ids].detach().clone()  # [2, hidden]: "no", "yes"
         model.lm_head = None
