@@ -196,14 +196,16 @@ def _st_max_seq_length(directory: Path) -> int | None:
 
 
 def _is_yes_no_reranker(source: ModelSource, config: dict[str, Any], task: str) -> bool:
-    """--task score on a Qwen3 decoder that is not an embedding model: a yes/no reranker. --task score on a model
-    that can score no way raises, naming it."""
+    """A Qwen3 decoder that is not an embedding model is a yes/no reranker under --task score, or, under auto, where
+    its files say so as llama.cpp's converter reads them (Qwen3Model._is_qwen3_reranker: README.md's "# Qwen3-Reranker"
+    title, or "qwen3-reranker" in the directory's or _name_or_path's name). --task score on a model that can score no
+    way raises, naming it."""
     from lmserve.config import DECODER_RERANKER_MODEL_TYPES, POOLING_MODEL_TYPES
 
-    if task != "score":
-        return False
     model_type = config.get("model_type")
     st_layout = source.kind == "hf" and (source.path / "modules.json").is_file()
+    if task != "score":
+        return model_type in DECODER_RERANKER_MODEL_TYPES and not st_layout and _named_qwen3_reranker(source, config)
     if model_type in DECODER_RERANKER_MODEL_TYPES and not st_layout:
         if source.kind != "hf":
             raise ValueError(f"{source.path}: a {model_type} yes/no reranker runs from a Hugging Face directory; its "
@@ -213,6 +215,16 @@ def _is_yes_no_reranker(source: ModelSource, config: dict[str, Any], task: str) 
         raise ValueError(f"{source.path}: --task score runs cross-encoders (...ForSequenceClassification of "
                          f"bert, xlm-roberta, mpnet) and Qwen3 yes/no rerankers, not {model_type}")
     return False
+
+
+def _named_qwen3_reranker(source: ModelSource, config: dict[str, Any]) -> bool:
+    if source.kind != "hf":
+        return False
+    readme = source.path / "README.md"
+    if readme.is_file() and "# qwen3-reranker" in readme.read_text(errors="replace").lower():
+        return True
+    names = (source.path.name, str(config.get("_name_or_path", "")))
+    return any("qwen3-reranker" in name.lower() for name in names)
 
 
 def is_pooling_model(source: ModelSource, task: str = "auto") -> bool:

@@ -49,3 +49,19 @@ def test_a_decoders_sequence_classifier_is_refused_by_name(tmp_path: Path, tiny_
     (directory / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"]}))
     with pytest.raises(ValueError, match="Qwen3ForSequenceClassification is not served yet"):
         is_pooling_model(resolve_model(str(directory)))
+
+
+def test_a_qwen3_reranker_is_recognised_as_llama_cpps_converter_recognises_it(tmp_path: Path,
+                                                                             tiny_qwen3_dir: Path) -> None:
+    """By its directory's name or its README's title (convert_hf_to_gguf.py's Qwen3Model._is_qwen3_reranker), with
+    no flag; another Qwen3 stays generative."""
+    import shutil
+
+    named = Path(shutil.copytree(tiny_qwen3_dir, tmp_path / "Qwen3-Reranker-0.6B"))
+    titled = Path(shutil.copytree(tiny_qwen3_dir, tmp_path / "some-copy"))
+    (titled / "README.md").write_text("---\nlicense: apache-2.0\n---\n# Qwen3-Reranker-0.6B\n\nA reranker.\n")
+    for directory in (named, titled):
+        source = resolve_model(str(directory))
+        assert is_pooling_model(source)
+        assert load_pooling_config(source).yes_no
+    assert not is_pooling_model(resolve_model(str(tiny_qwen3_dir)))
