@@ -379,6 +379,8 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
         for key, attr in table.items():
             if attr is not None and f"{prefix}.{key}" in metadata:
                 kwargs[attr] = metadata[f"{prefix}.{key}"]
+    if f"{gguf_arch}.pooling_type" in metadata:  # an embedding model or reranker (llama.cpp's enum llama_pooling_type)
+        kwargs["pooling_type"] = metadata[f"{gguf_arch}.pooling_type"]
     if arch == "bert" and "tokenizer.ggml.token_type_count" in metadata:
         kwargs["type_vocab_size"] = metadata["tokenizer.ggml.token_type_count"]
     if arch == "qwen3_moe":  # llama.cpp always renormalises Qwen3-MoE's chosen weights (as its released configs say)

@@ -109,8 +109,9 @@ def _st_pooling(directory: Path, module: dict[str, Any]) -> str:
     return chosen[0]
 
 
-# llama.cpp's enum llama_pooling_type, which a GGUF header writes as ARCH.pooling_type (rank: a reranker's head).
+# llama.cpp's enum llama_pooling_type, which a GGUF header writes as ARCH.pooling_type (4, rank: a reranker's head).
 GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+GGUF_RANK_POOLING = 4
 
 
 # Qwen3-Reranker's prompt, as its model card builds it (vLLM's examples/offline_inference/qwen3_reranker.py too): the
@@ -204,12 +205,15 @@ def _is_yes_no_reranker(source: ModelSource, config: dict[str, Any], task: str) 
 
     model_type = config.get("model_type")
     st_layout = source.kind == "hf" and (source.path / "modules.json").is_file()
+    # llama.cpp's converter writes a Qwen3-Reranker as a qwen3 with pooling type rank and the two rows (cls.output).
+    gguf_rank = source.kind == "gguf" and config.get("pooling_type") == GGUF_RANK_POOLING
     if task != "score":
-        return model_type in DECODER_RERANKER_MODEL_TYPES and not st_layout and _named_qwen3_reranker(source, config)
+        return model_type in DECODER_RERANKER_MODEL_TYPES and not st_layout and (
+            gguf_rank or _named_qwen3_reranker(source, config))
     if model_type in DECODER_RERANKER_MODEL_TYPES and not st_layout:
-        if source.kind != "hf":
-            raise ValueError(f"{source.path}: a {model_type} yes/no reranker runs from a Hugging Face directory; its "
-                             "GGUF files are not read yet")
+        if source.kind != "hf" and not gguf_rank:
+            raise ValueError(f"{source.path}: a {model_type} GGUF file scores only as llama.cpp's converter writes a "
+                             "Qwen3-Reranker (pooling type rank, cls.output)")
         return True
     if model_type not in POOLING_MODEL_TYPES and not st_layout:
         raise ValueError(f"{source.path}: --task score runs cross-encoders (...ForSequenceClassification of "
@@ -242,5 +246,8 @@ def is_pooling_model(source: ModelSource, task: str = "auto") -> bool:
     if classifier is not None:  # a decoder's classification head (a converted Qwen3-Reranker): not served yet
         raise ValueError(f"{source.path}: {classifier} is not served yet (lmserve scores with encoder cross-encoders "
                          "and, with --task score, with the original Qwen3-Reranker's yes/no logits)")
-    return model_type in DECODER_EMBEDDING_MODEL_TYPES and source.kind == "hf" and \
-        (source.path / "modules.json").is_file()
+    if model_type not in DECODER_EMBEDDING_MODEL_TYPES:
+        return False
+    if source.kind == "gguf":  # llama.cpp's converter writes the pooling of a sentence-transformers directory
+        return int(config.get("pooling_type", 0)) in GGUF_POOLING_TYPES
+    return (source.path / "modules.json").is_file()

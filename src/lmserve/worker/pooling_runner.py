@@ -32,6 +32,7 @@ from lmserve.config import (
 )
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
+from lmserve.formats.gguf_file import ggml_type_name, read_gguf_header, read_gguf_tensor
 from lmserve.models import load_model_config, resolve_model
 from lmserve.pooling_config import YES_NO_TOKENS, DenseLayer, load_pooling_config
 from lmserve.step import ModelRunnerOutput, SchedulerOutput
@@ -39,7 +40,13 @@ from lmserve.worker.attention import WholeSequences
 from lmserve.worker.kernels import check_fused_ops, cpu_kernels
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.model_runner import resolve_device, resolve_dtype
-from lmserve.worker.models.bert import ENCODER_PREFIXES, BertCrossEncoder, BertModel, max_sequence_length
+from lmserve.worker.models.bert import (
+    ENCODER_PREFIXES,
+    GGUF_FLOAT_TYPES,
+    BertCrossEncoder,
+    BertModel,
+    max_sequence_length,
+)
 from lmserve.worker.models.layers import NUMPY_BLAS, Linear
 from lmserve.worker.models.llama import LlamaForCausalLM
 from lmserve.worker.models.nomic_bert import NomicBertModel
@@ -91,9 +98,6 @@ class PoolingModelRunner:
         if self.pooling.yes_no:
             model = self._load_yes_no_reranker(source)
         elif model_type in DECODER_EMBEDDING_MODEL_TYPES:
-            if source.kind != "hf":
-                raise ValueError(f"{source.path}: a {model_type} embedding model runs from a Hugging Face directory "
-                                 "in sentence-transformers' layout; its GGUF files are not read yet")
             model = self._load_decoder(source)
         elif model_type not in (*ENCODER_PREFIXES, "nomic_bert"):
             raise ValueError(f"{source.path}: {model_type} is not an embedding model lmserve runs")
@@ -149,7 +153,14 @@ class PoolingModelRunner:
 
     def _build_decoder(self, source) -> LlamaForCausalLM:
         """The decoder with its weights, float layers, and the generating runner's fused CPU ops where they run
-        (--fused-ops: RMSNorm + residual, SiLU-and-multiply, RoPE as one C++ op each)."""
+        (--fused-ops: RMSNorm + residual, SiLU-and-multiply, RoPE as one C++ op each). From GGUF, float tensors only
+        (as the encoders': a block format is refused rather than turned into a float copy)."""
+        if source.kind == "gguf":
+            for info in read_gguf_header(source.path).tensors:
+                if (stored := ggml_type_name(info.ggml_type)) not in GGUF_FLOAT_TYPES:
+                    raise ValueError(f"{source.path}: {info.name} is stored as {stored}; lmserve runs embedding models "
+                                     "and rerankers from float GGUF files (F32, F16, BF16) only so far: use the "
+                                     "model's F16 file")
         model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         model.load_weights(load_weights(source, self.dtype, wanted=model.wants))
         if check_fused_ops(self.fused_ops, self.device, self.dtype) == "cpu":
@@ -161,15 +172,22 @@ class PoolingModelRunner:
         "no" and "yes" (two rows kept instead of the vocabulary's)."""
         from lmserve.model_tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(source)
-        ids = [tokenizer.convert_tokens_to_ids(token) for token in YES_NO_TOKENS]
-        if any(i is None or i == tokenizer.unk_token_id for i in ids):
-            raise ValueError(f"{source.path}: the tokenizer has no single token for {' and '.join(YES_NO_TOKENS)}, "
-                             "which a yes/no reranker scores")
         self.causal = True
         model = self._build_decoder(source)
-        table = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        self.yes_no_rows = table[ids].detach().clone()  # [2, hidden]: "no", "yes"
+        if source.kind == "gguf":  # llama.cpp's converter keeps the two rows, "yes" first (Qwen3Model._get_cls_out_tensor)
+            info = next((t for t in read_gguf_header(source.path).tensors if t.name == "cls.output.weight"), None)
+            if info is None:
+                raise ValueError(f"{source.path}: a rank-pooling qwen3 file without cls.output.weight")
+            yes, no = torch.from_numpy(read_gguf_tensor(source.path, info).copy()).to(self.dtype)
+            self.yes_no_rows = torch.stack([no, yes]).to(self.device)
+        else:
+            tokenizer = load_tokenizer(source)
+            ids = [tokenizer.convert_tokens_to_ids(token) for token in YES_NO_TOKENS]
+            if any(i is None or i == tokenizer.unk_token_id for i in ids):
+                raise ValueError(f"{source.path}: the tokenizer has no single token for "
+                                 f"{' and '.join(YES_NO_TOKENS)}, which a yes/no reranker scores")
+            table = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            self.yes_no_rows = table[ids].detach().clone()  # [2, hidden]: "no", "yes"
         model.lm_head = None
         return model
 
