@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import write_gguf
 from embedding_models import save_tiny_decoder_embedder, yes_no_token_ids
 
 from lmserve.config import CacheConfig, ModelConfig
@@ -49,12 +48,12 @@ def with_pooling(source: Path, target: Path, pooling_type: int, extra: dict[str,
     return target
 
 
-def test_a_qwen3_embedding_gguf_embeds_as_its_directory(tmp_path: Path, default_tokenizer) -> None:
+def test_a_qwen3_embedding_gguf_embeds_as_its_directory(tmp_path: Path, default_tokenizer, gguf_writer) -> None:
     directory = save_tiny_decoder_embedder(tmp_path / "qwen3-embedding", "qwen3", default_tokenizer)
     # write_gguf reads a causal-LM checkpoint: the base model's weights with the tied head
     transformers.Qwen3ForCausalLM.from_pretrained(directory).save_pretrained(tmp_path / "as-causal-lm")
     default_tokenizer.save_pretrained(tmp_path / "as-causal-lm")
-    plain = write_gguf(tmp_path / "as-causal-lm", tmp_path / "plain.gguf", type_for=float_types)
+    plain = gguf_writer(tmp_path / "as-causal-lm", tmp_path / "plain.gguf", type_for=float_types)
     assert not is_pooling_model(resolve_model(str(plain)))  # no pooling type: a generative qwen3
     path = with_pooling(plain, tmp_path / "qwen3-embedding.f16.gguf", 3)
     source = resolve_model(str(path))
@@ -67,9 +66,9 @@ def test_a_qwen3_embedding_gguf_embeds_as_its_directory(tmp_path: Path, default_
     assert cosine.min() >= 0.9999, cosine  # the file's F16 matrices
 
 
-def test_a_qwen3_reranker_gguf_scores_as_its_directory(tmp_path: Path, tiny_qwen3_dir: Path,
-                                                       default_tokenizer) -> None:
-    plain = write_gguf(tiny_qwen3_dir, tmp_path / "plain.gguf", type_for=float_types)
+def test_a_qwen3_reranker_gguf_scores_as_its_directory(tmp_path: Path, tiny_qwen3_dir: Path, default_tokenizer,
+                                                       gguf_writer) -> None:
+    plain = gguf_writer(tiny_qwen3_dir, tmp_path / "plain.gguf", type_for=float_types)
     model = transformers.Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir)
     head = model.get_output_embeddings().weight.detach()
     yes, no = default_tokenizer.convert_tokens_to_ids("yes"), default_tokenizer.convert_tokens_to_ids("no")
@@ -85,7 +84,8 @@ def test_a_qwen3_reranker_gguf_scores_as_its_directory(tmp_path: Path, tiny_qwen
                                atol=2e-3, rtol=0)  # the file's F16 matrices
 
 
-def test_a_block_format_decoder_embedding_file_is_refused(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    path = with_pooling(write_gguf(tiny_qwen3_dir, tmp_path / "q.gguf"), tmp_path / "q-embed.gguf", 3)
+def test_a_block_format_decoder_embedding_file_is_refused(tmp_path: Path, tiny_qwen3_dir: Path,
+                                                          gguf_writer) -> None:
+    path = with_pooling(gguf_writer(tiny_qwen3_dir, tmp_path / "q.gguf"), tmp_path / "q-embed.gguf", 3)
     with pytest.raises(ValueError, match=r"is stored as Q\w+; lmserve runs embedding models"):
         PoolingModelRunner(ModelConfig(model=str(path), dtype="float32"), CacheConfig())
