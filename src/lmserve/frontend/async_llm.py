@@ -48,7 +48,15 @@ from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.outputs import PoolingOutput, RequestOutput
 from lmserve.plan.layout import check_layout
-from lmserve.pooling_config import PoolingConfig, is_pooling_model, load_pooling_config
+from lmserve.pooling_config import (
+    YES_NO_INSTRUCTION,
+    YES_NO_PAIR,
+    YES_NO_PREFIX,
+    YES_NO_SUFFIX,
+    PoolingConfig,
+    is_pooling_model,
+    load_pooling_config,
+)
 from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import GrammarError, check_structured_outputs
@@ -147,8 +155,11 @@ class AsyncLLM:
         self.model_name = served_model_name or config.model.model
         # An encoder makes this server a pooling runner (vLLM's --runner pooling): /v1/embeddings, no generation.
         source = resolve_model(config.model.model)
-        self.pooling: PoolingConfig | None = load_pooling_config(source) if is_pooling_model(source) else None
-        self.embedding_size = int(read_config_dict(source).get("hidden_size", 0)) if self.pooling else 0
+        task = config.model.task
+        self.pooling: PoolingConfig | None = load_pooling_config(source, task) if is_pooling_model(source, task) \
+            else None
+        self.embedding_size = self.pooling.output_size(int(read_config_dict(source).get("hidden_size", 0))) \
+            if self.pooling else 0
         self._pooled: dict[str, asyncio.Future[bytes]] = {}  # pooling requests in the engine -> their vector
         # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
         # Started first: it loads the model while this process loads the tokenizer.
@@ -214,7 +225,8 @@ class AsyncLLM:
 
     def tokenize_pair(self, first: str, second: str) -> tuple[list[int], int]:
         """A cross-encoder's input: both texts as the tokenizer joins a pair ([CLS] first [SEP] second [SEP] for
-        BERT), and where the second starts. ValueError when a text is empty or the pair does not fit the model."""
+        BERT), and where the second starts; a yes/no reranker's: the pair written into its prompt (YES_NO_PAIR),
+        one segment. ValueError when a text is empty or the pair does not fit the model."""
         inputs = self._inputs()
         if not first or not second:
             raise ValueError("a text of the pair is empty")
@@ -222,6 +234,15 @@ class AsyncLLM:
         if len(first) + len(second) > max_chars:
             raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                      f"the pair has {len(first) + len(second)} characters, more than fit.")
+        if self.pooling is not None and self.pooling.yes_no:
+            # The pair's texts stay text: a special token's spelling inside them is not that token (as the chat
+            # path keeps user content); only the prefix's and suffix's markers are.
+            pair = YES_NO_PAIR.format(instruction=YES_NO_INSTRUCTION, query=first, document=second)
+            token_ids = [*self.tokenizer.encode(YES_NO_PREFIX, add_special_tokens=False),
+                         *self.tokenizer.encode(pair, add_special_tokens=False, split_special_tokens=True),
+                         *self.tokenizer.encode(YES_NO_SUFFIX, add_special_tokens=False)]
+            inputs.check_pooling_length(len(token_ids))
+            return token_ids, len(token_ids)
         encoded = self.tokenizer(first, second, return_token_type_ids=True)
         token_ids, types = list(encoded["input_ids"]), list(encoded["token_type_ids"])
         inputs.check_pooling_length(len(token_ids))

@@ -130,7 +130,8 @@ class LLM:
             raise ValueError(f"the model {self.config.model.model!r} generates text: it has no embeddings")
         params = pooling_params or PoolingParams()
         if params.dimensions is not None:
-            pooling, size = load_pooling_config(source), int(read_config_dict(source)["hidden_size"])
+            pooling = load_pooling_config(source)
+            size = pooling.output_size(int(read_config_dict(source)["hidden_size"]))
             if not pooling.accepts_dimensions(params.dimensions, size):
                 raise ValueError(f"invalid pooling parameter dimensions={params.dimensions}: the model declares "
                                  f"{list(pooling.matryoshka_dimensions) or 'no'} Matryoshka dimensions")
