@@ -54,7 +54,7 @@ class Worker:
         self.parallel = init_parallel_groups(self.layout, init_method, device)
         # An encoder makes this a pooling runner (vLLM's --runner pooling, chosen from the model as vLLM does).
         self.runner: ModelRunner | PoolingModelRunner
-        if is_pooling_model(resolve_model(config.model.model)):
+        if is_pooling_model(resolve_model(config.model.model), config.model.task):
             from lmserve.worker.pooling_runner import PoolingModelRunner  # only an encoder's engine needs it
 
             self.runner = PoolingModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
