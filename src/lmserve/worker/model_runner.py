@@ -30,6 +30,8 @@ from lmserve.worker.kv_cache_setup import allocate_kv_cache
 from lmserve.worker.kv_transfer import KVConnectorWorker, worker_connector
 from lmserve.worker.layer_program import ProgramRefused
 from lmserve.worker.model_builder import build_model
+from lmserve.worker.models.gated_deltanet import LinearBatch, LinearSegment
+from lmserve.worker.models.hybrid import HybridForCausalLM
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.llama import LlamaForCausalLM, decoder_linear_weights
 from lmserve.worker.placement import apply_placement
@@ -117,6 +119,7 @@ class ModelRunner:
         model = self._load_model(model_config, source)
         scheduler_config = scheduler_config or SchedulerConfig()
         self._allocate_kv_cache(model, model_config, cache_config, scheduler_config)
+        self._allocate_states(model, scheduler_config)
         self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
         logger.info("decoder layers: %s", self.layer_program)
         self.kv_connector = self._kv_connector(cache_config, source, model_config)
@@ -202,6 +205,42 @@ class ModelRunner:
                                   self.max_model_len, self.block_size, model_config, cache_config, scheduler_config)
         self.attention_backend, self.kv_cache_dtype, self.kv_groups = setup.attention_backend, setup.dtype, setup.groups
         self.num_blocks, self.kv_caches, self.kv_bytes_per_block = setup.num_blocks, setup.caches, setup.bytes_per_block
+        self.kv_state_slots = setup.state_slots
+
+    def _allocate_states(self, model: LlamaForCausalLM, scheduler_config: SchedulerConfig) -> None:
+        """A hybrid model's per-request states (worker/models/hybrid.py): the slots kv_cache_setup took from the KV
+        memory budget (one per request that may run at once, where half the budget holds them); the engine hands
+        them out."""
+        self.num_state_slots, self.state_bytes_per_slot = 0, 0
+        if not isinstance(model, HybridForCausalLM):
+            return
+        if scheduler_config.speculative_config is not None:
+            raise ValueError(f"speculative decoding is not supported for {self.hf_config.model_type} (hybrid linear "
+                             "attention) yet: a rejected draft would need the recurrent state before it")
+        self.num_state_slots = self.kv_state_slots
+        self.state_bytes_per_slot = model.state_bytes_per_slot
+        model.allocate_states(self.num_state_slots, self.device)
+        logger.info("linear-attention state: %d slots of %.2f MiB (%d layers), constant in a request's length",
+                    self.num_state_slots, self.state_bytes_per_slot / 2**20, len(model.linear_layers))
+
+    def _linear_batch(self, order: list[ScheduledRequest]) -> LinearBatch:
+        """The step's rows for a hybrid model's linear layers: decodes (first in `order`, one row each), then each
+        prompt chunk's rows, with each request's state slot."""
+        if any(r.state_slot < 0 for r in order):
+            raise ValueError("a hybrid model's request was scheduled without a state slot")
+        decodes = 0
+        while decodes < len(order) and order[decodes].num_tokens == 1:
+            decodes += 1
+        chunks, row = [], decodes
+        for r in order[decodes:]:
+            chunks.append(LinearSegment(row, r.num_tokens, r.state_slot, r.start_position == 0))
+            row += r.num_tokens
+        return LinearBatch(
+            decodes,
+            torch.as_tensor([r.state_slot for r in order[:decodes]], dtype=torch.long, device=self.device),
+            torch.as_tensor([r.start_position == 0 for r in order[:decodes]], dtype=torch.bool, device=self.device),
+            tuple(chunks),
+        )
 
     def _use_layer_program(self, model: LlamaForCausalLM) -> str:
         """How the decoder layers run: one C++ program where the model's layers are what it runs, else from Python."""
@@ -219,6 +258,9 @@ class ModelRunner:
         transfer = cache_config.kv_transfer_config
         if transfer is None:
             return None
+        if self.num_state_slots:
+            raise ValueError(f"kv transfer is not supported for {self.hf_config.model_type} (hybrid linear attention): "
+                             "a consumer would need each request's recurrent state as well as its blocks")
         if self.kv_groups.is_hybrid:
             raise ValueError("kv transfer needs one KV-cache group; this model has sliding-window layers in groups "
                              "of their own: start both instances with --disable-hybrid-kv-cache-manager")
@@ -263,6 +305,8 @@ class ModelRunner:
         ]
         if len(attn) > 1:
             attn[0].groups = attn  # each layer reads its group's tables (LlamaForCausalLM.forward)
+        if self.num_state_slots:
+            attn[0].linear = self._linear_batch(order)  # (HybridForCausalLM.forward)
         return BatchInputs(
             input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.as_tensor(positions, device=dev),
