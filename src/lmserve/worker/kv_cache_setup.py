@@ -13,7 +13,7 @@ import torch
 from lmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from lmserve.distributed.layout import stage_layers
 from lmserve.kv_groups import KVCacheGroups, model_kv_groups
-from lmserve.kv_sizing import kv_bytes_per_block
+from lmserve.kv_sizing import INT8_KV, kv_bytes_per_block
 from lmserve.worker.attention import check_attention_backend, check_kv_cache_dtype, kv_cache_shapes
 from lmserve.worker.lazy_zeros import zeroed_lazily
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, profiling_step
@@ -46,7 +46,8 @@ def allocate_kv_cache(model: LlamaForCausalLM, hf_config: Any, pp_size: int, dev
     # Every rank holds as many blocks (one block table serves them all): size them for the largest stage.
     largest_stage = len(stage_layers(hf_config.num_hidden_layers, pp_size, 0))
     layers_per_block = groups.slots if groups.is_hybrid else largest_stage
-    per_block = kv_bytes_per_block(layers_per_block, num_kv_heads, head_dim, block_size, kv_dtype.itemsize)
+    per_block = kv_bytes_per_block(layers_per_block, num_kv_heads, head_dim, block_size,
+                                   INT8_KV if kv_dtype == torch.int8 else kv_dtype.itemsize)
     blocks_per_request = groups.request_blocks(max_model_len, block_size, scheduler_config.max_num_batched_tokens)
     num_blocks = num_kv_blocks(cache_config, per_block, device, lambda: measure_cuda_memory(
         device, lambda: profiling_step(
@@ -54,7 +55,7 @@ def allocate_kv_cache(model: LlamaForCausalLM, hf_config: Any, pp_size: int, dev
             block_size, attention_backend, kv_dtype,
         ),
     ), most_blocks_usable=scheduler_config.max_num_seqs * blocks_per_request)
-    k_shape, v_shape = kv_cache_shapes(attention_backend, num_blocks, num_kv_heads, block_size, head_dim)
+    k_shape, v_shape = kv_cache_shapes(attention_backend, num_blocks, num_kv_heads, block_size, head_dim, kv_dtype)
     tensors = [(zeroed_lazily(k_shape, kv_dtype, device), zeroed_lazily(v_shape, kv_dtype, device))
                for _ in range(layers_per_block if groups.is_hybrid else model.num_layers)]
     # Layer i's K/V: its slot's tensors at its group's block ids (hybrid), else its own tensors.
