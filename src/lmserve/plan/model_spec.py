@@ -50,7 +50,12 @@ INT8_KV_NAMES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 def kv_dtype_bytes(name: str) -> int | str:
     """What lmserve.kv_sizing takes for a KV cache dtype: its bytes per value, or INT8_KV (values and scales)."""
-    return INT8_KV if name in INT8_KV_NAMES else bytes_of_dtype(name)
+    if name in INT8_KV_NAMES:
+        return INT8_KV
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV cache dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}, int8 (or vLLM's "
+                         f"{', '.join(INT8_KV_NAMES[1:])}, stored as int8)")
+    return DTYPE_BYTES[name]
 
 
 # ------------------------------------------------------------------------------------------------- model
