@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from cpu_shares import remember_machine_cpus
+from hybrid_models import HYBRID_FAMILIES, save_tiny_hybrid
 from moe_models import FAMILIES, MOE_K_SIZES, add_sizes, quantize_experts_k, save_tiny_moe, write_moe_gguf
 from tiny_sizes import TINY_SIZES
 
@@ -654,6 +655,13 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_kquant) -> Path:
         return MIXED_TYPES[parts[2]] if parts[0] == "blk" else Q.Q5_0
 
     return write_gguf(directory, tmp_path_factory.mktemp("gguf") / "mixed.gguf", blocks=downs, type_for=type_for)
+
+
+@pytest.fixture(scope="session")
+def hybrid_dirs(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> dict[str, Path]:
+    """A tiny random Hugging Face directory of each hybrid linear-attention family (tests/hybrid_models.py)."""
+    return {family: save_tiny_hybrid(tmp_path_factory.mktemp(family), family, default_tokenizer)
+            for family in HYBRID_FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,8 @@ NOT_HERE = max(*os.sched_getaffinity(0), (os.cpu_count() or 1) - 1) + 1
     (["generate", "hi", "--kv-cache-memory", "0"], "kv_cache_memory must be more than 0 bytes"),
     (["generate", "hi", "--kv-cache-memory", "-1"], "kv_cache_memory must be more than 0 bytes"),
     (["generate", "hi", "--kv-cache-memory", "inf"], "bad memory size 'inf': use e.g. 2GiB"),
+    (["serve", "--packed-weights-cache-size", "0"], "packed_weights_cache_size must be more than 0 bytes"),
+    (["serve", "--packed-weights-cache-size", "lots"], "bad memory size 'lots': use e.g. 2GiB"),
     (["generate", "hi", "--engine-threads", "0"], "engine_threads must be an integer in [1, 1024]"),
     (["generate", "hi", "--engine-threads", "99999"], "engine_threads must be an integer in [1, 1024]"),
     (["generate", "hi", "--engine-cpus", "0-99999999999"], "bad CPU list '0-99999999999'"),

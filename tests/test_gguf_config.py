@@ -107,10 +107,11 @@ def test_the_metadata_table_is_transformers_own() -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING as theirs
 
     # HF's name for GGUF's gemma3; transformers reads no GGUF of Mixtral, OLMoE or nomic-bert (lmserve's own table,
-    # llama.cpp's keys); BERT runs from HF directories only.
-    assert set(SUPPORTED_MODEL_TYPES) - {"gemma3_text", "mixtral", "olmoe", "nomic_bert", "bert"} <= set(
+    # llama.cpp's keys, as BERT's); XLM-RoBERTa, MPNet and the hybrid families run from HF directories only.
+    hf_only = {"xlm-roberta", "mpnet", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+    assert set(SUPPORTED_MODEL_TYPES) - {"gemma3_text", "mixtral", "olmoe", "nomic_bert", "bert"} - hf_only <= set(
         GGUF_CONFIG_MAPPING)
-    assert {"mixtral", "olmoe", "nomic_bert"} <= set(GGUF_EXTRA_CONFIG_MAPPING)
+    assert {"mixtral", "olmoe", "nomic_bert", "bert"} <= set(GGUF_EXTRA_CONFIG_MAPPING)
     for prefix in GGUF_CONFIG_MAPPING:
         assert GGUF_CONFIG_MAPPING[prefix] == theirs[prefix], prefix
 

@@ -143,9 +143,11 @@ def pooling_models(args: argparse.Namespace) -> list[tuple[EngineConfig, str | N
         if (name or model) in chat_names or sum((n or m) == (name or model) for _, m, n in found) > 1:
             raise ValueError(f"{flag} {model}: another model is served as {name or model!r}; give it "
                              f"{flag}-name")
+    # A reranker's engine scores (--task score): a Qwen3 decoder given here is a yes/no reranker (Qwen3-Reranker).
     return [(make_engine_config(model, **shared, kv_cache_memory=args.pooling_kv_cache_memory,
-                                engine_threads=args.pooling_engine_threads, engine_cpus=args.pooling_engine_cpus),
-             name) for _, model, name in found]
+                                engine_threads=args.pooling_engine_threads, engine_cpus=args.pooling_engine_cpus,
+                                task="score" if flag == "--rerank-model" else "auto"),
+             name) for flag, model, name in found]
 
 
 def _check_pooling_task(flag: str, model: str) -> None:
@@ -154,8 +156,9 @@ def _check_pooling_task(flag: str, model: str) -> None:
     from lmserve.pooling_config import is_pooling_model, load_pooling_config
 
     source = resolve_model(model)
-    task = load_pooling_config(source).task if is_pooling_model(source) else "generate"
     wanted = "embed" if flag == "--embedding-model" else "score"
+    asked = "score" if wanted == "score" else "auto"
+    task = load_pooling_config(source, asked).task if is_pooling_model(source, asked) else "generate"
     if task != wanted:
         what = {"generate": "a generative model (serve it as the chat model)", "embed": "an embedding model",
                 "score": "a reranker (a cross-encoder)"}[task]
@@ -259,12 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "each holds a file descriptor (default: %(default)s)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide to call tools (tool_choice "auto"), parsed by --tool-call-parser')
-    srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json", "mistral", "pythonic"),
+    srv.add_argument("--tool-call-parser", default=None,
+                     choices=("hermes", "llama3_json", "mistral", "pythonic", "harmony", "openai"),
                      help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral "
-                          "(Mistral's [TOOL_CALLS]), pythonic (Llama 3.2 and 4's Python call lists)")
-    srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                          "(Mistral's [TOOL_CALLS]), pythonic (Llama 3.2 and 4's Python call lists), harmony or "
+                          "openai (gpt-oss's; chosen by itself for a gpt-oss model)")
+    srv.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3", "harmony", "openai_gptoss"),
                      help="split the model's <think>...</think> into the message's reasoning_content: deepseek_r1 "
-                          "(DeepSeek-R1 and its distills), qwen3 (Qwen3)")
+                          "(DeepSeek-R1 and its distills), qwen3 (Qwen3); harmony or openai_gptoss: gpt-oss's analysis "
+                          "channel (chosen by itself for a gpt-oss model)")
     models = srv.add_argument_group(
         "more models", "serve an embedding model and a reranker beside the chat model, each in an engine process of "
         "its own; a request's `model` picks one (docs/embeddings.md)")
@@ -273,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--embedding-model-name", default=None, metavar="NAME",
                         help="its name in the API (default: the --embedding-model argument)")
     models.add_argument("--rerank-model", default=None, metavar="MODEL",
-                        help="a reranker (cross-encoder) for /v1/rerank and /v1/score")
+                        help="a reranker (a cross-encoder, or a Qwen3 yes/no reranker such as Qwen3-Reranker) for "
+                             "/v1/rerank and /v1/score")
     models.add_argument("--rerank-model-name", default=None, metavar="NAME",
                         help="its name in the API (default: the --rerank-model argument)")
     models.add_argument("--pooling-kv-cache-memory", default="512MiB", metavar="SIZE",

@@ -26,16 +26,27 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
 # one list for the resolver, the worker and the planner.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert", "xlm-roberta", "mpnet",
+                         "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Those that are encoders (bidirectional attention, no decode): the server runs them as a pooling runner (vLLM's
 # `--runner pooling`), which answers /v1/embeddings and not the generating routes (docs/embeddings.md).
-POOLING_MODEL_TYPES = ("bert", "nomic_bert")
+POOLING_MODEL_TYPES = ("bert", "nomic_bert", "xlm-roberta", "mpnet")
+# Decoders that are embedding models when their directory is in sentence-transformers' layout (modules.json):
+# Qwen3-Embedding (causal, last token), EmbeddingGemma (bidirectional, mean, Dense heads). Run by the decoder's code.
+DECODER_EMBEDDING_MODEL_TYPES = ("qwen3", "gemma3_text")
+# Decoders that --task score runs as yes/no rerankers (Qwen3-Reranker), by the decoder's code.
+DECODER_RERANKER_MODEL_TYPES = ("qwen3",)
 # Those whose MLPs are mixtures of experts (lmserve.moe_shape says how each routes).
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "qwen3_next")
+# Hybrid models: Gated DeltaNet (linear attention, a fixed-size recurrent state per request) between full-attention
+# layers with an output gate, partial RoPE and zero-centred (1 + weight) norms (worker/models/hybrid.py).
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The same families' multimodal checkpoints (a vision tower beside the text model): refused, text only for now.
+HYBRID_MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 # Those of them that run Gemma's decoder layer (HF directories name Gemma 3 gemma3_text, GGUF files gemma3).
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 # Those that normalize each head of q and k before RoPE (one RMSNorm weight of head_dim each, shared by the heads).
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text", "qwen3_moe", *HYBRID_MODEL_TYPES)
 # Those that normalize the whole q and k projections instead (OLMoE: one RMSNorm weight of heads x head_dim each).
 FULL_QK_NORM_MODEL_TYPES = ("olmoe",)
 # Those whose q/k/v projections always carry biases (the others: where the config's attention_bias says).
@@ -164,14 +175,32 @@ class ModelConfig:
         "where every layer is what it runs (block-format or float16 weights, fused ops, paged-cpu attention, not "
         "split by tensor parallelism; a pipeline stage runs its own layers so): the same kernels, without Python "
         "between them")
+    packed_weights_cache: str = setting(
+        "auto", "where a GGUF file's weights, once packed into the kernels' layout, are kept on disk so that later "
+        "starts map them instead of packing again (keyed by the file's size, modification time and header): auto "
+        "($LMSERVE_PACKED_CACHE where set, else <lmserve cache>/packed), off, or a directory")
+    packed_weights_cache_size: int | None = setting(
+        None, "the packed weights cache's largest size on disk, e.g. 40GiB (the default); the entries read least "
+        "recently are removed first", parse=parse_memory)
+    packed_weights_cache_min_bytes: int | None = setting(
+        None, "models whose packed weights are smaller are not cached (default 64 MiB; tests cache tiny ones)",
+        flag=False)
     device: str = setting("auto", "auto | cpu | cuda")
     max_model_len: int | None = setting(None, "context length (default: the model's own)")
     seed: int = setting(0, "seed of the model's random state")
+    task: str = setting(
+        "auto", "what the model serves: auto: as its files say (an encoder, or a decoder in sentence-transformers' "
+        "layout: embeddings; a ...ForSequenceClassification: scores; otherwise generation); score: a Qwen3 decoder "
+        "as a yes/no reranker (Qwen3-Reranker: relevance from the logits of \"yes\" and \"no\" after its prompt) "
+        "for /v1/rerank and /v1/score, which --rerank-model implies", choices=("auto", "score"))
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.packed_weights_cache_size is not None and (parse_memory(self.packed_weights_cache_size) or 0) <= 0:
+            raise ValueError(f"packed_weights_cache_size must be more than 0 bytes, e.g. 40GiB, got "
+                             f"{self.packed_weights_cache_size!r}")
         if self.max_model_len is not None and not _positive_integer(self.max_model_len):
             raise ValueError(f"max_model_len must be an integer >= 1 (leave it out for the model's own), got "
                              f"{self.max_model_len!r}")

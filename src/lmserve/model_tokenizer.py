@@ -17,6 +17,7 @@ from lmserve import tokenizer_cache
 from lmserve.chat_templates import BUILTIN_CHAT_TEMPLATES, GGUF_END_OF_GENERATION_TEXTS
 from lmserve.config import cache_directory
 from lmserve.formats.gguf_file import read_gguf_arrays, read_gguf_header
+from lmserve.harmony import STOP_TEXTS as HARMONY_END_OF_TURN_TEXTS
 from lmserve.heap import release_freed_heap
 from lmserve.models import ModelSource
 
@@ -37,7 +38,7 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         tokenizer = _gguf_tokenizer(source.path)
     release_freed_heap()  # the parse's temporaries: ~95 MiB of Qwen2.5's tokenizer stays resident otherwise
     if tokenizer.chat_template is None:
-        model_type = _model_type_of(source)
+        model_type = model_type_of(source)
         tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES.get(model_type)
         if tokenizer.chat_template is not None:
             logger.info("%s has no chat template; using %s's own", source.name, model_type)
@@ -73,7 +74,7 @@ def _plain_fast_tokenizer(directory: Path) -> bool:
             and model_type in _GENERIC_CLASS_KEPT and (directory / "tokenizer.json").is_file())
 
 
-def _model_type_of(source: ModelSource) -> str | None:
+def model_type_of(source: ModelSource) -> str | None:
     """The architecture of the model a tokenizer came with, if the source says (a tokenizer-only directory does not)."""
     if source.kind == "gguf":
         return read_gguf_header(source.path).metadata.get("general.architecture")
@@ -87,7 +88,12 @@ def end_of_generation_ids(source: ModelSource, tokenizer: transformers.PreTraine
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     if source.kind == "gguf":
         vocabulary = tokenizer.backend_tokenizer
-        found = (vocabulary.token_to_id(text) for text in GGUF_END_OF_GENERATION_TEXTS)
+        texts = GGUF_END_OF_GENERATION_TEXTS
+        if all(vocabulary.token_to_id(text) is not None for text in HARMONY_END_OF_TURN_TEXTS):
+            # gpt-oss's <|end|> closes a message the model goes on after (its thinking): its turn ends at <|return|>
+            # or <|call|>, as llama.cpp decides for a vocabulary that has both (llama-vocab.cpp).
+            texts = tuple(text for text in texts if text != "<|end|>") + HARMONY_END_OF_TURN_TEXTS
+        found = (vocabulary.token_to_id(text) for text in texts)
         ids += [token_id for token_id in found if token_id is not None and token_id not in ids]
     return ids
 

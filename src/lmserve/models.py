@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lmserve.config import (
     DEFAULT_MODEL,
     GEMMA_MODEL_TYPES,
+    HYBRID_MULTIMODAL_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     default_layer_types,
 )
@@ -132,7 +133,17 @@ def _packaged_file(model: _PackagedModel) -> Path:
     )
 
 
+# Architectures lmserve knows but does not read from this kind of file yet: what to serve instead.
+_NOT_READ_YET = {
+    "gemma-embedding": "EmbeddingGemma's GGUF files (llama.cpp's gemma-embedding) are not read yet; serve its Hugging "
+                       "Face directory (sentence-transformers' layout: bidirectional Gemma 3, mean pooling, 2_Dense "
+                       "and 3_Dense)",
+}
+
+
 def _check_model_type(model_type: str, where: Path) -> None:
+    if model_type in _NOT_READ_YET:
+        raise ValueError(f"{where}: {_NOT_READ_YET[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture '{model_type}' in {where}: "
@@ -209,6 +220,12 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
               "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 50279, "rms_norm_eps": 1e-5,
               "pad_token_id": 1, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
               "clip_qkv": None},
+    # llama.cpp's bert (BERT, and XLM-RoBERTa, which its converter writes as a bert with the padding rows of the
+    # positions dropped): transformers' BertConfig defaults.
+    "bert": {"vocab_size": 30522, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "num_key_value_heads": None, "head_dim": None, "hidden_act": "gelu",
+             "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+             "position_embedding_type": "absolute", "bos_token_id": None, "eos_token_id": None, "pooling_type": 2},
     # llama.cpp's nomic-bert (nomic-embed-text): a GGUF-only architecture here (its HF checkpoints need remote code).
     "nomic_bert": {"vocab_size": 30522, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                    "num_attention_heads": 12, "num_key_value_heads": None, "head_dim": None,
@@ -260,6 +277,11 @@ def read_config_dict(source: ModelSource) -> dict[str, Any]:
     if source.kind == "hf":
         config_file = source.path / "config.json"
         config = json.loads(config_file.read_text())
+        if config.get("model_type") in HYBRID_MULTIMODAL_MODEL_TYPES:
+            raise ValueError(
+                f"{config_file} is {config['model_type']} with its vision tower ({', '.join(config.get('architectures') or [])}): "
+                "lmserve runs the text-only Qwen3.5 checkpoints for now (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM: "
+                "model_type qwen3_5_text, qwen3_5_moe_text)")
         _check_model_type(config.get("model_type", "<missing>"), config_file)
         if config["model_type"] == "gemma3":
             raise ValueError(f"{config_file} is Gemma 3 with its vision tower (model_type gemma3); lmserve runs "
@@ -333,6 +355,8 @@ GGUF_EXTRA_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "nomic_bert": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.layer_norm_epsilon": "layer_norm_eps",
                    "pooling_type": "pooling_type", "attention.causal": "is_causal"},
+    "bert": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.layer_norm_epsilon": "layer_norm_eps",
+             "pooling_type": "pooling_type", "attention.causal": "is_causal"},
 }
 # llama.cpp's architecture names that differ from transformers' model types.
 _GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "nomic-bert": "nomic_bert"}
@@ -361,6 +385,10 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
         for key, attr in table.items():
             if attr is not None and f"{prefix}.{key}" in metadata:
                 kwargs[attr] = metadata[f"{prefix}.{key}"]
+    if f"{gguf_arch}.pooling_type" in metadata:  # an embedding model or reranker (llama.cpp's enum llama_pooling_type)
+        kwargs["pooling_type"] = metadata[f"{gguf_arch}.pooling_type"]
+    if arch == "bert" and "tokenizer.ggml.token_type_count" in metadata:
+        kwargs["type_vocab_size"] = metadata["tokenizer.ggml.token_type_count"]
     if arch == "qwen3_moe":  # llama.cpp always renormalises Qwen3-MoE's chosen weights (as its released configs say)
         kwargs["norm_topk_prob"] = True
     if "vocab_size" not in kwargs:  # older files only list the tokens

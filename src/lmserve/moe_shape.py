@@ -11,6 +11,9 @@ Each family names the same few things differently (transformers' config classes)
 - Mixtral: `num_local_experts` experts of `intermediate_size`, top-`num_experts_per_tok`, the chosen weights
   renormalised (a softmax over the chosen).
 - OLMoE: `num_experts` of `intermediate_size`, `norm_topk_prob` (False in OLMoE-1B-7B).
+- Qwen3-Next: Qwen2-MoE's names (a shared expert of `shared_expert_intermediate_size`, `decoder_sparse_step`,
+  `mlp_only_layers`, `norm_topk_prob`). Qwen3.5-MoE: the same experts and shared expert on every layer, the chosen
+  weights always renormalised (its router has no switch).
 Every one of them scores experts with a softmax over the router's logits and takes the top k.
 """
 
@@ -65,10 +68,12 @@ def moe_shape(config: Any) -> MoeShape | None:
         raise ValueError(f"a {model_type} config needs 0 < num_experts_per_tok <= the number of experts; it has "
                          f"{top_k} of {num_experts}")
     intermediate = int(get("intermediate_size", 0))
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
+        shared = model_type in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
+        normalize = model_type == "qwen3_5_moe_text" or bool(get("norm_topk_prob", False))
         return MoeShape(
-            num_experts, top_k, int(get("moe_intermediate_size", intermediate)), bool(get("norm_topk_prob", False)),
-            shared_intermediate=int(get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0,
+            num_experts, top_k, int(get("moe_intermediate_size", intermediate)), normalize,
+            shared_intermediate=int(get("shared_expert_intermediate_size", 0)) if shared else 0,
             dense_intermediate=intermediate, sparse_step=max(1, int(get("decoder_sparse_step", 1))),
             dense_layers=tuple(int(i) for i in get("mlp_only_layers", ()) or ()),
         )

@@ -50,6 +50,9 @@ class ScheduledRequest:
     # A pooling request: token_ids is its whole prompt (a bidirectional encoder sees every position at once), and the
     # runner returns its pooled vector (ModelRunnerOutput.pooled) instead of sampling.
     pooling_params: PoolingParams | None = None
+    # A hybrid model's request (linear-attention layers): the state slot the engine gave it at admission, whose
+    # conv and recurrent states the runner reads and updates; it starts empty at start_position 0. -1: none.
+    state_slot: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -179,3 +182,7 @@ class WorkerInfo:
     layer_program: str = ""  # how the decoder layers run (ModelRunner.layer_program), for the engine's log and tests
     # "pooling": an encoder's runner (worker/pooling_runner.py) that holds no KV cache; requests are pooling ones.
     runner: str = "generate"
+    # A hybrid model's per-request state slots (one per running request at most; 0: the model keeps no such state)
+    # and the bytes of one, which the KV memory budget already paid for.
+    num_state_slots: int = 0
+    state_bytes_per_slot: int = 0

@@ -53,6 +53,7 @@ class FakeEngine:
         self.on_step = None
         self.default_sampling: dict[str, Any] = {}
         self.fim_tokens = None  # no fill-in-the-middle tokens (tests/api/test_fim.py gives some)
+        self.chat_format = None  # the chat template's own text (tests/api/test_harmony.py: "harmony")
         self.pooling = None  # a generative model: no embeddings
         self.embedding_size = 0
         self.num_outputs: dict[str, int] = {}  # request id -> outputs yielded so far

@@ -173,7 +173,7 @@ def test_mistral_keeps_special_tokens_in_the_text() -> None:
 
 
 def test_registry() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_PARSERS) == {"harmony", "openai", "hermes", "llama3_json", "mistral", "pythonic"}
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("granite")

@@ -43,6 +43,10 @@ class EmbeddingRequest(OpenAIRequestModel):
     # vLLM's: keep the last k tokens of each input (-1: the model's length).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     priority: int = Field(default=0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    # Hugging Face TEI's (sentence-transformers' prompt_name): the instruction prompt of the model's
+    # config_sentence_transformers.json put before each text (Qwen3-Embedding's "query"); default: the model's
+    # default_prompt_name, or none.
+    prompt_name: str | None = Field(default=None, max_length=MAX_USER_CHARS)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -92,10 +96,24 @@ def _encoded(vector: bytes, encoding_format: str) -> list[float] | str:
     return np.frombuffer(vector, dtype="<f4").tolist()
 
 
-def _token_ids(client: EngineClient, inputs: list[Prompt]) -> list[list[int]]:
-    """Each input's token ids: a text tokenized as the model's tokenizer does with its special tokens ([CLS] ...
-    [SEP] for BERT, as sentence-transformers encodes), token ids as they are (checked by the front-end)."""
-    return [client.tokenize(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in inputs]
+def _token_ids(client: EngineClient, inputs: list[Prompt], prefix: str = "") -> list[list[int]]:
+    """Each input's token ids: a text, after the instruction prompt `prefix`, tokenized as the model's tokenizer does
+    with its special tokens ([CLS] ... [SEP] for BERT, as sentence-transformers encodes); token ids as they are
+    (checked by the front-end)."""
+    return [client.tokenize(prefix + p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in inputs]
+
+
+def _prompt_prefix(client: EngineClient, req: EmbeddingRequest, inputs: list[Prompt]) -> str:
+    """The text put before each input, as sentence-transformers' encode(prompt_name=...) puts it."""
+    assert client.pooling is not None
+    names = [name for name, _ in client.pooling.prompts]
+    if req.prompt_name is not None:
+        if req.prompt_name not in names:
+            raise RequestError(f"prompt_name {req.prompt_name!r}: this model declares "
+                               f"{', '.join(map(repr, names)) or 'no prompts'}", "prompt_name")
+        if any(not isinstance(p, str) for p in inputs):
+            raise RequestError("prompt_name applies to text inputs; these are token ids", "prompt_name")
+    return client.pooling.prompt(req.prompt_name)
 
 
 def _check_dimensions(client: EngineClient, dimensions: int | None) -> None:
@@ -119,10 +137,11 @@ async def create_embedding(client: EngineClient, model_name: str, recorder: Stat
                            "on /v1/rerank and /v1/score, and has no embeddings", "model")
     inputs = req.inputs()
     _check_dimensions(client, req.dimensions)
+    prefix = _prompt_prefix(client, req, inputs)
     # Texts tokenized first (off the event loop), so that the tokens of all inputs are bounded before the engine
     # sees any of them.
     try:
-        token_ids = await asyncio.to_thread(_token_ids, client, inputs)
+        token_ids = await asyncio.to_thread(_token_ids, client, inputs, prefix)
     except ValueError as exc:
         raise RequestError.from_value_error(exc) from exc
     keep = client.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens

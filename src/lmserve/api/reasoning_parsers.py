@@ -11,12 +11,18 @@ and not, so that tool calls are parsed from the answer only. Pure text, as the t
   its template writes an empty `<think></think>` into the prompt and the output is the answer only. An output that
   does not open with `<think>` is content; one cut off inside the thinking is reasoning only.
 
+- `harmony` (vLLM's `openai_gptoss`): gpt-oss, whose thinking is its analysis channel's messages (lmserve.harmony).
+  The rest of the output is left whole, format and all, for the harmony tool parser, which takes the answer and the
+  calls from it: the two always go together.
+
 Agreement between the two paths: a stream's reasoning and content deltas concatenate to `extract` of the whole text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from lmserve.harmony import HarmonyReader, is_function
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -102,9 +108,42 @@ class ReasoningStream:
         return reasoning, content
 
 
+class HarmonyReasoningParser(ReasoningParser):
+    name = "harmony"
+
+    def extract(self, text: str) -> Reasoning:
+        stream = self.streaming()
+        reasoning, _ = stream.feed(text, finished=True)
+        return Reasoning(reasoning if stream.thought else None, text or None)
+
+    def streaming(self) -> HarmonyReasoningStream:
+        return HarmonyReasoningStream(self)
+
+
+class HarmonyReasoningStream(ReasoningStream):
+    """Text deltas in; the analysis channel's text, and every delta as it came (for the harmony tool parser), out."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        super().__init__(parser)
+        self.reader = HarmonyReader()
+        self.thought = False  # an analysis message began
+
+    def feed(self, delta: str, finished: bool = False) -> tuple[str, str]:
+        reasoning = []
+        for piece in self.reader.feed(delta, finished):
+            # A message to a function is a call, even on the analysis channel: the tool parser's.
+            header = piece.header
+            if header is not None and header.channel == "analysis" and not is_function(header.recipient):
+                self.thought = True
+                reasoning.append(piece.text)
+        return "".join(reasoning), delta
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
+    HarmonyReasoningParser.name: HarmonyReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser,  # vLLM's name for it
 }
 
 

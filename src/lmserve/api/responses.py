@@ -112,6 +112,7 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
+        reasoning: list[str] = []  # reasoning items not yet given to the assistant turn they precede
         for index, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
@@ -120,25 +121,44 @@ class ResponsesRequest(BaseModel):
                     raise RequestError(f"input[{index}] has role {_short(role)}; use user, assistant, system or developer",
                                        "input")
                 messages.append({"role": role, "content": _text(item.get("content"), index)})
+                if role == "assistant" and reasoning:
+                    messages[-1]["reasoning_content"] = "\n".join(reasoning)
+                reasoning = []
             elif kind == "function_call":
                 call = {"id": _string(item, "call_id", index), "type": "function",
                         "function": {"name": _string(item, "name", index),
                                      "arguments": _string(item, "arguments", index)}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not reasoning:
                     last["tool_calls"].append(call)  # several calls of one turn are one assistant message
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    if reasoning:
+                        messages[-1]["reasoning_content"] = "\n".join(reasoning)
+                reasoning = []
             elif kind == "function_call_output":
                 output = item.get("output")
                 text = output if isinstance(output, str) else _text(output, index)
                 messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", index), "content": text})
             elif kind == "reasoning":
-                continue  # an earlier turn's thinking: chat templates drop it too
+                # The thinking before the assistant turn that follows, as its reasoning_content: a chat template
+                # keeps what it needs (gpt-oss's, the thinking before a call not yet answered) and drops the rest.
+                reasoning += _reasoning_texts(item)
             else:
                 raise RequestError(f"input[{index}] is of type {_short(kind)}; lmserve takes message, function_call, "
                                    "function_call_output and reasoning items", "input")
         return messages
+
+
+def _reasoning_texts(item: dict[str, Any]) -> list[str]:
+    """A reasoning item's text: its reasoning_text content (as lmserve and vLLM send it), else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)] \
+            if isinstance(parts, list) else []
+        if texts:
+            return texts
+    return []
 
 
 def _short(value: Any) -> str:

@@ -93,7 +93,8 @@ async def _scores(client: EngineClient, model_name: str, recorder: StatsRecorder
     if client.pooling is None or client.pooling.task != "score":
         kind = "generates text" if client.pooling is None else "is an embedding model"
         raise RequestError(f"the model {model_name!r} {kind}: reranking and scoring need a cross-encoder (a "
-                           "BertForSequenceClassification reranker)", "model")
+                           "BertForSequenceClassification reranker) or a Qwen3 yes/no reranker (served with "
+                           "--rerank-model or --task score)", "model")
     if not pairs:
         raise RequestError(f"{field} must not be empty", field)
     try:

@@ -56,10 +56,11 @@ from lmserve.api.responses import (
 )
 from lmserve.api.sse import SSE_DONE, EventStreamResponse, RecordedJSONResponse, sse, sse_error, trailer
 from lmserve.api.tool_output import ToolOutput
-from lmserve.api.tool_parsers import ToolConfig, get_tool_parser
+from lmserve.api.tool_parsers import HARMONY_PARSERS, HarmonyToolParser, ToolConfig, get_tool_parser
 from lmserve.api.tools import check_tool_choice, constraint_schema, resolve_tool_choice
 from lmserve.frontend.engine_client import EngineClient
 from lmserve.frontend.request_group import RequestGroup
+from lmserve.harmony import STOP_TEXTS as HARMONY_STOP_TEXTS
 from lmserve.metrics.recorder import StatsRecorder
 from lmserve.model_tokenizer import FimTokens
 from lmserve.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams, StructuredOutputsParams
@@ -77,7 +78,9 @@ class OpenAIServing:
         self.model_name = model_name  # what responses name (vLLM's first --served-model-name)
         self.model_names = list(dict.fromkeys([model_name, *aliases]))  # what requests may name
         self.recorder = recorder
-        self.tools = tools or ToolConfig()
+        self.tools = (tools or ToolConfig()).for_chat_format(getattr(client, "chat_format", None))
+        # gpt-oss's format: its output is read as harmony messages whatever the request asks (lmserve.harmony).
+        self.harmony = self.tools.reasoning_parser in HARMONY_PARSERS or self.tools.tool_call_parser in HARMONY_PARSERS
         self.num_requests_aborted = 0  # by this server (client disconnects, failures); for /metrics
 
     def check_model(self, requested: str | None) -> None:
@@ -313,6 +316,17 @@ class OpenAIServing:
                                f"JSON; a grammar may be at most {MAX_GRAMMAR_CHARS}", "tools") from None
         return ToolOutput(choice, max_calls=max_calls)
 
+    def _harmony_output(self, params: SamplingParams, tool_output: ToolOutput | None) -> ToolOutput:
+        """gpt-oss's output: its format's tokens kept in the text for the parsers, its turn ended by <|return|> or
+        <|call|> (not <|end|>, after which it goes on), and its answer (the final channel) read from the messages
+        even when the request has no tools (a call it makes then is dropped, as tool_choice "none" means)."""
+        params.skip_special_tokens = False
+        stops = [token for text in HARMONY_STOP_TEXTS if (token := self._single_token(text)) is not None]
+        params.stop_token_ids = [*params.stop_token_ids, *(t for t in stops if t not in params.stop_token_ids)]
+        if tool_output is None:
+            return ToolOutput("none", HarmonyToolParser(), max_calls=0)
+        return tool_output
+
     def _reasoning_output(
         self, req: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
     ) -> ReasoningOutput | None:
@@ -359,6 +373,8 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params(self.client.default_sampling)
         tool_output = self._tool_output(req, params)
+        if self.harmony:
+            tool_output = self._harmony_output(params, tool_output)
         messages, template_kwargs = req.template_messages(), req.template_kwargs()
         try:
             prompt_token_ids = self.client.render_chat(messages, req.add_generation_prompt is not False,

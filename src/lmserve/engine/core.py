@@ -54,7 +54,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len, self.grammar,
                                    key_generated_blocks=info.prompt_rows_computed_apart, kv_groups=info.kv_groups,
                                    draft_constrained=self.executor.in_process,
-                                   world_size=config.parallel.world_size, pooling=pooling)
+                                   world_size=config.parallel.world_size, pooling=pooling,
+                                   num_state_slots=info.num_state_slots)
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
         self._finished_not_sent: set[str] = set()
         self.last_step: StepRecord | None = None

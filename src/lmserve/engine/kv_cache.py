@@ -13,6 +13,7 @@ first), freed cached blocks at the tail, where they stay hittable until they rea
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -128,6 +129,37 @@ class BlockPool:
 NULL_BLOCK_ID = 0
 
 
+class StateSlots:
+    """A hybrid model's per-request state slots (the worker holds each slot's tensors: the linear layers' conv and
+    recurrent states, worker/models/gated_deltanet.py's LinearStates). A request takes one when it is admitted,
+    beside its first blocks, and holds it until it finishes, is aborted or is preempted (a preempted request
+    recomputes its state from position 0 when it runs again). Lowest free slot first, so a run's slots do not
+    depend on which were freed when."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))
+        heapq.heapify(self._free)
+        self.owners: dict[str, int] = {}  # request id -> its slot
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_hold(self, request_id: str) -> bool:
+        return request_id in self.owners or bool(self._free)
+
+    def take(self, request_id: str) -> int:
+        if request_id not in self.owners:
+            self.owners[request_id] = heapq.heappop(self._free)
+        return self.owners[request_id]
+
+    def release(self, request_id: str) -> None:
+        slot = self.owners.pop(request_id, None)
+        if slot is not None:
+            heapq.heappush(self._free, slot)
+
+
 class KVCacheManager:
     """Block tables per request on top of a BlockPool, plus prefix-cache lookups and statistics.
 
@@ -138,13 +170,16 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int = KV_BLOCK_SIZE, enable_prefix_caching: bool = True,
         key_generated_blocks: bool = False, windows: Sequence[int] = (0,), max_chunk_tokens: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         """key_generated_blocks: the model computes prompt tokens and generated ones with different arithmetic
         (`--batched-weights prompt-bf16`), so a block holding generated tokens is keyed by where the prompt ends in it.
         A later request whose prompt repeats those tokens (a chat's next turn) computes them as prompt tokens, and must
         not take K/V that differ from what it would compute itself: a hit then would change its tokens.
         windows: per KV-cache group, 0 (full attention) or its sliding window. max_chunk_tokens: the most positions
-        a step computes for one request (the scheduler's token budget), which bounds what a sliding group holds."""
+        a step computes for one request (the scheduler's token budget), which bounds what a sliding group holds.
+        num_state_slots: a hybrid model's state slots (StateSlots), 0 for none: then a request needs a free slot as
+        well as free blocks to be allocated anything."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -154,6 +189,7 @@ class KVCacheManager:
         self.windows = tuple(windows) or (0,)
         self.max_chunk_tokens = max_chunk_tokens
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         # Per request, per group: block i holds positions [i * block_size, (i + 1) * block_size); None where a
         # sliding group holds nothing (out of its window).
         self.tables: dict[str, list[list[Block | None]]] = {}
@@ -206,6 +242,10 @@ class KVCacheManager:
         if tables is None:
             return []
         return [NULL_BLOCK_ID if b is None else b.block_id for b in tables[group]]
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot (-1: the model keeps no per-request state)."""
+        return -1 if self.state_slots is None else self.state_slots.owners.get(request_id, -1)
 
     def group_block_ids(self, request_id: str) -> list[list[int]]:
         """Every group's block table, group 0's first."""
@@ -349,6 +389,8 @@ class KVCacheManager:
     ) -> bool:
         """Whether the request could hold num_total_tokens positions now, counting the given hits as its own and
         leaving `reserved` free blocks untouched (those promised to other requests)."""
+        if self.state_slots is not None and not self.state_slots.can_hold(request.request_id):
+            return False  # no state slot free: it waits as for blocks
         needed = self._blocks_to_take(request, num_total_tokens, new_computed_blocks)
         return needed <= self.num_free_blocks - reserved
 
@@ -376,6 +418,8 @@ class KVCacheManager:
         if not self.can_fit(request, num_total, new_computed_blocks):
             return False
         rid = request.request_id
+        if self.state_slots is not None:
+            self.state_slots.take(rid)
         tables = self.tables.setdefault(rid, [[] for _ in self.windows])
         position = request.num_computed_tokens + num_new_computed_tokens  # this step's first position
         hits: list[list[Block | None]] = [[self.pool.blocks[b] for b in new_computed_blocks]]
@@ -444,6 +488,8 @@ class KVCacheManager:
         scheduler took back a step it had just planned) leaves the prefix cache, so no one can hit unwritten KV.
         """
         rid = request.request_id
+        if self.state_slots is not None:
+            self.state_slots.release(rid)
         tables = self.tables.pop(rid, None)
         self._hashes.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)

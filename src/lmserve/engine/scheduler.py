@@ -20,6 +20,7 @@ dropped; one for a request preempted meanwhile is kept (it is the token the requ
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import Counter, deque
 from collections.abc import Iterable
 
@@ -32,6 +33,8 @@ from lmserve.engine.request import Request, RequestStatus
 from lmserve.kv_groups import KVCacheGroups, kv_capacity_tokens
 from lmserve.spec_decode.speculator import Speculator
 from lmserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -47,6 +50,7 @@ class Scheduler:
         draft_constrained: bool = True,
         world_size: int = 1,
         pooling: bool = False,
+        num_state_slots: int = 0,
     ) -> None:
         """`grammar`: compiles and advances constrained requests' grammars (None: no structured output).
         `key_generated_blocks`: the model computes prompt and generated tokens differently (KVCacheManager).
@@ -54,7 +58,9 @@ class Scheduler:
         drafts for constrained requests (the runner shares this process's grammar matchers). `world_size`: the
         engine's ranks, each of which stores its own part of a transferred block (--kv-transfer-config).
         `pooling`: the runner is a pooling runner (an encoder, worker/pooling_runner.py) that keeps no KV cache:
-        every request is a pooling request, scheduled whole in one step, and no block is ever allocated for it."""
+        every request is a pooling request, scheduled whole in one step, and no block is ever allocated for it.
+        `num_state_slots`: a hybrid model's per-request state slots (KVCacheManager's StateSlots; 0: none): a request
+        holds one from admission to its end, and one that cannot get one waits as for blocks."""
         self.config = scheduler_config
         self.pooling = pooling
         self.grammar = grammar
@@ -63,9 +69,18 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_groups = kv_groups
         windows = kv_groups.windows if kv_groups is not None else (0,)
+        prefix_caching = cache_config.enable_prefix_caching
+        if num_state_slots and prefix_caching:
+            # A prefix hit would need the linear layers' state at the hit's end, which nothing keeps yet. vLLM does
+            # the same for hybrid models without state snapshots: it turns prefix caching off and says so.
+            logger.warning("prefix caching is off for this hybrid linear-attention model (a hit would need the "
+                           "recurrent state at its end, which is not kept yet); --enable-prefix-caching ignored")
+            prefix_caching = False
         self.kv_cache_manager = KVCacheManager(
-            max(num_blocks, 1) if pooling else num_blocks, cache_config.block_size,  # a pooling runner's: unused cache_config.enable_prefix_caching, key_generated_blocks,
+            max(num_blocks, 1) if pooling else num_blocks,  # a pooling runner's: unused
+            cache_config.block_size, prefix_caching, key_generated_blocks,
             windows=windows, max_chunk_tokens=scheduler_config.max_num_batched_tokens,
+            num_state_slots=num_state_slots,
         )
         # A request longer than the whole pool could never be admitted again once preempted, so the pool caps
         # the usable context: such a request finishes with "length" instead of waiting forever.
@@ -285,6 +300,7 @@ class Scheduler:
             token_ids=token_ids,
             start_position=start,
             block_ids=self.kv_cache_manager.block_ids(request.request_id),
+            state_slot=self.kv_cache_manager.state_slot(request.request_id),
             group_block_ids=(self.kv_cache_manager.group_block_ids(request.request_id)
                              if self.kv_cache_manager.num_groups > 1 else []),
             samples=request.pooling_params is None and (placeholder or bool(drafts)

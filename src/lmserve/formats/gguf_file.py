@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import struct
 from collections.abc import Collection
@@ -88,6 +89,21 @@ def _read_gguf_header(path: Path, _size: int, _mtime_ns: int) -> GGUFHeader:
     data_start = -(-pos // alignment) * alignment  # tensor data starts at the next aligned offset
     tensors = [GGUFTensorInfo(name, shape, t, data_start + offset) for name, shape, t, offset in entries]
     return GGUFHeader(metadata, tensors)
+
+
+def gguf_header_digest(path: Path) -> str:
+    """A SHA-256 of the file's header (its metadata and tensor list, up to where the tensors' data starts): what
+    changes when the file holds other tensors or other settings, read in ~ms where a hash of the whole file's GBs
+    would cost seconds. With the file's size and modification time, it keys what is derived from the file
+    (worker/weights/packed_cache.py)."""
+    tensors = read_gguf_header(path).tensors
+    end = min((t.offset for t in tensors), default=path.stat().st_size)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while end > 0 and (chunk := f.read(min(end, 1 << 20))):
+            digest.update(chunk)
+            end -= len(chunk)
+    return digest.hexdigest()
 
 
 def _gguf_rows(path: Path, info: GGUFTensorInfo, mode: str = "r") -> tuple[np.memmap, int]:

@@ -36,14 +36,27 @@ from lmserve.frontend.input_processor import (
 )
 from lmserve.frontend.output_processor import OutputProcessor
 from lmserve.frontend.timelines import TimelineTracker
-from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids, tokenizer_fim_tokens
+from lmserve.frontend.tokenizer import (
+    load_frontend_tokenizer,
+    tokenizer_chat_format,
+    tokenizer_eos_token_ids,
+    tokenizer_fim_tokens,
+)
 from lmserve.generation_config import default_sampling
 from lmserve.metrics.clock import now
 from lmserve.metrics.stats import EngineStats, RequestTimeline, StepRecord
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.outputs import PoolingOutput, RequestOutput
 from lmserve.plan.layout import check_layout
-from lmserve.pooling_config import PoolingConfig, is_pooling_model, load_pooling_config
+from lmserve.pooling_config import (
+    YES_NO_INSTRUCTION,
+    YES_NO_PAIR,
+    YES_NO_PREFIX,
+    YES_NO_SUFFIX,
+    PoolingConfig,
+    is_pooling_model,
+    load_pooling_config,
+)
 from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured_output import GrammarError, check_structured_outputs
@@ -142,8 +155,11 @@ class AsyncLLM:
         self.model_name = served_model_name or config.model.model
         # An encoder makes this server a pooling runner (vLLM's --runner pooling): /v1/embeddings, no generation.
         source = resolve_model(config.model.model)
-        self.pooling: PoolingConfig | None = load_pooling_config(source) if is_pooling_model(source) else None
-        self.embedding_size = int(read_config_dict(source).get("hidden_size", 0)) if self.pooling else 0
+        task = config.model.task
+        self.pooling: PoolingConfig | None = load_pooling_config(source, task) if is_pooling_model(source, task) \
+            else None
+        self.embedding_size = self.pooling.output_size(int(read_config_dict(source).get("hidden_size", 0))) \
+            if self.pooling else 0
         self._pooled: dict[str, asyncio.Future[bytes]] = {}  # pooling requests in the engine -> their vector
         # One engine process, or with data_parallel_size N, N replicas behind one client that routes each request.
         # Started first: it loads the model while this process loads the tokenizer.
@@ -152,6 +168,7 @@ class AsyncLLM:
             self.tokenizer = load_frontend_tokenizer(config.model)
             self.tokenizer_eos_token_ids = tokenizer_eos_token_ids(config.model, self.tokenizer)
             self.fim_tokens = tokenizer_fim_tokens(config.model, self.tokenizer)
+            self.chat_format = tokenizer_chat_format(config.model, self.tokenizer)
             self.default_sampling = default_sampling(
                 resolve_model(config.model.model), config.model.generation_config,
                 config.model.override_generation_config,
@@ -208,7 +225,8 @@ class AsyncLLM:
 
     def tokenize_pair(self, first: str, second: str) -> tuple[list[int], int]:
         """A cross-encoder's input: both texts as the tokenizer joins a pair ([CLS] first [SEP] second [SEP] for
-        BERT), and where the second starts. ValueError when a text is empty or the pair does not fit the model."""
+        BERT), and where the second starts; a yes/no reranker's: the pair written into its prompt (YES_NO_PAIR),
+        one segment. ValueError when a text is empty or the pair does not fit the model."""
         inputs = self._inputs()
         if not first or not second:
             raise ValueError("a text of the pair is empty")
@@ -216,6 +234,15 @@ class AsyncLLM:
         if len(first) + len(second) > max_chars:
             raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                      f"the pair has {len(first) + len(second)} characters, more than fit.")
+        if self.pooling is not None and self.pooling.yes_no:
+            # The pair's texts stay text: a special token's spelling inside them is not that token (as the chat
+            # path keeps user content); only the prefix's and suffix's markers are.
+            pair = YES_NO_PAIR.format(instruction=YES_NO_INSTRUCTION, query=first, document=second)
+            token_ids = [*self.tokenizer.encode(YES_NO_PREFIX, add_special_tokens=False),
+                         *self.tokenizer.encode(pair, add_special_tokens=False, split_special_tokens=True),
+                         *self.tokenizer.encode(YES_NO_SUFFIX, add_special_tokens=False)]
+            inputs.check_pooling_length(len(token_ids))
+            return token_ids, len(token_ids)
         encoded = self.tokenizer(first, second, return_token_type_ids=True)
         token_ids, types = list(encoded["input_ids"]), list(encoded["token_type_ids"])
         inputs.check_pooling_length(len(token_ids))
@@ -415,7 +442,7 @@ class AsyncLLM:
                     self.tokenizer, message.max_model_len, message.vocab_size,
                     max_num_seqs=self.config.scheduler.max_num_seqs,
                     scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=[*message.eos_token_ids, *self.tokenizer_eos_token_ids],
-                    default_max_tokens=self.default_sampling.get("max_tokens"),
+                    default_max_tokens=self.default_sampling.get("max_tokens"), chat_format=self.chat_format,
                 )
                 self.is_ready = True
                 self._ready.set()

@@ -25,6 +25,9 @@ class EngineClient(Protocol):
     default_sampling: dict[str, Any]
     # The model's fill-in-the-middle tokens (GGUF metadata or the vocabulary's convention); None: it has none.
     fim_tokens: FimTokens | None
+    # "harmony": the model speaks gpt-oss's format (lmserve.harmony renders its prompts; the server parses its output
+    # as harmony unless told another parser); None: the chat template's text is the prompt.
+    chat_format: str | None
     # An embedding model's pooling (then this server is a pooling runner: embed, no generate); None: generative.
     pooling: PoolingConfig | None
     embedding_size: int  # the length of an embedding model's vectors (0 for a generative model)

@@ -9,6 +9,7 @@ from typing import Any
 import jinja2
 
 from lmserve.engine.request import Request
+from lmserve.harmony import render_harmony
 from lmserve.sampling_params import SEED_RANGE, SamplingParams
 
 Prompt = str | list[int]
@@ -33,11 +34,12 @@ class InputProcessor:
     def __init__(
         self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int | None = None,
         scheduling_policy: str = "fcfs", model_eos_token_ids: list[int] | None = None,
-        default_max_tokens: int | None = None,
+        default_max_tokens: int | None = None, chat_format: str | None = None,
     ) -> None:
         """`default_max_tokens`: the model's max_new_tokens (--generation-config), which caps what max_tokens=None
-        fills in."""
+        fills in. `chat_format` "harmony": chat prompts are gpt-oss's (lmserve.harmony), not the template's text."""
         self.tokenizer = tokenizer
+        self.chat_format = chat_format
         self.default_max_tokens = default_max_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -83,6 +85,8 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not messages:
             raise ValueError("messages must be a non-empty list")
+        if self.chat_format == "harmony":
+            return render_harmony(messages, add_generation_prompt, **kwargs)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template")
         return self.tokenizer.apply_chat_template(

@@ -11,7 +11,7 @@ from lmserve.engine.core import EngineCore
 from lmserve.engine.request import Request
 from lmserve.frontend.input_processor import InputProcessor, Prompt, child_params
 from lmserve.frontend.output_processor import OutputProcessor
-from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_eos_token_ids
+from lmserve.frontend.tokenizer import load_frontend_tokenizer, tokenizer_chat_format, tokenizer_eos_token_ids
 from lmserve.generation_config import default_sampling
 from lmserve.models import read_config_dict, resolve_model
 from lmserve.outputs import PoolingOutput, RequestOutput
@@ -75,6 +75,7 @@ class LLM:
         self.input_processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.vocab_size,
             scheduling_policy=self.config.scheduler.policy, model_eos_token_ids=[*self.engine.eos_token_ids, *tokenizer_eos_token_ids(self.config.model, self.tokenizer)],
+            chat_format=tokenizer_chat_format(self.config.model, self.tokenizer),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -129,7 +130,8 @@ class LLM:
             raise ValueError(f"the model {self.config.model.model!r} generates text: it has no embeddings")
         params = pooling_params or PoolingParams()
         if params.dimensions is not None:
-            pooling, size = load_pooling_config(source), int(read_config_dict(source)["hidden_size"])
+            pooling = load_pooling_config(source)
+            size = pooling.output_size(int(read_config_dict(source)["hidden_size"]))
             if not pooling.accepts_dimensions(params.dimensions, size):
                 raise ValueError(f"invalid pooling parameter dimensions={params.dimensions}: the model declares "
                                  f"{list(pooling.matryoshka_dimensions) or 'no'} Matryoshka dimensions")

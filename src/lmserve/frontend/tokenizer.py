@@ -6,7 +6,14 @@ from typing import Any
 
 from lmserve.config import ModelConfig
 from lmserve.generation_config import load_chat_template
-from lmserve.model_tokenizer import FimTokens, end_of_generation_ids, load_tokenizer, model_fim_tokens
+from lmserve.harmony import uses_harmony
+from lmserve.model_tokenizer import (
+    FimTokens,
+    end_of_generation_ids,
+    load_tokenizer,
+    model_fim_tokens,
+    model_type_of,
+)
 from lmserve.models import resolve_model
 
 
@@ -26,3 +33,11 @@ def tokenizer_eos_token_ids(config: ModelConfig, tokenizer: Any) -> list[int]:
 def tokenizer_fim_tokens(config: ModelConfig, tokenizer: Any) -> FimTokens | None:
     """The model's fill-in-the-middle tokens (model_tokenizer.fim_tokens), None for a model without them."""
     return model_fim_tokens(resolve_model(config.tokenizer or config.model), tokenizer)
+
+
+def tokenizer_chat_format(config: ModelConfig, tokenizer: Any) -> str | None:
+    """"harmony" for a model that speaks gpt-oss's format (lmserve.harmony renders its prompts, whatever its
+    template); None: the chat template's text is the prompt. A --chat-template of the operator's is taken at its
+    word: harmony only if it writes harmony."""
+    model_type = None if config.chat_template is not None else model_type_of(resolve_model(config.model))
+    return "harmony" if uses_harmony(model_type, getattr(tokenizer, "chat_template", None)) else None

@@ -179,7 +179,9 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     devices = []
     for stage in range(layout.pp):
         layers = layers_in_stage(spec.num_layers, layout.pp, stage)
-        block_layers = groups.slots if groups.is_hybrid else layers  # a hybrid block holds `slots` layers
+        # A block holds `slots` layers where sliding layers have groups of their own; else every KV layer of the
+        # stage (a hybrid linear-attention model, on one stage, only its full-attention layers).
+        block_layers = groups.slots if groups.is_hybrid else (spec.kv_layers if layout.pp == 1 else layers)
         heads = kv_heads_per_rank(spec, layout.tp)
         weights = spec.weight_bytes(sum(stage_params(spec, layout, stage).values()), nbytes, layout.tp)
         activations = activation_bytes(spec, layout.tp, settings.max_num_batched_tokens, nbytes)
@@ -196,6 +198,14 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     # The engine hands out whole blocks, so a request of `context` tokens costs ceil(context / bs) of them (per
     # KV-cache group: a sliding one holds its window).
     max_concurrency = min_blocks // request_blocks(context)
+    state = spec.linear_state_bytes
+    if state:
+        # A hybrid model's request also holds a state slot of constant size, from the same memory as its KV.
+        per_request = request_blocks(context) * devices[0].kv_bytes_per_token * bs + state
+        max_concurrency = max(0, devices[0].kv_bytes) // per_request
+        notes.append(f"linear-attention layers: {state / 2**20:.2f} MiB of state per request whatever its length "
+                     f"(KV only for the {spec.kv_layers} full-attention layers of {spec.num_layers}); the engine "
+                     f"sets aside up to --max-num-seqs ({settings.max_num_seqs}) such slots from the KV memory")
     max_context = min(max_model_len, kv_capacity_tokens(min_blocks // settings.concurrency, bs, max_model_len,
                                                         groups, settings.max_num_batched_tokens))
     return Plan(
@@ -213,11 +223,12 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
         token_budget=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         weight_bytes=spec.weight_bytes(spec.num_params, nbytes),
-        kv_bytes_per_token=kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_nbytes),
+        kv_bytes_per_token=kv_bytes_per_token(spec.kv_layers, spec.num_kv_heads, spec.head_dim, kv_nbytes),
         devices=devices,
         max_concurrency=max_concurrency,
         max_context=max_context,
-        shortage=_shortage(devices, settings.concurrency * request_blocks(context), context, settings),
+        shortage=_shortage(devices, settings.concurrency * request_blocks(context), context, settings,
+                           settings.concurrency * state),
         notes=notes,
         stored_bits=spec.stored_bits,
     )
@@ -228,12 +239,13 @@ def gib(n: float) -> str:
 
 
 def _shortage(
-    devices: list[DeviceBudget], blocks: int, context: int, settings: PlanSettings
+    devices: list[DeviceBudget], blocks: int, context: int, settings: PlanSettings, state_bytes: int = 0,
 ) -> Shortage | None:
-    """The first resource that runs out on the worst device, and the bytes per device missing for the target."""
+    """The first resource that runs out on the worst device, and the bytes per device missing for the target
+    (state_bytes: a hybrid model's requests' state slots, paid from the KV memory)."""
     found = []
     for d in devices:
-        kv_needed = blocks * d.kv_bytes_per_token * settings.block_size
+        kv_needed = blocks * d.kv_bytes_per_token * settings.block_size + state_bytes
         total = d.weights + d.headroom + kv_needed
         where = f" (pipeline stage {d.stage})" if len(devices) > 1 else ""
         target = f"{settings.concurrency} × {context} tokens"

@@ -12,6 +12,7 @@ from pathlib import Path
 from lmserve.config import (
     FULL_QK_NORM_MODEL_TYPES,
     GEMMA_MODEL_TYPES,
+    HYBRID_MODEL_TYPES,
     QK_NORM_MODEL_TYPES,
     QKV_BIAS_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
@@ -22,6 +23,7 @@ from lmserve.kv_sizing import INT8_KV, blocks_needed
 from lmserve.moe_shape import MoeShape, moe_shape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LINEAR_ATTENTION = "linear_attention"
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Shipped configs so that planning works offline for models not on disk. The default engine model
 # (smollm2-135m-instruct) has the same architecture as SmolLM2-135M.
@@ -86,8 +88,20 @@ class ModelSpec:
     # A mixture of experts' routing (lmserve.moe_shape): memory counts every expert, time the ones a token reads.
     moe: MoeShape | None = None
 
+    # A hybrid model's linear-attention layers (Qwen3.5, Qwen3-Next): no KV, but a state of these bytes per request
+    # (float32 conv and recurrent states of every linear layer, constant in the request's length), and the sizes of
+    # one linear layer's weights: (key heads, value heads, key head dim, value head dim, conv kernel).
+    linear_state_bytes: int = 0
+    linear_shape: tuple[int, int, int, int, int] | None = None
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep KV (all but a hybrid model's linear-attention layers)."""
+        return sum(1 for kind in self.layer_types if kind != LINEAR_ATTENTION) if self.layer_types else self.num_layers
+
     def kv_groups(self, hybrid: bool = True) -> KVCacheGroups:
-        return kv_cache_groups(self.layer_types or ("full_attention",) * self.num_layers, self.sliding_window, hybrid)
+        kinds = [kind for kind in self.layer_types if kind != LINEAR_ATTENTION] or ["full_attention"] * self.kv_layers
+        return kv_cache_groups(kinds, self.sliding_window, hybrid)
     # Bits a parameter as the engine holds a GGUF's weights (a Q4_K_M file: ~5, its stored size; an IQ4_NL file more:
     # q8_0 blocks, gguf_file.gguf_held_bits); None for float checkpoints, whose weights take the plan's dtype.
     stored_bits: float | None = None
@@ -140,6 +154,7 @@ class ModelSpec:
                 model_type, int(cfg["num_hidden_layers"]), cfg.get("sliding_window"))),
             sliding_window=cfg.get("sliding_window"),
             moe=moe_shape(cfg),
+            **_linear_attention(model_type, cfg),
         )
 
     @property
@@ -176,6 +191,20 @@ class ModelSpec:
             return self.num_params
         return self.num_params - 3 * self.hidden_size * sum(
             self.mlp_width(i) - self.mlp_width(i, active=True) for i in range(self.num_layers))
+
+
+def _linear_attention(model_type: str, cfg: dict) -> dict:
+    """A hybrid model's linear layers' per-request state bytes and weight shape (worker/models/gated_deltanet.py)."""
+    if model_type not in HYBRID_MODEL_TYPES:
+        return {}
+    k_heads, v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    k_dim, v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+    kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+    kinds = cfg.get("layer_types") or []
+    num_linear = sum(1 for kind in kinds if kind == LINEAR_ATTENTION)
+    conv_channels = 2 * k_heads * k_dim + v_heads * v_dim
+    state = 4 * num_linear * (conv_channels * (kernel - 1) + v_heads * k_dim * v_dim)
+    return {"linear_state_bytes": state, "linear_shape": (k_heads, v_heads, k_dim, v_dim, kernel)}
 
 
 def load_spec(model: str | None = None, config_file: str | None = None) -> ModelSpec:
@@ -245,6 +274,9 @@ def check_layout(spec: ModelSpec, layout: Layout) -> None:
     tp, pp = layout.tp, layout.pp
     if min(tp, pp, layout.replicas) < 1:
         raise ValueError(f"-tp, -pp and -dp must be >= 1, got {tp}, {pp} and {layout.replicas}")
+    if spec.linear_state_bytes and (tp > 1 or pp > 1):
+        raise ValueError(f"{spec.name} is a hybrid linear-attention model ({spec.model_type}): it runs on one rank "
+                         "(-tp 1 -pp 1) for now; use -dp for more")
     sizes = {"attention heads": spec.num_heads, "KV heads": spec.num_kv_heads,
              "MLP intermediate size": spec.intermediate_size if spec.moe is None else spec.moe.expert_intermediate}
     if spec.moe is not None and spec.moe.shared_intermediate:
@@ -263,6 +295,15 @@ def check_layout(spec: ModelSpec, layout: Layout) -> None:
     if pp > spec.num_layers:
         raise ValueError(f"-pp {pp} is more stages than the {spec.num_layers} layers of {spec.name}; "
                          f"at most {spec.num_layers}")
+
+
+def _linear_layer_params(spec: ModelSpec) -> int:
+    """One Gated DeltaNet layer: in_proj (q, k, v, z, b, a), the depthwise conv, out_proj, the gated norm, A and dt."""
+    k_heads, v_heads, k_dim, v_dim, kernel = spec.linear_shape
+    conv = 2 * k_heads * k_dim + v_heads * v_dim
+    value = v_heads * v_dim
+    return spec.hidden_size * (conv + value + 2 * v_heads) + conv * kernel + value * spec.hidden_size + v_dim \
+        + 2 * v_heads
 
 
 def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
@@ -290,7 +331,12 @@ def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> dict[str, int]:
         mlp = 3 * h * blocks_needed(spec.mlp_width(index), tp)
         if spec.moe is not None and spec.moe.is_moe_layer(index):
             mlp += h * spec.moe.num_experts + (h if spec.moe.shared_intermediate else 0)
-        layers += attention + mlp + spec.norms_per_layer * h + qk_norms
+        if spec.linear_shape is not None:  # a hybrid model: one tensor rank (check_layout)
+            mixer = (_linear_layer_params(spec) if spec.layer_types[index] == LINEAR_ATTENTION
+                     else attention + q * h + qk_norms)  # full attention: q_proj also gives each head's output gate
+        else:
+            mixer = attention + qk_norms
+        layers += mixer + mlp + spec.norms_per_layer * h
     embedding = blocks_needed(spec.vocab_size, tp) * h  # vocabulary-parallel under TP
     first, last = stage == 0, stage == layout.pp - 1
     # Tied embeddings under PP: the last stage keeps its own copy of the embedding to serve as the head.

@@ -185,6 +185,34 @@ class AttentionMetadata:
         return rows
 
 
+@dataclass
+class WholeSequences:
+    """A batch of whole sequences attended without a KV cache (a decoder run as a pooling model: Qwen3-Embedding,
+    EmbeddingGemma): each sequence's rows attend over its own rows only, causally or (`causal` False, EmbeddingGemma's
+    use_bidirectional_attention) both ways, and nothing is written anywhere (no decode follows: worker/
+    pooling_runner.py). Passed where the layers take their AttentionMetadata; their KV caches are (None, None)."""
+
+    seq_lens: list[int]
+    causal: bool
+    # (length, window) -> additive mask, built by the first layer that needs it and reused by the rest.
+    _masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, length: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A sliding window's additive mask over one sequence: causal, a key within `window` positions before the
+        query (kv > q - window, as transformers' sliding_window_overlay); both ways, a key within window - 1 of it on
+        either side (|q - kv| < window, as Gemma 3's _bidirectional_window_overlay). None where nothing is cut."""
+        key = (length, window)
+        if key not in self._masks:
+            position = np.arange(length)
+            distance = position[None, :] - position[:, None]  # key - query
+            visible = ((distance <= 0) & (distance > -window)) if self.causal else (np.abs(distance) < window)
+            if not self.causal and visible.all():
+                self._masks[key] = None
+            else:
+                self._masks[key] = torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
+        return self._masks[key]
+
+
 def build_metadata(
     chunks: list[ScheduledChunk], block_size: int, backend: str, device: torch.device, dtype: torch.dtype
 ) -> AttentionMetadata:
@@ -297,8 +325,10 @@ class PagedAttention:
         v: torch.Tensor,  # [T, KVH, D]
         k_cache: torch.Tensor,  # kv_cache_shapes(md.backend, ...)
         v_cache: torch.Tensor,
-        md: AttentionMetadata,
+        md: AttentionMetadata | WholeSequences,
     ) -> torch.Tensor:
+        if isinstance(md, WholeSequences):
+            return self._whole_sequences(q, k, v, md)
         kvh, d = self.num_kv_heads, self.head_dim
         rows = md.cache_rows(kvh)
         if md.backend == "paged-cpu":  # one op for both writes and the float16 conversion (benchmarks/step_ab.py)
@@ -346,6 +376,21 @@ class PagedAttention:
             o = _attend(qs.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, causal,
                         self.scale, self.softcap)
             out[row : row + q_len] = o[0].transpose(0, 1)
+        return out
+
+    def _whole_sequences(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: WholeSequences) -> torch.Tensor:
+        """Each sequence's rows over its own rows, one SDPA call a sequence (4-D, as the prefill path, for torch's
+        fused CPU kernel); a row's result does not depend on the other sequences of the batch."""
+        out = torch.empty_like(q)
+        row = 0
+        for n in md.seq_lens:
+            rows = slice(row, row + n)
+            mask = md.window_mask(n, self.window, q.dtype, q.device) if self.window and n > 1 else None
+            causal = md.causal and mask is None
+            o = _attend(q[rows].transpose(0, 1).unsqueeze(0), k[rows].transpose(0, 1).unsqueeze(0),
+                        v[rows].transpose(0, 1).unsqueeze(0), mask, causal, self.scale, self.softcap)
+            out[rows] = o[0].transpose(0, 1)
+            row += n
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata):

@@ -34,23 +34,42 @@ class DeviceMemory:
 
 def num_kv_blocks(
     cache_config: CacheConfig, per_block_bytes: int, device: torch.device, measure: Callable[[], DeviceMemory],
-    most_blocks_usable: int | None = None,
+    most_blocks_usable: int | None = None, reserved_bytes: int = 0,
 ) -> int:
     """KV blocks to allocate; `measure` is called only on CUDA when no explicit size is set. `most_blocks_usable`:
-    the blocks max_num_seqs full-length requests hold at once; the CPU default never allocates more."""
+    the blocks max_num_seqs full-length requests hold at once; the CPU default never allocates more.
+    `reserved_bytes`: taken from the same budget first (a hybrid model's per-request state slots)."""
     if cache_config.num_blocks:
         return cache_config.num_blocks
     if cache_config.kv_cache_memory is None and device.type == "cuda":
         m = measure()
         return kv_blocks_for_memory_utilization(
-            m.total_bytes, cache_config.gpu_memory_utilization, m.used_bytes, per_block_bytes, m.free_bytes
+            m.total_bytes, cache_config.gpu_memory_utilization, m.used_bytes + reserved_bytes, per_block_bytes,
+            m.free_bytes - reserved_bytes,
         )
-    blocks = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block_bytes
+    budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    if reserved_bytes >= budget:
+        raise ValueError(f"kv_cache_memory too small: the state slots of --max-num-seqs requests need "
+                         f"{reserved_bytes} bytes of its {budget} (lower --max-num-seqs or raise --kv-cache-memory)")
+    blocks = (budget - reserved_bytes) // per_block_bytes
     if cache_config.kv_cache_memory is None and most_blocks_usable:
         blocks = min(blocks, most_blocks_usable)
     if blocks < 1:
         raise ValueError(f"kv_cache_memory too small: one block needs {per_block_bytes} bytes")
     return blocks
+
+
+def num_state_slots(cache_config: CacheConfig, bytes_per_slot: int, max_num_seqs: int, device: torch.device) -> int:
+    """A hybrid model's per-request state slots: one per request that may run at once (--max-num-seqs), unless that
+    would take more than half of a CPU's KV memory budget (Qwen3.5 at transformers' default shape: 50 MiB a slot, 64
+    of them more than the default 2 GiB): then as many as half of it holds, at least one, and requests past them
+    wait for a slot as for blocks. 0 for a model without such state."""
+    if not bytes_per_slot:
+        return 0
+    if cache_config.num_blocks or (cache_config.kv_cache_memory is None and device.type == "cuda"):
+        return max_num_seqs
+    budget = parse_memory(cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    return max(1, min(max_num_seqs, budget // 2 // bytes_per_slot))
 
 
 def profiling_batch_lengths(num_tokens: int, max_model_len: int) -> list[int]:

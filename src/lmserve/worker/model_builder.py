@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmserve.config import HYBRID_MODEL_TYPES
 from lmserve.distributed.parallel_state import ParallelGroups
+from lmserve.worker.models.hybrid import HybridForCausalLM
 from lmserve.worker.models.llama import LlamaForCausalLM
 from lmserve.worker.weights.stored_formats import KERNEL_FORMATS
 
@@ -43,7 +45,8 @@ def build_model(
     linear layers that remain load straight into float16 weights (LlamaForCausalLM.pend_float16_layers; the table
     in embedding_dtype where given)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_position, parallel, rope_device=device, expert_parallel=expert_parallel)
+        model_class = HybridForCausalLM if config.model_type in HYBRID_MODEL_TYPES else LlamaForCausalLM
+        model = model_class(config, max_position, parallel, rope_device=device, expert_parallel=expert_parallel)
         if block_method is not None:
             model.pend_block_layers(block_method, stored_types, formats, activations)
         model = model.to(dtype)  # before the float16 layers: it would widen their staged rows

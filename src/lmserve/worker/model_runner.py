@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lmserve.config import CacheConfig, ModelConfig, PlacementConfig, SchedulerConfig
+from lmserve.config_values import parse_memory
 from lmserve.distributed.layout import RankLayout
 from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.heap import release_freed_heap, reuse_large_blocks
@@ -29,6 +30,8 @@ from lmserve.worker.kv_cache_setup import allocate_kv_cache
 from lmserve.worker.kv_transfer import KVConnectorWorker, worker_connector
 from lmserve.worker.layer_program import ProgramRefused
 from lmserve.worker.model_builder import build_model
+from lmserve.worker.models.gated_deltanet import LinearBatch, LinearSegment
+from lmserve.worker.models.hybrid import HybridForCausalLM
 from lmserve.worker.models.layers import NUMPY_BLAS
 from lmserve.worker.models.llama import LlamaForCausalLM, decoder_linear_weights
 from lmserve.worker.placement import apply_placement
@@ -40,6 +43,7 @@ from lmserve.worker.weights.block_linear import prepare_batched_copies
 from lmserve.worker.weights.choice import choose_weight_formats, settle_block_kernels
 from lmserve.worker.weights.kernel_choice import LAYER_METHODS
 from lmserve.worker.weights.loader import load_weights
+from lmserve.worker.weights.packed_cache import PackedWeightsCache, packed_cache_settings, use_packed_cache
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class ModelRunner:
         model = self._load_model(model_config, source)
         scheduler_config = scheduler_config or SchedulerConfig()
         self._allocate_kv_cache(model, model_config, cache_config, scheduler_config)
+        self._allocate_states(model, scheduler_config)
         self.layer_program = "off (--enforce-eager)" if model_config.enforce_eager else self._use_layer_program(model)
         logger.info("decoder layers: %s", self.layer_program)
         self.kv_connector = self._kv_connector(cache_config, source, model_config)
@@ -149,10 +154,14 @@ class ModelRunner:
                             formats.block_method, formats.per_layer, formats.formats,
                             formats.layer_activations(model_config, decoder_weights), formats.float16_layers,
                             formats.embedding_dtype(source), expert_parallel=self.expert_parallel)
+        packed_cache, self.packed_weights_mapped = self._packed_cache(model, model_config, source)
         # float16 layers load their rows as the checkpoint stores them; a block layer takes the file's own blocks.
         model.load_weights(load_weights(source, None if formats.float16_layers else self.dtype,
                                         blocks=formats.loaded_blocks, wanted=model.wants, part=model.checkpoint_part))
         self.block_kernels = settle_block_kernels(model, model.layers, formats, model_config, decoder_weights)
+        # A first start writes what it packed for the next (the thread: tests wait for it).
+        self.packed_weights_saving = (packed_cache.save_in_background(model)
+                                      if packed_cache is not None and not self.packed_weights_mapped else None)
         self.block_activations = self.block_kernels.activations
         self.batched_path = self.block_kernels.batched_path
         self.prompt_copies = self.block_kernels.prompt_copies
@@ -173,6 +182,22 @@ class ModelRunner:
         )
         return model
 
+    def _packed_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, source: ModelSource
+                      ) -> tuple[PackedWeightsCache | None, bool]:
+        """A GGUF's block layers from the packed weights cache where an earlier start wrote them (weights/
+        packed_cache.py), keyed by what chose their layout here as well as by the file."""
+        if source.kind != "gguf":
+            return None, False
+        settings = packed_cache_settings(model_config.packed_weights_cache,
+                                         parse_memory(model_config.packed_weights_cache_size),
+                                         model_config.packed_weights_cache_min_bytes)
+        context = {
+            "quantization": self.quantization, "dtype": str(self.dtype), "device": str(self.device),
+            "block_activations": model_config.block_activations, "batched_weights": model_config.batched_weights,
+            "rank": [self.layout.rank, self.layout.tp_size, self.layout.pp_size], "expert_parallel": self.expert_parallel,
+        }
+        return use_packed_cache(model, settings, source.path, context)
+
     def _allocate_kv_cache(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
                            scheduler_config: SchedulerConfig) -> None:
         """The block pool (worker/kv_cache_setup.py) and what decided it, kept on the runner."""
@@ -180,6 +205,42 @@ class ModelRunner:
                                   self.max_model_len, self.block_size, model_config, cache_config, scheduler_config)
         self.attention_backend, self.kv_cache_dtype, self.kv_groups = setup.attention_backend, setup.dtype, setup.groups
         self.num_blocks, self.kv_caches, self.kv_bytes_per_block = setup.num_blocks, setup.caches, setup.bytes_per_block
+        self.kv_state_slots = setup.state_slots
+
+    def _allocate_states(self, model: LlamaForCausalLM, scheduler_config: SchedulerConfig) -> None:
+        """A hybrid model's per-request states (worker/models/hybrid.py): the slots kv_cache_setup took from the KV
+        memory budget (one per request that may run at once, where half the budget holds them); the engine hands
+        them out."""
+        self.num_state_slots, self.state_bytes_per_slot = 0, 0
+        if not isinstance(model, HybridForCausalLM):
+            return
+        if scheduler_config.speculative_config is not None:
+            raise ValueError(f"speculative decoding is not supported for {self.hf_config.model_type} (hybrid linear "
+                             "attention) yet: a rejected draft would need the recurrent state before it")
+        self.num_state_slots = self.kv_state_slots
+        self.state_bytes_per_slot = model.state_bytes_per_slot
+        model.allocate_states(self.num_state_slots, self.device)
+        logger.info("linear-attention state: %d slots of %.2f MiB (%d layers), constant in a request's length",
+                    self.num_state_slots, self.state_bytes_per_slot / 2**20, len(model.linear_layers))
+
+    def _linear_batch(self, order: list[ScheduledRequest]) -> LinearBatch:
+        """The step's rows for a hybrid model's linear layers: decodes (first in `order`, one row each), then each
+        prompt chunk's rows, with each request's state slot."""
+        if any(r.state_slot < 0 for r in order):
+            raise ValueError("a hybrid model's request was scheduled without a state slot")
+        decodes = 0
+        while decodes < len(order) and order[decodes].num_tokens == 1:
+            decodes += 1
+        chunks, row = [], decodes
+        for r in order[decodes:]:
+            chunks.append(LinearSegment(row, r.num_tokens, r.state_slot, r.start_position == 0))
+            row += r.num_tokens
+        return LinearBatch(
+            decodes,
+            torch.as_tensor([r.state_slot for r in order[:decodes]], dtype=torch.long, device=self.device),
+            torch.as_tensor([r.start_position == 0 for r in order[:decodes]], dtype=torch.bool, device=self.device),
+            tuple(chunks),
+        )
 
     def _use_layer_program(self, model: LlamaForCausalLM) -> str:
         """How the decoder layers run: one C++ program where the model's layers are what it runs, else from Python."""
@@ -197,6 +258,9 @@ class ModelRunner:
         transfer = cache_config.kv_transfer_config
         if transfer is None:
             return None
+        if self.num_state_slots:
+            raise ValueError(f"kv transfer is not supported for {self.hf_config.model_type} (hybrid linear attention): "
+                             "a consumer would need each request's recurrent state as well as its blocks")
         if self.kv_groups.is_hybrid:
             raise ValueError("kv transfer needs one KV-cache group; this model has sliding-window layers in groups "
                              "of their own: start both instances with --disable-hybrid-kv-cache-manager")
@@ -241,6 +305,8 @@ class ModelRunner:
         ]
         if len(attn) > 1:
             attn[0].groups = attn  # each layer reads its group's tables (LlamaForCausalLM.forward)
+        if self.num_state_slots:
+            attn[0].linear = self._linear_batch(order)  # (HybridForCausalLM.forward)
         return BatchInputs(
             input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.as_tensor(positions, device=dev),

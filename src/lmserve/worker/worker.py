@@ -54,7 +54,7 @@ class Worker:
         self.parallel = init_parallel_groups(self.layout, init_method, device)
         # An encoder makes this a pooling runner (vLLM's --runner pooling, chosen from the model as vLLM does).
         self.runner: ModelRunner | PoolingModelRunner
-        if is_pooling_model(resolve_model(config.model.model)):
+        if is_pooling_model(resolve_model(config.model.model), config.model.task):
             from lmserve.worker.pooling_runner import PoolingModelRunner  # only an encoder's engine needs it
 
             self.runner = PoolingModelRunner(config.model, config.cache, rank_placement(config, rank), self.parallel,
@@ -70,7 +70,9 @@ class Worker:
         return WorkerInfo(runner.num_blocks, runner.max_model_len, runner.vocab_size, runner.kv_bytes_per_block,
                           prompt_rows_computed_apart=runner.prompt_copies, kv_groups=runner.kv_groups,
                           layer_program=runner.layer_program,
-                          runner=getattr(runner, "runner", "generate"))
+                          runner=getattr(runner, "runner", "generate"),
+                          num_state_slots=getattr(runner, "num_state_slots", 0),
+                          state_bytes_per_slot=getattr(runner, "state_bytes_per_slot", 0))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(scheduler_output)

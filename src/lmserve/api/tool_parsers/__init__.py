@@ -1,7 +1,7 @@
 """Tool calls in a model's own text format, found after generation (`extract`) or while it streams (`streaming`).
 
 Parsers are chosen by vLLM's `--tool-call-parser` names (TOOL_PARSERS). They are pure text: no tokenizer, no engine.
-One module per format (hermes, llama3_json, mistral, pythonic) over what they share (common: the call types, the JSON
+One module per format (harmony, hermes, llama3_json, mistral, pythonic) over what they share (common: the call types, the JSON
 scanner and re-serialiser, the streams' base).
 
 Agreement between the two paths: for any output, the streamed content concatenates to `extract(text).content`
@@ -25,20 +25,27 @@ from dataclasses import dataclass
 
 from lmserve.api.reasoning_parsers import REASONING_PARSERS
 from lmserve.api.tool_parsers.common import ToolParser
+from lmserve.api.tool_parsers.harmony import HarmonyToolParser
 from lmserve.api.tool_parsers.hermes import HermesToolParser
 from lmserve.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from lmserve.api.tool_parsers.mistral import MistralToolParser
 from lmserve.api.tool_parsers.pythonic import PythonicToolParser
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
+__all__ = ["HARMONY_PARSERS", "TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
            "ToolConfig", "ToolParser", "get_tool_parser"]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    HarmonyToolParser.name: HarmonyToolParser,
+    "openai": HarmonyToolParser,  # vLLM's name for gpt-oss's
     HermesToolParser.name: HermesToolParser,
     Llama3JsonToolParser.name: Llama3JsonToolParser,
     MistralToolParser.name: MistralToolParser,
     PythonicToolParser.name: PythonicToolParser,
 }
+
+
+# The names of gpt-oss's parsers (lmserve's and vLLM's), reasoning and tools: they read the same messages, together.
+HARMONY_PARSERS = {"harmony", "openai", "openai_gptoss"}
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -64,3 +71,17 @@ class ToolConfig:
                              f"{', '.join(TOOL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+        harmony = {self.reasoning_parser in HARMONY_PARSERS, self.tool_call_parser in HARMONY_PARSERS}
+        if harmony == {True, False} and None not in (self.reasoning_parser, self.tool_call_parser):
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser} and --tool-call-parser "
+                             f"{self.tool_call_parser} read different formats: gpt-oss's harmony messages are read "
+                             "by harmony for both")
+
+    def for_chat_format(self, chat_format: str | None) -> ToolConfig:
+        """A harmony model's output is read as harmony, reasoning and tool calls (tool_choice "auto" included: its
+        calls are unambiguous), unless the server was told otherwise."""
+        if chat_format != "harmony" or (self.reasoning_parser is not None and self.tool_call_parser is not None):
+            return self
+        return ToolConfig(enable_auto_tool_choice=self.enable_auto_tool_choice or self.tool_call_parser is None,
+                          tool_call_parser=self.tool_call_parser or "harmony",
+                          reasoning_parser=self.reasoning_parser or "harmony")

@@ -100,7 +100,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_types = types
         # One table per layer type (Gemma 3's local layers turn at another base than its global ones).
         self.rotary = {kind: RotaryEmbedding(config, head_dim, max_position, rope_device, kind)
-                       for kind in dict.fromkeys(types[i] for i in layout.stage_layers(config.num_hidden_layers))}
+                       for kind in dict.fromkeys(types[i] for i in layout.stage_layers(config.num_hidden_layers))
+                       if kind != "linear_attention"}  # (a hybrid model's linear layers turn nothing)
         gemma = config.model_type in GEMMA_MODEL_TYPES
         # Gemma multiplies the embeddings by sqrt(hidden size), rounded to the activations' dtype as transformers does.
         self.embedding_scale = config.hidden_size**0.5 if gemma else None
@@ -115,17 +116,10 @@ class LlamaForCausalLM(nn.Module):
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel) if needs_embedding else None
         )
         self.moe = moe_shape(config)
-        if gemma:
-            self.layers = nn.ModuleList(
-                SandwichDecoderLayer(config, parallel, types[i]) if i in self.stage_layers else MissingLayer()
-                for i in range(config.num_hidden_layers)
-            )
-        else:
-            self.layers = nn.ModuleList(
-                DecoderLayer(config, parallel, types[i], self._feed_forward(i, expert_parallel))
-                if i in self.stage_layers else MissingLayer()
-                for i in range(config.num_hidden_layers)
-            )
+        self.layers = nn.ModuleList(
+            self._make_layer(i, types[i], expert_parallel) if i in self.stage_layers else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
         last = layout.is_last_stage
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
         self.program: LayerProgram | None = None  # use_layer_program
@@ -133,6 +127,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             Linear(config.hidden_size, rows_per_rank, bias=False) if last and not self.tie_word_embeddings else None
         )
+
+    def _make_layer(self, index: int, layer_type: str, expert_parallel: bool) -> nn.Module:
+        """Decoder layer `index` (a subclass builds its own kinds: worker/models/hybrid.py)."""
+        if self.config.model_type in GEMMA_MODEL_TYPES:
+            return SandwichDecoderLayer(self.config, self.parallel, layer_type)
+        return DecoderLayer(self.config, self.parallel, layer_type, self._feed_forward(index, expert_parallel))
 
     def _feed_forward(self, index: int, expert_parallel: bool) -> nn.Module | None:
         """Layer `index`'s feed-forward block where it is not the config's MLP: a mixture of experts, or a MoE model's

@@ -15,11 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmserve.formats.gguf_file import ggml_type_name, read_gguf_header, read_gguf_tensor
-from lmserve.worker.models.bert import encoder_attention
+from lmserve.worker.models.bert import encoder_attention, load_gguf_floats
 from lmserve.worker.models.layers import Linear
-
-FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
 class NomicBertLayer(nn.Module):
@@ -73,25 +70,5 @@ class NomicBertModel(nn.Module):
         return hidden
 
     def load_gguf(self, path: Path) -> None:
-        """Every parameter from the file by llama.cpp's name; a missing or mis-shaped one raises. Float weights only
-        (F32, F16, BF16): a block-format tensor is refused rather than turned into a float copy several times its
-        stored size, until the encoders run block formats in their stored bytes as the decoders do."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for info in read_gguf_header(path).tensors:
-            param = params.get(info.name)
-            if param is None:
-                continue
-            stored = ggml_type_name(info.ggml_type)
-            if stored not in FLOAT_TYPES:
-                raise ValueError(f"{path}: {info.name} is stored as {stored}; lmserve runs embedding models from "
-                                 "float GGUF files (F32, F16, BF16) only so far: use the model's F16 file")
-            values = torch.from_numpy(read_gguf_tensor(path, info).copy())
-            if tuple(values.shape) != tuple(param.shape):
-                raise ValueError(f"{path}: {info.name} has shape {tuple(values.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(values)
-            loaded.add(info.name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"{path} lacks {len(missing)} nomic-bert tensor(s): {', '.join(missing[:5])}")
+        """Every parameter from the file by llama.cpp's name (bert.load_gguf_floats: float tensors only)."""
+        load_gguf_floats(self, path, lambda name: name, "nomic-bert")

@@ -45,6 +45,7 @@ from lmserve.worker.weights.batched_copies import (
 from lmserve.worker.weights.block_packing import (
     BLOCK_BYTES,
     PANEL_ROWS,
+    PackedBlocks,
     StoredBlocks,
     StoredRows,
     as_blocks,
@@ -68,7 +69,7 @@ class BlockQuantizedLinear(nn.Module):
     method: ClassVar[str]
 
     def __init__(
-        self, weight: torch.Tensor | StoredBlocks | StoredRows, bias: torch.Tensor | None,
+        self, weight: torch.Tensor | StoredBlocks | StoredRows | PackedBlocks, bias: torch.Tensor | None,
         batched: BatchedPath | None = None,
         activations: str = "float32",
     ) -> None:
@@ -79,7 +80,11 @@ class BlockQuantizedLinear(nn.Module):
         layer."""
         super().__init__()
         self.activations = activations
-        self.blocks, self.out_features, self.in_features = self._pack(weight)
+        if isinstance(weight, PackedBlocks):  # packed by an earlier start (packed_cache): nothing to pack
+            self.activations = weight.activations
+            self.blocks, self.out_features, self.in_features = weight.blocks, weight.out_features, weight.in_features
+        else:
+            self.blocks, self.out_features, self.in_features = self._pack(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.batched_path = batched or batched_path()
         self._use_ops()

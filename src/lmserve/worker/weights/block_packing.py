@@ -75,6 +75,19 @@ class StoredRows:
         return StoredBlocks(self.method, torch.cat(self.parts))
 
 
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A layer's weights already in its kernel's layout (the `blocks` a BlockQuantizedLinear holds, packed for
+    `activations`), as an earlier start packed them: worker/weights/packed_cache.py maps them from disk, so the
+    layer takes them as they are instead of packing the file's blocks again."""
+
+    method: str
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+    activations: str
+
+
 def check_block_width(in_features: int) -> None:
     if in_features % BLOCK_SIZE:
         raise ValueError(

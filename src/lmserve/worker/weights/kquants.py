@@ -16,7 +16,7 @@ import torch
 from lmserve.formats.block_formats import BLOCK_TYPES, INTEGER_ONLY_FORMATS
 from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.weights.block_linear import BlockQuantizedLinear
-from lmserve.worker.weights.block_packing import StoredBlocks, StoredRows
+from lmserve.worker.weights.block_packing import PackedBlocks, StoredBlocks, StoredRows
 from lmserve.worker.weights.kernel_choice import (
     INTEGER_ACTIVATIONS,
     BatchedPath,
@@ -181,8 +181,8 @@ class KQuantLinear(BlockQuantizedLinear):
     prompt rows and large batches take the same copies as the other block layers (BlockQuantizedLinear), built from
     these blocks."""
 
-    def __init__(self, weight: StoredBlocks | StoredRows, bias: torch.Tensor | None, batched: BatchedPath | None = None,
-                 activations: str = "int16") -> None:
+    def __init__(self, weight: StoredBlocks | StoredRows | PackedBlocks, bias: torch.Tensor | None,
+                 batched: BatchedPath | None = None, activations: str = "int16") -> None:
         # A registered layer type knows its format (iq4_nl's takes IQ4_XS blocks too); KQuantLinear itself takes the
         # blocks' own.
         self.method = getattr(type(self), "method", None) or weight.method

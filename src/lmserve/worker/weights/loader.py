@@ -204,8 +204,10 @@ _GGUF_GEMMA_PER_LAYER = {
 
 # Phi-3 stores q, k and v as one matrix, and gate and up as one (llama.cpp names it ffn_up), as its HF checkpoints do.
 _GGUF_PHI3_PER_LAYER = {**_GGUF_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-# Tensors a GGUF holds for the config, not the model: lmserve.models reads them into the RoPE parameters.
-_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors a GGUF holds for the config, not the model: lmserve.models reads them into the RoPE parameters; and a
+# reranker's classifier rows (llama.cpp's cls.output: Qwen3-Reranker's "yes" and "no"), which the pooling runner reads.
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight",
+                      "cls.output.weight")
 
 
 def hf_name_from_gguf(name: str, arch: str = "llama") -> str:
