@@ -24,7 +24,7 @@ def cli_choices(config: type, name: str) -> tuple[str, ...]:
     (ModelConfig, "block_activations", kernel_choice.BLOCK_ACTIVATIONS),
     (ModelConfig, "attention_backend", attention.ATTENTION_BACKENDS),
     (ModelConfig, "fused_ops", kernels.FUSED_OPS),
-    (CacheConfig, "kv_cache_dtype", ("auto", *attention.KV_CACHE_DTYPES)),
+    (CacheConfig, "kv_cache_dtype", ("auto", *attention.KV_CACHE_DTYPES, *attention.FP8_KV_CACHE_DTYPES)),
 ], ids=lambda value: value if isinstance(value, str) else "")  # fmt: skip
 def test_the_command_lines_choices_are_what_the_code_accepts(config: type, name: str, accepted: tuple[str, ...]) -> None:
     assert set(cli_choices(config, name)) == set(accepted)

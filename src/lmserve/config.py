@@ -221,8 +221,10 @@ class CacheConfig:
         False, "vLLM's: keep one block table for every layer of a model with sliding-window layers (Gemma 2/3), so "
         "the blocks out of every window stay held (by default a sliding layer holds only its window)")
     kv_cache_dtype: str = setting(
-        "auto", "element type of the KV cache; float16 halves its bytes per token. auto: float16 for the paged-cpu "
-        "kernel on a float32 model (CPUs with F16C), else the model's dtype", choices=("auto", "float32", "float16"))
+        "auto", "element type of the KV cache; float16 halves its bytes per token, int8 (a float16 scale per 32 "
+        "values, as llama.cpp's q8_0) nearly halves them again; vLLM's fp8, fp8_e4m3 and fp8_e5m2 are stored as int8. "
+        "auto: float16 for the paged-cpu kernel on a float32 model (CPUs with F16C), else the model's dtype",
+        choices=("auto", "float32", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"))
 
     kv_transfer_config: KVTransferConfig | None = setting(  # noqa: RUF009 - a dataclasses.field
         None, 'as vLLM: prefill/decode disaggregation, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": '

@@ -8,13 +8,34 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one position for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+# An int8 KV cache (`--kv-cache-dtype int8`) stores each position's K (and V) row of a kv head as head_dim int8 values
+# followed by one float16 scale per INT8_GROUP values: llama.cpp's q8_0 block, 34 bytes for 32 values.
+INT8_KV = "int8"
+INT8_GROUP = 32
+
+
+def int8_kv_group(head_dim: int) -> int:
+    """Values per scale in an int8 cache row: INT8_GROUP, or the whole row where head_dim is not a multiple of it."""
+    return INT8_GROUP if head_dim % INT8_GROUP == 0 else head_dim
+
+
+def kv_row_bytes(head_dim: int, dtype_bytes: int | str) -> int:
+    """One position's K (or V) of one kv head: head_dim values of dtype_bytes each, or for INT8_KV head_dim bytes and
+    a 2-byte scale per int8_kv_group(head_dim) values."""
+    if dtype_bytes == INT8_KV:
+        return head_dim + 2 * (head_dim // int8_kv_group(head_dim))
+    assert isinstance(dtype_bytes, int), dtype_bytes
+    return head_dim * dtype_bytes
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int | str) -> int:
+    """K and V of one position for every layer: 2 × layers × kv_heads × the bytes of one head's row (kv_row_bytes:
+    head_dim × dtype bytes, or an int8 cache's values and scales)."""
+    return 2 * num_layers * num_kv_heads * kv_row_bytes(head_dim, dtype_bytes)
 
 
 def kv_bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int | str
 ) -> int:
     """K and V for every layer of one block; the model runner sizes its cache with this."""
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes)

@@ -361,3 +361,26 @@ def test_a_request_aborted_while_loading_holds_nothing(
     # The same prompt again loads again and answers as the producer would.
     again = consumer.generate(prompt, GREEDY)[0]
     assert again.outputs[0].token_ids == producer.generate(prompt, GREEDY)[0].outputs[0].token_ids
+
+
+def test_int8_blocks_travel_with_their_scales_and_a_float16_consumer_refuses_them(tmp_path: Path) -> None:
+    """An int8 cache's rows hold their scales (worker/kv_int8.py), so a stored block is its values and scales: a
+    consumer that loads them gives an int8 instance's own tokens and logprobs, bit for bit; a float16 consumer of the
+    same storage refuses to start."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    with LLM(num_blocks=64, kv_cache_dtype="int8") as plain_int8:
+        expected = plain_int8.generate(PROMPTS, params)
+    with LLM(num_blocks=64, kv_cache_dtype="int8", kv_transfer_config=transfer("kv_producer", tmp_path)) as producer:
+        prefilled = producer.generate(PROMPTS, ONE_TOKEN)
+    full_blocks = [(len(o.prompt_token_ids) - 1) // 16 for o in prefilled]
+    assert len(stored_blocks(tmp_path)) == sum(full_blocks) > 0
+    layout = json.loads(next(model_storage(tmp_path).glob("layout-r0.json")).read_text())
+    assert layout["dtype"] == "torch.int8" and layout["block_shapes"][0][-1] == 64 + 4  # values, then 2 scales
+    with LLM(num_blocks=64, kv_cache_dtype="int8", kv_transfer_config=transfer("kv_consumer", tmp_path)) as consumer:
+        decoded = consumer.generate(PROMPTS, params)
+    assert [o.num_cached_tokens for o in decoded] == [16 * n for n in full_blocks]
+    for got, want in zip(decoded, expected, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert [e.logprob for e in got.outputs[0].logprobs] == [e.logprob for e in want.outputs[0].logprobs]
+    with pytest.raises(Exception, match="another layout"):
+        LLM(num_blocks=64, kv_cache_dtype="float16", kv_transfer_config=transfer("kv_consumer", tmp_path))

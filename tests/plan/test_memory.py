@@ -124,7 +124,21 @@ def test_concurrency_and_context_trade_off():
     assert plan.max_context == min(8192, d.kv_blocks // 8 * 16)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32"])
+def test_an_int8_kv_cache_counts_its_values_and_scales(capsys):
+    """34 bytes per 32 values (llama.cpp's q8_0): 68 per kv head's row of 64 where float16 takes 128; the planned
+    serve command carries --kv-cache-dtype int8."""
+    code, out = run_plan(capsys, "--model", "smollm2-135m", "--dtype", "float32", "--kv-dtype", "int8",
+                         "--device-memory", "16")
+    assert out["kv_bytes_per_token"] == 2 * 30 * 3 * 68 == 12_240
+    assert out["devices"][0]["kv_bytes_per_token"] == 12_240 and code == 0
+    assert "--kv-cache-dtype int8" in out["serve_command"]
+    _, wider = run_plan(capsys, "--model", "smollm2-135m", "--dtype", "float32", "--kv-dtype", "float16",
+                        "--device-memory", "16")
+    assert out["max_context"] >= wider["max_context"] and out["devices"][0]["kv_blocks"] > 1.8 * wider["devices"][0][
+        "kv_blocks"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "float32", "int8"])
 def test_engine_sizes_its_kv_cache_with_the_planner_formula(kv_cache_dtype: str):
     """The planner's bytes per block are what the engine's KV tensors hold for one block, and what it divides its
     memory by: its plan for the default model is the engine's allocation."""
@@ -133,7 +147,7 @@ def test_engine_sizes_its_kv_cache_with_the_planner_formula(kv_cache_dtype: str)
 
     assert memory.kv_bytes_per_block(30, 3, 64, 16, 2) == 16 * 23_040
     runner = ModelRunner(ModelConfig(), CacheConfig(num_blocks=8, kv_cache_dtype=kv_cache_dtype))
-    itemsize = 2 if kv_cache_dtype == "float16" else 4
+    itemsize = {"float16": 2, "float32": 4, "int8": "int8"}[kv_cache_dtype]
     allocated = sum(t[0].nbytes for layer in runner.kv_caches for t in layer)  # block 0 of every K and V tensor
     assert runner.kv_bytes_per_block == memory.kv_bytes_per_block(30, 3, 64, 16, itemsize) == allocated
     assert runner.num_blocks == 8

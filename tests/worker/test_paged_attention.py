@@ -172,9 +172,9 @@ def test_kernel_refuses_what_it_cannot_compute() -> None:
     tables = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32 queries"):
         op(out, q.double(), keys, cache, tables, torch.tensor([[0, 1, 5]]), 1.0)
-    with pytest.raises(RuntimeError, match="float32 or float16 caches"):
+    with pytest.raises(RuntimeError, match="float32, float16 or int8 caches"):
         op(out, q, keys.bfloat16(), cache.bfloat16(), tables, torch.tensor([[0, 1, 5]]), 1.0)
-    with pytest.raises(RuntimeError, match="float32 or float16 caches"):  # K and V of different types
+    with pytest.raises(RuntimeError, match="float32, float16 or int8 caches"):  # K and V of different types
         op(out, q, keys, cache.half(), tables, torch.tensor([[0, 1, 5]]), 1.0)
     with pytest.raises(RuntimeError, match="context 40"):  # longer than its two blocks of 16
         op(out, q, keys, cache, tables, torch.tensor([[0, 1, 40]]), 1.0)
@@ -361,8 +361,8 @@ def test_kv_cache_dtype_choice(monkeypatch) -> None:
     assert check_kv_cache_dtype("auto", torch.float32, "sdpa") == torch.float32  # the model's, as in vLLM
     assert check_kv_cache_dtype("auto", torch.bfloat16, "sdpa") == torch.bfloat16
     assert check_kv_cache_dtype("float16", torch.float32, "sdpa") == torch.float16
-    with pytest.raises(ValueError, match="unknown KV cache dtype 'int8'"):
-        check_kv_cache_dtype("int8", torch.float32, "sdpa")
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        check_kv_cache_dtype("int4", torch.float32, "sdpa")
     monkeypatch.setattr(attention, "cpu_flags", lambda: frozenset({"avx2"}))
     assert check_kv_cache_dtype("auto", torch.float32, "paged-cpu") == torch.float32  # no F16C: the model's dtype
     with pytest.raises(ValueError, match="needs a CPU with F16C"):

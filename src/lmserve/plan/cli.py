@@ -21,8 +21,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                              "HF directory, config.json, GGUF file or registered name; default: the default model")
     source.add_argument("--config", default=None, help="an HF config.json file")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: the weights' dtype")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
+                   help="default: the weights' dtype; int8: 8-bit values and a float16 scale per 32 (34 bytes per 32)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own context length")
     p.add_argument("--context", type=int, default=None, help="tokens per request; default: max-model-len")
     p.add_argument("--concurrency", type=int, default=1, help="target concurrent requests per replica")

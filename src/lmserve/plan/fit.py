@@ -20,6 +20,7 @@ from lmserve.plan.model_spec import (
     Layout,
     ModelSpec,
     bytes_of_dtype,
+    kv_dtype_bytes,
     kv_heads_per_rank,
     layers_in_stage,
     stage_params,
@@ -91,7 +92,7 @@ def layout_memory(spec: ModelSpec, config: EngineConfig) -> LayoutMemory:
     for stage in range(layout.pp):
         if cache.num_blocks:
             # The KV dtype 'auto' may pick float16; the model's dtype is the larger, hence conservative, size.
-            kv_nbytes = nbytes if cache.kv_cache_dtype == "auto" else bytes_of_dtype(cache.kv_cache_dtype)
+            kv_nbytes = nbytes if cache.kv_cache_dtype == "auto" else kv_dtype_bytes(cache.kv_cache_dtype)
             kv = cache.num_blocks * kv_bytes_per_block(
                 layers_in_stage(spec.num_layers, layout.pp, stage), kv_heads_per_rank(spec, layout.tp),
                 spec.head_dim, cache.block_size, kv_nbytes,

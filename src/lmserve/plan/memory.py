@@ -20,6 +20,7 @@ from lmserve.plan.model_spec import (
     ModelSpec,
     bytes_of_dtype,
     check_layout,
+    kv_dtype_bytes,
     kv_heads_per_rank,
     layers_in_stage,
     stage_params,
@@ -144,7 +145,7 @@ def make_plan(spec: ModelSpec, settings: PlanSettings) -> Plan:
     layout = settings.layout
     check_layout(spec, layout)
     nbytes, kv_dtype = bytes_of_dtype(settings.dtype), settings.kv_dtype or settings.dtype
-    kv_nbytes = bytes_of_dtype(kv_dtype)
+    kv_nbytes = kv_dtype_bytes(kv_dtype)
     memory = settings.device_memory if settings.device_memory is not None else machine_memory()
     for name in ("max_model_len", "context"):  # None: the model's own; 0 is no length (it was taken for None)
         if getattr(settings, name) is not None and getattr(settings, name) < 1:
@@ -306,7 +307,7 @@ def compare_layouts(spec: ModelSpec, settings: PlanSettings, gpus: int) -> list[
     """Independent replicas, TP, PP, TP×PP and prefill/decode separation on `gpus` devices, side by side."""
     act = bytes_of_dtype(settings.dtype) * spec.hidden_size  # one hidden vector, what every collective moves
     kv_token = kv_bytes_per_token(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, bytes_of_dtype(settings.kv_dtype or settings.dtype)
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype_bytes(settings.kv_dtype or settings.dtype)
     )
 
     def allreduce(tp: int, pp: int) -> int:

@@ -19,7 +19,7 @@ from lmserve.config import (
     default_layer_types,
 )
 from lmserve.kv_groups import KVCacheGroups, kv_cache_groups
-from lmserve.kv_sizing import blocks_needed
+from lmserve.kv_sizing import INT8_KV, blocks_needed
 from lmserve.moe_shape import MoeShape, moe_shape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -43,6 +43,20 @@ SHIPPED_CONFIGS = {
 def bytes_of_dtype(name: str) -> int:
     if name not in DTYPE_BYTES:
         raise ValueError(f"unsupported dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+# The engine's 8-bit KV caches: int8, and vLLM's fp8 names, which it stores as int8 (worker/attention.py).
+INT8_KV_NAMES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_dtype_bytes(name: str) -> int | str:
+    """What lmserve.kv_sizing takes for a KV cache dtype: its bytes per value, or INT8_KV (values and scales)."""
+    if name in INT8_KV_NAMES:
+        return INT8_KV
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown KV cache dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}, int8 (or vLLM's "
+                         f"{', '.join(INT8_KV_NAMES[1:])}, stored as int8)")
     return DTYPE_BYTES[name]
 
 

@@ -13,7 +13,7 @@ from lmserve.plan.memory import LayoutOption, Plan
 from lmserve.plan.model_spec import CONFIG_DIR, SHIPPED_CONFIGS
 
 # The engine's --kv-cache-dtype choices (config.CacheConfig); a bfloat16 KV cache is the engine's 'auto' for it.
-ENGINE_KV_DTYPES = ("float32", "float16")
+ENGINE_KV_DTYPES = ("float32", "float16", "int8")
 
 
 def serve_model_name(model: str) -> str:

@@ -15,6 +15,7 @@ Two backends (`--attention-backend`):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from lmserve.worker.kernels import (
     paged_keys_transposed,
     write_kv_cache_op,
 )
+from lmserve.worker.kv_int8 import dequantize_kv, int8_row_bytes, quantize_kv
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "paged-cpu")
 PAGED_CPU_HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the sizes the kernel is compiled for
@@ -53,24 +57,33 @@ def check_attention_backend(name: str | None, device: torch.device, dtype: torch
     return "paged-cpu" if cpu_kernels_load(name != "auto", "attention falls back to sdpa") else "sdpa"
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# int8: each position's K and V row of a kv head as int8 values with a float16 scale per 32 (worker/kv_int8.py).
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+# vLLM's 8-bit cache names. CPUs have no fp8 arithmetic (vLLM's CPU backend converts fp8 too), and an int8 value
+# with a scale per 32 keeps 7 bits of a group's range where e4m3 keeps 3 of each value's: they store as int8.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def kv_cache_shapes(
-    backend: str, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int
+    backend: str, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The K and V caches' shapes. Blocks are head-major: one kv head's part of a block is contiguous. paged-cpu's
     kernel for AVX-512 stores each such part of K transposed, [head dim, block size], so that its scores for a vector
-    of keys are one chain of multiply-adds along K's rows (worker/kernels/paged_attention.h)."""
+    of keys are one chain of multiply-adds along K's rows (worker/kernels/paged_attention.h). An int8 cache's rows
+    hold their scales after their values (int8_row_bytes), K's as V's in every backend."""
+    if dtype == torch.int8:
+        shape = (num_blocks, num_kv_heads, block_size, int8_row_bytes(head_dim))
+        return shape, shape
     v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if keys_transposed(backend):
+    if keys_transposed(backend, dtype):
         return (num_blocks, num_kv_heads, head_dim, block_size), v_shape
     return v_shape, v_shape
 
 
-def keys_transposed(backend: str) -> bool:
+def keys_transposed(backend: str, dtype: torch.dtype = torch.float32) -> bool:
     """Whether `backend` stores K blocks transposed (kv_cache_shapes)."""
-    return backend == "paged-cpu" and paged_keys_transposed()
+    return backend == "paged-cpu" and dtype != torch.int8 and paged_keys_transposed()
 
 
 def check_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, backend: str) -> torch.dtype:
@@ -79,14 +92,19 @@ def check_kv_cache_dtype(name: str | None, model_dtype: torch.dtype, backend: st
     under paged-cpu on a CPU with F16C (as llama.cpp's f16 cache): a decode step of 16 requests ran 1.12x faster,
     and the default model's next-token distributions moved by a mean KL of 4e-7, six times less than a float32 model
     moves between chunked and one-pass prefill (benchmarks/kv_cache_dtype.py). Otherwise auto is the model's dtype.
-    float32 keeps a float32 model's K and V exact."""
+    float32 keeps a float32 model's K and V exact. int8 (and vLLM's fp8 names, stored as int8) takes 34 bytes per 32
+    values, 0.53x float16's, at a rounding of at most half a scale: docs/benchmarks.md measures what it costs."""
     name = name or "auto"
     if name == "auto":
         if backend == "paged-cpu" and model_dtype == torch.float32 and "f16c" in cpu_flags():
             return torch.float16
         return model_dtype
+    if name in FP8_KV_CACHE_DTYPES:
+        logger.info("--kv-cache-dtype %s: stored as int8 with a float16 scale per 32 values (CPUs have no fp8)", name)
+        name = "int8"
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown KV cache dtype {name!r}: use one of auto, {', '.join(KV_CACHE_DTYPES)}")
+        raise ValueError(f"unknown KV cache dtype {name!r}: use one of auto, {', '.join(KV_CACHE_DTYPES)} "
+                         f"(or vLLM's {', '.join(FP8_KV_CACHE_DTYPES)}, stored as int8)")
     dtype = KV_CACHE_DTYPES[name]
     if dtype == torch.float16 and backend == "paged-cpu" and "f16c" not in cpu_flags():
         raise ValueError("--kv-cache-dtype float16 with paged-cpu attention needs a CPU with F16C")
@@ -251,11 +269,14 @@ def build_metadata(
 
 
 def _gather(
-    cache: torch.Tensor, block_ids: torch.Tensor, context: int, dtype: torch.dtype, transposed: bool = False
+    cache: torch.Tensor, block_ids: torch.Tensor, context: int, dtype: torch.dtype, head_dim: int,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """[KVH, context, D]: a sequence's first `context` cached positions, copied out of its blocks ([blocks, KVH,
-    block size, D], or [blocks, KVH, D, block size] where `transposed`: kv_cache_shapes)."""
+    block size, D], or [blocks, KVH, D, block size] where `transposed`: kv_cache_shapes; int8 rows dequantized)."""
     blocks = cache.index_select(0, block_ids)
+    if cache.dtype == torch.int8:
+        blocks = dequantize_kv(blocks, head_dim)
     if transposed:
         blocks = blocks.transpose(2, 3)
     return blocks.transpose(0, 1).reshape(cache.shape[1], -1, blocks.shape[3])[:, :context].to(dtype)
@@ -312,6 +333,10 @@ class PagedAttention:
         rows = md.cache_rows(kvh)
         if md.backend == "paged-cpu":  # one op for both writes and the float16 conversion (benchmarks/step_ab.py)
             write_kv_cache_op()(k_cache, v_cache, k, v, rows)
+        elif k_cache.dtype == torch.int8:
+            width = k_cache.shape[-1]
+            k_cache.view(-1, width).index_copy_(0, rows, quantize_kv(k).reshape(-1, width))
+            v_cache.view(-1, width).index_copy_(0, rows, quantize_kv(v).reshape(-1, width))
         else:
             k_cache.view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(k_cache.dtype))
             v_cache.view(-1, d).index_copy_(0, rows, v.reshape(-1, d).to(v_cache.dtype))
@@ -329,7 +354,10 @@ class PagedAttention:
                 # (rounded to a float16 cache's precision), so that a prompt attends to the same values whether it
                 # runs in one chunk or in several, whose later ones read the cache.
                 keys, values = k[row : row + q_len], v[row : row + q_len]
-                if k_cache.dtype != keys.dtype:
+                if k_cache.dtype == torch.int8:
+                    keys = dequantize_kv(quantize_kv(keys), d, keys.dtype)
+                    values = dequantize_kv(quantize_kv(values), d, values.dtype)
+                elif k_cache.dtype != keys.dtype:
                     keys, values = keys.to(k_cache.dtype).to(keys.dtype), values.to(v_cache.dtype).to(values.dtype)
                 keys, values = keys.transpose(0, 1), values.transpose(0, 1)
                 causal = True
@@ -337,8 +365,9 @@ class PagedAttention:
                     mask = md.window_chunk_mask(self.window, start, q_len, q.dtype)
                     causal = mask is None
             else:
-                keys = _gather(k_cache, block_ids, start + q_len, q.dtype, transposed=keys_transposed(md.backend))
-                values = _gather(v_cache, block_ids, start + q_len, q.dtype)
+                keys = _gather(k_cache, block_ids, start + q_len, q.dtype, d,
+                               transposed=keys_transposed(md.backend, k_cache.dtype))
+                values = _gather(v_cache, block_ids, start + q_len, q.dtype, d)
                 causal = False
                 windowed = md.window_chunk_mask(self.window, start, q_len, q.dtype) if self.window else None
                 mask = mask if windowed is None else windowed
@@ -368,9 +397,12 @@ class PagedAttention:
         n, (kvh, d) = q.shape[0], (self.num_kv_heads, self.head_dim)
         # index_select copies whole blocks; advanced indexing with a 2-D index was 5-10x slower here.
         flat = md.decode_block_tables.view(-1)
-        keys = k_cache.index_select(0, flat).view(n, -1, kvh, md.block_size, d)  # [n, blocks, KVH, block, D]
+        keys, values = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+        if k_cache.dtype == torch.int8:
+            keys, values = dequantize_kv(keys, d, q.dtype), dequantize_kv(values, d, q.dtype)
+        keys = keys.view(n, -1, kvh, md.block_size, d)  # [n, blocks, KVH, block, D]
         keys = keys.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)  # [n, KVH, L, D]
-        values = v_cache.index_select(0, flat).view(n, -1, kvh, md.block_size, d)
+        values = values.view(n, -1, kvh, md.block_size, d)
         values = values.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)
         mask = md.window_decode_mask(self.window) if self.window else md.decode_mask
         o = _attend(q.unsqueeze(2), keys, values, mask, False, self.scale, self.softcap)  # q: [n, H, 1, D]

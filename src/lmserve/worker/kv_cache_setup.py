@@ -13,7 +13,7 @@ import torch
 from lmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from lmserve.distributed.layout import stage_layers
 from lmserve.kv_groups import KVCacheGroups, model_kv_groups
-from lmserve.kv_sizing import kv_bytes_per_block
+from lmserve.kv_sizing import INT8_KV, kv_bytes_per_block
 from lmserve.worker.attention import check_attention_backend, check_kv_cache_dtype, kv_cache_shapes
 from lmserve.worker.lazy_zeros import zeroed_lazily
 from lmserve.worker.memory import measure_cuda_memory, num_kv_blocks, num_state_slots, profiling_step
@@ -48,7 +48,8 @@ def allocate_kv_cache(model: LlamaForCausalLM, hf_config: Any, pp_size: int, dev
     # (One stage: the model's own count, which for a hybrid model is its full-attention layers only.)
     largest_stage = model.num_layers if pp_size == 1 else len(stage_layers(hf_config.num_hidden_layers, pp_size, 0))
     layers_per_block = groups.slots if groups.is_hybrid else largest_stage
-    per_block = kv_bytes_per_block(layers_per_block, num_kv_heads, head_dim, block_size, kv_dtype.itemsize)
+    per_block = kv_bytes_per_block(layers_per_block, num_kv_heads, head_dim, block_size,
+                                   INT8_KV if kv_dtype == torch.int8 else kv_dtype.itemsize)
     state_slots = num_state_slots(cache_config, getattr(model, "state_bytes_per_slot", 0),
                                   scheduler_config.max_num_seqs, device)
     if state_slots and state_slots < scheduler_config.max_num_seqs:
@@ -63,7 +64,7 @@ def allocate_kv_cache(model: LlamaForCausalLM, hf_config: Any, pp_size: int, dev
         ),
     ), most_blocks_usable=scheduler_config.max_num_seqs * blocks_per_request,
         reserved_bytes=state_slots * getattr(model, "state_bytes_per_slot", 0))
-    k_shape, v_shape = kv_cache_shapes(attention_backend, num_blocks, num_kv_heads, block_size, head_dim)
+    k_shape, v_shape = kv_cache_shapes(attention_backend, num_blocks, num_kv_heads, block_size, head_dim, kv_dtype)
     tensors = [(zeroed_lazily(k_shape, kv_dtype, device), zeroed_lazily(v_shape, kv_dtype, device))
                for _ in range(layers_per_block if groups.is_hybrid else model.num_layers)]
     # Layer i's K/V: its slot's tensors at its group's block ids (hybrid), else its own tensors.

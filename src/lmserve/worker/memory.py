@@ -102,7 +102,7 @@ def profiling_step(
         chunks.append(ScheduledChunk(0, n, list(range(next_block, next_block + count))))
         next_block += count
     num_kv_heads, head_dim = model.kv_shape
-    k_shape, v_shape = kv_cache_shapes(attention_backend, next_block, num_kv_heads, block_size, head_dim)
+    k_shape, v_shape = kv_cache_shapes(attention_backend, next_block, num_kv_heads, block_size, head_dim, kv_cache_dtype)
     kv_caches = [
         (torch.zeros(k_shape, dtype=kv_cache_dtype, device=device), torch.zeros(v_shape, dtype=kv_cache_dtype, device=device))
         for _ in range(model.num_layers)

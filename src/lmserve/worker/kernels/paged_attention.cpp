@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -141,6 +142,20 @@ void widen_block(const KV* k, const KV* v, int64_t block_size, int64_t padded, f
     }
   }
   widen(v, vs, kDim * block_size);
+}
+
+// One kv head's part of an int8 block (keys [0, keys), rows as V's: paged_attention.h) as widen_block leaves a float
+// one: K^T [kDim][padded], zero past `keys`, and V [block_size][kDim].
+template <int kDim>
+void dequantize_block(const int8_t* k, const int8_t* v, int64_t keys, int64_t padded, float* kt, float* vs) {
+  const int64_t width = int8_row_bytes(kDim);
+  float key[kDim];
+  for (int64_t j = 0; j < keys; ++j) {
+    dequantize_row(k + j * width, key, kDim);
+    for (int64_t d = 0; d < kDim; ++d) kt[d * padded + j] = key[d];
+    dequantize_row(v + j * width, vs + j * kDim, kDim);
+  }
+  for (int64_t d = 0; d < kDim; ++d) std::fill(kt + d * padded + keys, kt + (d + 1) * padded, 0.f);
 }
 
 // One kv head's part of a block, where a run of rows reads it: K^T [kDim][stride] and V [block size][kDim], float32
@@ -294,7 +309,8 @@ template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
          int64_t group, double scale, int64_t window, float softcap) {
-  const int64_t block_size = k_cache.size(3), num_kv_heads = k_cache.size(1), max_blocks = block_tables.size(1);
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
+  const int64_t block_size = v_cache.size(2), num_kv_heads = v_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
   const int64_t* req = requests.data_ptr<int64_t>();
   const float* q_data = q.data_ptr<float>();
@@ -303,7 +319,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const KV* v_data = v_cache.data_ptr<KV>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t head_values = block_size * kDim, block_stride = num_kv_heads * head_values;
+  const int64_t head_values = block_size * (kInt8 ? int8_row_bytes(kDim) : kDim);
+  const int64_t block_stride = num_kv_heads * head_values;
   const float fscale = static_cast<float>(scale);
 
   const std::vector<int64_t> bounds = thread_bounds(items, requests);
@@ -356,9 +373,13 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
           const int64_t next = has_next ? table[b + 1] * block_stride + (first_kv + kv) * head_values : -1;
           const int64_t r0 = kv * rows_per_kv;
           float *q = queries.data() + r0 * kDim, *a = acc.data() + r0 * kDim, *s = scores.data() + r0 * padded;
-          // Rows for more than one run read the block widened once; a single run reads the cache.
-          if (rows_per_kv > kRunRows || padded != block_size) {
-            widen_block<kDim, KV>(k_data + offset, v_data + offset, block_size, padded, kt.data(), vs.data());
+          // Rows for more than one run read the block widened once; a single run reads the cache; an int8 block is
+          // always dequantized first.
+          if (kInt8 || rows_per_kv > kRunRows || padded != block_size) {
+            if constexpr (kInt8)
+              dequantize_block<kDim>(k_data + offset, v_data + offset, block_keys, padded, kt.data(), vs.data());
+            else
+              widen_block<kDim, KV>(k_data + offset, v_data + offset, block_size, padded, kt.data(), vs.data());
             if (has_next)
               for (int64_t i = 0; i < head_values; i += 64 / static_cast<int64_t>(sizeof(KV))) {
                 __builtin_prefetch(k_data + next + i, 0, 3);
@@ -367,7 +388,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
             const BlockPart<float> part{kt.data(), vs.data(), padded, nullptr, nullptr};
             run_rows<kDim, float>(rows_per_kv, q, a, s, row_max.data() + r0, row_sum.data() + r0,
                                   hidden.data() + r0, visible.data() + r0, part, padded, softcap);
-          } else {
+          } else if constexpr (!kInt8) {
             const BlockPart<KV> part{k_data + offset, v_data + offset, block_size,
                                      has_next ? k_data + next : nullptr, has_next ? v_data + next : nullptr};
             run_rows<kDim, KV>(rows_per_kv, q, a, s, row_max.data() + r0, row_sum.data() + r0,
@@ -390,11 +411,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests, window, softcap);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = v_cache.size(2), num_kv_heads = v_cache.size(1);
-  TORCH_CHECK(v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && k_cache.size(0) == v_cache.size(0) &&
-                  k_cache.size(1) == num_kv_heads && k_cache.size(2) == head_dim && k_cache.size(3) == block_size,
-              "paged_attention: caches must be K [blocks, kv heads, head dim, block size] and V [blocks, kv heads, "
-              "block size, head dim] with head dim ", head_dim, " and a kv head count that divides ", num_heads,
-              " query heads");
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(v_cache.size(3) == int8_row_bytes(head_dim) && num_heads % num_kv_heads == 0 &&
+                    k_cache.sizes() == v_cache.sizes(),
+                "paged_attention: int8 caches must both be [blocks, kv heads, block size, ", int8_row_bytes(head_dim),
+                "] with head dim ", head_dim, " and a kv head count that divides ", num_heads, " query heads");
+  } else {
+    TORCH_CHECK(v_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && k_cache.size(0) == v_cache.size(0) &&
+                    k_cache.size(1) == num_kv_heads && k_cache.size(2) == head_dim && k_cache.size(3) == block_size,
+                "paged_attention: caches must be K [blocks, kv heads, head dim, block size] and V [blocks, kv heads, "
+                "block size, head dim] with head dim ", head_dim, " and a kv head count that divides ", num_heads,
+                " query heads");
+  }
   const int64_t group = num_heads / num_kv_heads;
   const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
   dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
@@ -435,6 +463,7 @@ void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::
 void write_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& rows) {
   check_write_inputs(k_cache, v_cache, k, v, rows);
+  if (k_cache.scalar_type() == at::kChar) return write_int8_rows(k_cache, v_cache, k, v, rows.data_ptr<int64_t>());
   TORCH_CHECK(k_cache.sizes() == at::IntArrayRef({v_cache.size(0), v_cache.size(1), v_cache.size(3), v_cache.size(2)}),
               "write_kv_cache: caches must be K [blocks, kv heads, head dim, block size] and V [blocks, kv heads, "
               "block size, head dim] matching K and V");

@@ -5,6 +5,12 @@
 // - paged_attention_avx2.cpp everywhere else: K blocks like V's, [block, kv head, key, dim], one dot product per key.
 //   On AVX2 (8 lanes, 16 registers) the transposed kernel ran at 0.76-0.94x of this one (benchmarks/kv_layout.py).
 // The Python side asks `torch.ops.lmserve.paged_keys_transposed()` which layout to allocate.
+//
+// An int8 cache (`--kv-cache-dtype int8`, worker/kv_int8.py) stores K like V in both kernels, [block, kv head, key,
+// row], each row a key's head_dim int8 values followed by a float16 scale per int8_group(head_dim) values (llama.cpp's
+// q8_0 block: 34 bytes per 32 values). A kernel dequantizes each block it reads, the kv heads a work item needs,
+// into a float32 tile of its thread's (a few KB, in L1/L2) and runs its float32 path over that tile: the cache is
+// read once, at 0.53x a float16 cache's bytes, and the arithmetic after the tile is the float32 cache's.
 
 #pragma once
 
@@ -17,7 +23,9 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace lmserve_paged {
@@ -29,6 +37,68 @@ constexpr bool kKeysTransposed = false;
 #endif
 
 constexpr int64_t kQueryTile = 16;  // queries per work item: keeps the tile's accumulators in L1/L2
+
+// An int8 cache row (lmserve.kv_sizing.kv_row_bytes): head_dim values, then a float16 scale per group.
+constexpr int64_t kInt8Group = 32;
+inline int64_t int8_group(int64_t dim) { return dim % kInt8Group == 0 ? kInt8Group : dim; }
+inline int64_t int8_row_bytes(int64_t dim) { return dim + 2 * (dim / int8_group(dim)); }
+// The elements of one cache row of a kv head's key or value: head_dim, or an int8 row's bytes.
+inline int64_t cache_row_width(at::ScalarType type, int64_t dim) {
+  return type == at::kChar ? int8_row_bytes(dim) : dim;
+}
+
+// x rounded to an int8 row: per group, scale = max |x| / 127 rounded to float16, q = round(x / scale) (ties to even)
+// within +-127, the scales after the values (memcpy: a row starts at any even byte). worker/kv_int8.py's quantize_kv
+// computes the same bits.
+inline void quantize_row(int8_t* dst, const float* src, int64_t dim) {
+  const int64_t group = int8_group(dim);
+  for (int64_t g = 0; g * group < dim; ++g) {
+    const float* x = src + g * group;
+    float amax = 0.f;
+    for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::abs(x[i]));
+    const at::Half scale(std::min(amax * (1.f / 127.f), 65504.f));
+    const float wide = static_cast<float>(scale);
+    const float inverse = wide > 0.f ? 1.f / wide : 0.f;
+    for (int64_t i = 0; i < group; ++i)
+      dst[g * group + i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inverse), -127.f, 127.f));
+    std::memcpy(dst + dim + 2 * g, &scale, 2);
+  }
+}
+
+// An int8 row back to floats: q x scale, exact in float32 (8 bits times float16's 11).
+inline void dequantize_row(const int8_t* src, float* dst, int64_t dim) {
+  const int64_t group = int8_group(dim);
+  for (int64_t g = 0; g * group < dim; ++g) {
+    at::Half scale;
+    std::memcpy(&scale, src + dim + 2 * g, 2);
+    const float s = static_cast<float>(scale);
+    const int8_t* q = src + g * group;
+    float* y = dst + g * group;
+    for (int64_t i = 0; i < group; ++i) y[i] = static_cast<float>(q[i]) * s;
+  }
+}
+
+// A step's new K and V into an int8 cache: the same row layout for K and V, in every build (the header's top).
+inline void write_int8_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                            const at::Tensor& v, const int64_t* rows) {
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), width = int8_row_bytes(dim);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && v_cache.size(3) == width,
+              "write_kv_cache: int8 caches must both be [blocks, kv heads, block size, ", width, "] for head dim ",
+              dim);
+  int8_t* k_dst = k_cache.data_ptr<int8_t>();
+  int8_t* v_dst = v_cache.data_ptr<int8_t>();
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 4096 / (heads * dim));  // wake the other threads for prefill only
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = rows[t * heads + h];
+        quantize_row(k_dst + row * width, k_src + t * k.stride(0) + h * k.stride(1), dim);
+        quantize_row(v_dst + row * width, v_src + t * v.stride(0) + h * v.stride(1), dim);
+      }
+  });
+}
 
 struct WorkItem {
   int64_t request;
@@ -46,8 +116,9 @@ inline void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, c
   TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 queries");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "paged_attention: float32 or float16 caches");
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf ||
+                   k_cache.scalar_type() == at::kChar),
+              "paged_attention: float32, float16 or int8 caches");
 #if !defined(__F16C__)
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "paged_attention: a float16 cache needs a CPU with F16C");
 #endif
@@ -133,6 +204,7 @@ void dispatch_head_dim(int64_t head_dim, at::ScalarType cache_type, Run&& run) {
       default: TORCH_CHECK(false, "paged_attention: head_dim ", head_dim, " is not one of 8, 16, 32, 64, 128, 256");
     }
   };
+  if (cache_type == at::kChar) return by_dim.template operator()<int8_t>();
 #if defined(__F16C__)
   if (cache_type == at::kHalf) return by_dim.template operator()<at::Half>();
 #endif
@@ -158,15 +230,16 @@ inline void check_write_inputs(const at::Tensor& k_cache, const at::Tensor& v_ca
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "write_kv_cache: K and V must be [tokens, kv heads, head dim] with contiguous rows");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "write_kv_cache: float32 or float16 caches");
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf ||
+                   k_cache.scalar_type() == at::kChar),
+              "write_kv_cache: float32, float16 or int8 caches");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
-                  v_cache.size(1) == k.size(1) && v_cache.size(3) == k.size(2),
+                  v_cache.size(1) == k.size(1) && v_cache.size(3) == cache_row_width(v_cache.scalar_type(), k.size(2)),
               "write_kv_cache: V cache must be [blocks, kv heads, block size, head dim] matching K and V");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == k.size(0) * k.size(1),
               "write_kv_cache: one int64 row per token and kv head");
   const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t cache_rows = v_cache.numel() / v_cache.size(3);
+  const int64_t cache_rows = v_cache.numel() / v_cache.size(3);  // rows of V: an int8 row counts once
   for (int64_t i = 0; i < rows.numel(); ++i)
     TORCH_CHECK(row[i] >= 0 && row[i] < cache_rows, "write_kv_cache: row ", row[i], " is outside the cache");
 }

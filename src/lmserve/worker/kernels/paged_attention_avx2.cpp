@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__FMA__)
@@ -166,10 +167,32 @@ void tile_block(int64_t rows, int64_t heads, int64_t group, const float* queries
   }
 }
 
+// The kv heads [first, first + count) of an int8 block's keys [0, keys) as float32, into `k` and `v` laid out as a
+// float cache's block ([kv head, key, kDim]), so that tile_block's offsets hold; the same heads of the next block
+// (`next`, null on the last) are prefetched meanwhile, one 64-byte line at a time.
+template <int kDim>
+void dequantize_block(const int8_t* k_block, const int8_t* v_block, const int8_t* next_k, const int8_t* next_v,
+                      int64_t first, int64_t count, int64_t keys, int64_t block_size, float* k, float* v) {
+  const int64_t width = int8_row_bytes(kDim);
+  for (int64_t h = first; h < first + count; ++h) {
+    const int64_t part = h * block_size * width;
+    for (int64_t j = 0; j < keys; ++j) {
+      dequantize_row(k_block + part + j * width, k + (h * block_size + j) * kDim, kDim);
+      dequantize_row(v_block + part + j * width, v + (h * block_size + j) * kDim, kDim);
+    }
+    if (next_k != nullptr)
+      for (int64_t i = 0; i < block_size * width; i += 64) {
+        __builtin_prefetch(next_k + part + i, 0, 3);
+        __builtin_prefetch(next_v + part + i, 0, 3);
+      }
+  }
+}
+
 template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
          int64_t group, double scale, int64_t window, float softcap) {
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t* req = requests.data_ptr<int64_t>();
   const float* q_data = q.data_ptr<float>();
@@ -178,7 +201,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const KV* v_data = v_cache.data_ptr<KV>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t block_stride = num_kv_heads * block_size * kDim;
+  const int64_t block_stride = num_kv_heads * block_size * (kInt8 ? int8_row_bytes(kDim) : kDim);
   const float fscale = static_cast<float>(scale);
 
   const std::vector<int64_t> bounds = thread_bounds(items, requests);
@@ -190,6 +213,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     std::vector<float> row_max(max_rows), row_sum(max_rows);
     std::vector<int64_t> row_position(max_rows), row_head(max_rows), kv_offset(max_rows), visible(max_rows);
     std::vector<int64_t> hidden(max_rows);
+    // int8: the block in hand as float32, [kv head, key, kDim] (paged_attention.h)
+    std::vector<float> k_tile(kInt8 ? num_kv_heads * block_size * kDim : 0), v_tile(k_tile.size());
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& it = items[w];
       const int64_t first_row = req[3 * it.request], query_len = req[3 * it.request + 1];
@@ -220,10 +245,19 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         const bool has_next = block_first + block_size < keys_needed;
         const KV* next_k = has_next ? k_data + table[b + 1] * block_stride : nullptr;
         const KV* next_v = has_next ? v_data + table[b + 1] * block_stride : nullptr;
-        tile_block<kDim, KV>(rows, it.num_heads, group, queries.data(), acc.data(), scores.data(), row_max.data(),
-                             row_sum.data(), hidden.data(), visible.data(), kv_offset.data(),
-                             k_data + table[b] * block_stride, v_data + table[b] * block_stride, next_k, next_v,
-                             block_size, softcap);
+        if constexpr (kInt8) {
+          const int64_t first_kv = it.first_head / group, num_kv = (it.num_heads + group - 1) / group;
+          dequantize_block<kDim>(k_data + table[b] * block_stride, v_data + table[b] * block_stride, next_k, next_v,
+                                 first_kv, num_kv, block_keys, block_size, k_tile.data(), v_tile.data());
+          tile_block<kDim, float>(rows, it.num_heads, group, queries.data(), acc.data(), scores.data(),
+                                  row_max.data(), row_sum.data(), hidden.data(), visible.data(), kv_offset.data(),
+                                  k_tile.data(), v_tile.data(), nullptr, nullptr, block_size, softcap);
+        } else {
+          tile_block<kDim, KV>(rows, it.num_heads, group, queries.data(), acc.data(), scores.data(), row_max.data(),
+                               row_sum.data(), hidden.data(), visible.data(), kv_offset.data(),
+                               k_data + table[b] * block_stride, v_data + table[b] * block_stride, next_k, next_v,
+                               block_size, softcap);
+        }
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t query = it.first_query + i / it.num_heads;
@@ -241,9 +275,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests, window, softcap);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && v_cache.sizes() == k_cache.sizes(),
+  TORCH_CHECK(k_cache.size(3) == cache_row_width(k_cache.scalar_type(), head_dim) && num_heads % num_kv_heads == 0 &&
+                  v_cache.sizes() == k_cache.sizes(),
               "paged_attention: caches must be K and V [blocks, kv heads, block size, head dim] with head dim ",
-              head_dim, " and a kv head count that divides ", num_heads, " query heads");
+              head_dim, " (an int8 row's bytes for an int8 cache) and a kv head count that divides ", num_heads,
+              " query heads");
   const int64_t group = num_heads / num_kv_heads;
   const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
   dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
@@ -277,6 +313,7 @@ void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::
 void write_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& rows) {
   check_write_inputs(k_cache, v_cache, k, v, rows);
+  if (k_cache.scalar_type() == at::kChar) return write_int8_rows(k_cache, v_cache, k, v, rows.data_ptr<int64_t>());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(),
               "write_kv_cache: caches must be K and V [blocks, kv heads, block size, head dim] matching K and V");
   if (k_cache.scalar_type() == at::kHalf) return write_rows<at::Half>(k_cache, v_cache, k, v, rows.data_ptr<int64_t>());
