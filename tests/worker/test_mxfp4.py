@@ -87,3 +87,37 @@ def test_the_kernels_packing_holds_the_scales_exactly_and_refuses_one_float16_ca
             LAYER_TYPES["mxfp4"](StoredBlocks("mxfp4", torch.from_numpy(blocks)), None)
         with pytest.raises(ValueError, match="outside float16's range"):
             convert_blocks("mxfp4", blocks, "q8_0")
+
+
+@pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build")
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_a_row_gets_its_own_bits_under_either_activation_split(activations: str) -> None:
+    """Batch invariance on the mxfp4 kernel: every row the bits it gets alone, whatever rows share its call (an inf's
+    row and a zero row among them), under the AVX2 build's vector split and its element-by-element one
+    (LMSERVE_DISABLE_CPU_FEATURES=avx2-split), which give the same bits (mxfp4 reads no block sum of x)."""
+    from test_stored_formats import random_stored_blocks
+
+    from lmserve.worker.kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    blocks = random_stored_blocks("mxfp4", 48, 64, seed=31)
+    layer = LAYER_TYPES["mxfp4"](StoredBlocks("mxfp4", torch.from_numpy(blocks)), None, activations=activations)
+    linear = layer.linear_op if activations == "int16" else layer.int8_linear_op
+    x = torch.randn(11, 2048, generator=torch.Generator().manual_seed(32))
+    x *= torch.logspace(-3, 2, 2048)[torch.randperm(2048, generator=torch.Generator().manual_seed(33))]
+    x[3, 5], x[7] = float("inf"), 0.0
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(34))
+    splits = (True, False) if not ops.int16_uses_vnni() else (True,)  # the VNNI build has one split
+    results = []
+    try:
+        for vectors in splits:
+            ops.set_avx2_split(vectors)
+            alone = torch.cat([linear(x[i : i + 1], layer.blocks, 48, bias) for i in range(11)])
+            assert alone[3].isnan().all() and not alone[[0, 1, 2, 4, 5, 6, 7, 8, 9, 10]].isnan().any()
+            for rows in (2, 4, 5, 11):
+                together = linear(x[:rows], layer.blocks, 48, bias)
+                assert torch.equal(together.nan_to_num(0.0), alone[:rows].nan_to_num(0.0)), (vectors, rows)
+            results.append(alone.nan_to_num(0.0))
+    finally:
+        ops.set_avx2_split(True)
+    assert all(torch.equal(r, results[0]) for r in results)
