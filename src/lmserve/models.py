@@ -318,6 +318,9 @@ GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
                   "expert_used_count": "num_experts_per_tok"},
     "qwen3_moe": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+    # (transformers' key for the window, which llama.cpp writes as attention.sliding_window: the extra table's)
+    "gpt_oss": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "expert_count": "num_local_experts",
+                "expert_used_count": "num_experts_per_tok", "sliding_window": "sliding_window"},
     "tokenizer": {
         "ggml.bos_token_id": "bos_token_id",
         "ggml.eos_token_id": "eos_token_id",
@@ -333,14 +336,12 @@ GGUF_EXTRA_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
     "mixtral": {**_GGUF_LLAMA_KEYS, "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
     "olmoe": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "expert_count": "num_experts",
               "expert_used_count": "num_experts_per_tok"},
-    # llama.cpp's gpt-oss (its arch name "gpt-oss"): feed_forward_length and expert_feed_forward_length both the
-    # experts' columns.
-    "gpt_oss": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
-                "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
-                "expert_feed_forward_length": "intermediate_size", "attention.sliding_window": "sliding_window"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    # llama.cpp's gpt-oss (arch name "gpt-oss"): its window's key, and the experts' columns under both of its keys.
+    "gpt_oss": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
+                "expert_feed_forward_length": "intermediate_size"},
     "nomic_bert": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.layer_norm_epsilon": "layer_norm_eps",
                    "pooling_type": "pooling_type", "attention.causal": "is_causal"},
 }
