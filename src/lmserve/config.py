@@ -26,8 +26,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # The architectures lmserve runs, as configs name them (an HF directory's model_type, a GGUF's general.architecture):
 # one list for the resolver, the worker and the planner.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "bert", "nomic_bert", "xlm-roberta", "mpnet",
-                         "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "bert", "nomic_bert", "xlm-roberta",
+                         "mpnet", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Those that are encoders (bidirectional attention, no decode): the server runs them as a pooling runner (vLLM's
 # `--runner pooling`), which answers /v1/embeddings and not the generating routes (docs/embeddings.md).
 POOLING_MODEL_TYPES = ("bert", "nomic_bert", "xlm-roberta", "mpnet")
@@ -37,7 +37,7 @@ DECODER_EMBEDDING_MODEL_TYPES = ("qwen3", "gemma3_text")
 # Decoders that --task score runs as yes/no rerankers (Qwen3-Reranker), by the decoder's code.
 DECODER_RERANKER_MODEL_TYPES = ("qwen3",)
 # Those whose MLPs are mixtures of experts (lmserve.moe_shape says how each routes).
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "qwen3_next")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
 # Hybrid models: Gated DeltaNet (linear attention, a fixed-size recurrent state per request) between full-attention
 # layers with an output gate, partial RoPE and zero-centred (1 + weight) norms (worker/models/hybrid.py).
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -51,6 +51,9 @@ QK_NORM_MODEL_TYPES = ("qwen3", "gemma3", "gemma3_text", "qwen3_moe", *HYBRID_MO
 FULL_QK_NORM_MODEL_TYPES = ("olmoe",)
 # Those whose q/k/v projections always carry biases (the others: where the config's attention_bias says).
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+# Those whose attention has a learned sink logit per head (gpt-oss): it joins every softmax and takes no value; their
+# output projection carries a bias too, and their experts run gpt-oss's clamped SwiGLU with biases.
+ATTENTION_SINK_MODEL_TYPES = ("gpt_oss",)
 # --block-activations auto (weights/kernel_choice.py): from this many decoder weights (q/k/v/o/gate/up/down, the whole
 # model) 8-bit activations. There a batch's integer products bound the step, and int16's two products a weight cost
 # 1.35x (Qwen2.5 0.5B) to 1.5x (1.5B shapes) of int8's time on an 8-concurrent burst (benchmarks/burst_steps.py),
@@ -67,7 +70,7 @@ def default_layer_types(model_type: str, num_layers: int, sliding_window: int | 
     the others attend in full."""
     if model_type in ("mistral", "phi3", "mixtral"):
         return ["sliding_attention" if sliding_window else "full_attention"] * num_layers
-    pattern = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}.get(model_type, 0)
+    pattern = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6}.get(model_type, 0)
     return ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 

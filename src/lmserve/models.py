@@ -215,6 +215,11 @@ _CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None,
                 "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5,
                 "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "gpt_oss": {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "attention_bias": True,
+                "max_position_embeddings": 131072, "bos_token_id": None, "eos_token_id": None, "rms_norm_eps": 1e-5,
+                "sliding_window": 128, "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+                "swiglu_limit": 7.0},
     "olmoe": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
               "num_attention_heads": 16, "num_key_value_heads": 16, "attention_bias": False,
               "max_position_embeddings": 4096, "bos_token_id": None, "eos_token_id": 50279, "rms_norm_eps": 1e-5,
@@ -261,7 +266,7 @@ class GGUFConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if model_type == "mixtral":  # transformers' MixtralConfig answers to both names
+        if model_type in ("mixtral", "gpt_oss"):  # transformers' configs answer to both names
             self.num_experts = self.num_local_experts
         self.rope_parameters = rope_parameters or {"rope_type": "default", **rope_scaling, "rope_theta": rope_theta}
         if model_type in GEMMA_MODEL_TYPES:
@@ -335,6 +340,9 @@ GGUF_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
                   "expert_used_count": "num_experts_per_tok"},
     "qwen3_moe": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+    # (transformers' key for the window, which llama.cpp writes as attention.sliding_window: the extra table's)
+    "gpt_oss": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "expert_count": "num_local_experts",
+                "expert_used_count": "num_experts_per_tok", "sliding_window": "sliding_window"},
     "tokenizer": {
         "ggml.bos_token_id": "bos_token_id",
         "ggml.eos_token_id": "eos_token_id",
@@ -353,13 +361,16 @@ GGUF_EXTRA_CONFIG_MAPPING: dict[str, dict[str, str | None]] = {
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    # llama.cpp's gpt-oss (arch name "gpt-oss"): its window's key, and the experts' columns under both of its keys.
+    "gpt_oss": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
+                "expert_feed_forward_length": "intermediate_size"},
     "nomic_bert": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.layer_norm_epsilon": "layer_norm_eps",
                    "pooling_type": "pooling_type", "attention.causal": "is_causal"},
     "bert": {**_GGUF_LLAMA_KEYS, "rope.dimension_count": None, "attention.layer_norm_epsilon": "layer_norm_eps",
              "pooling_type": "pooling_type", "attention.causal": "is_causal"},
 }
 # llama.cpp's architecture names that differ from transformers' model types.
-_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "nomic-bert": "nomic_bert"}
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "nomic-bert": "nomic_bert", "gpt-oss": "gpt_oss"}
 
 
 def gguf_model_type(arch: str, metadata: dict[str, Any]) -> str:
@@ -413,6 +424,8 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
     scaling = metadata.get(f"{gguf_arch}.rope.scaling.type", "none")
     if scaling == "linear":
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{gguf_arch}.rope.scaling.factor"]}
+    elif scaling == "yarn":
+        kwargs["rope_scaling"] = _yarn_scaling(arch, gguf_arch, metadata)
     elif scaling != "none":
         raise ValueError(
             f"{path}: rope scaling '{scaling}' is not supported in GGUF files; use an HF directory"
@@ -434,6 +447,23 @@ def _gguf_config_kwargs(path: Path) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"{path}: rope_freqs together with rope scaling '{scaling}' is not supported")
         kwargs["rope_freqs"] = read_gguf_tensor(path, rope_freqs).tolist()
     return arch, kwargs
+
+
+def _yarn_scaling(arch: str, gguf_arch: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters as llama.cpp's converter writes them (rope.scaling.factor, original_context_length,
+    yarn_beta_fast/slow, yarn_attn_factor where the config gave one), under transformers' names. gpt-oss's config
+    turns off transformers' truncation of the correction range (its "truncate": false), which a header does not
+    carry: the model's own (and transformers') RoPE is the reference here."""
+    prefix = f"{gguf_arch}.rope.scaling."
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": metadata[f"{prefix}factor"],
+                               "original_max_position_embeddings": metadata[f"{prefix}original_context_length"]}
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                      ("yarn_attn_factor", "attention_factor")):
+        if f"{prefix}{key}" in metadata:
+            scaling[name] = metadata[f"{prefix}{key}"]
+    if arch == "gpt_oss":
+        scaling["truncate"] = False
+    return scaling
 
 
 def _phi3_rope(path: Path, header: GGUFHeader, metadata: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:

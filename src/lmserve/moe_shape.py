@@ -14,7 +14,10 @@ Each family names the same few things differently (transformers' config classes)
 - Qwen3-Next: Qwen2-MoE's names (a shared expert of `shared_expert_intermediate_size`, `decoder_sparse_step`,
   `mlp_only_layers`, `norm_topk_prob`). Qwen3.5-MoE: the same experts and shared expert on every layer, the chosen
   weights always renormalised (its router has no switch).
-Every one of them scores experts with a softmax over the router's logits and takes the top k.
+- gpt-oss: `num_local_experts` of `intermediate_size`, top-`num_experts_per_tok`; its router has a bias and takes the
+  top k of its logits, then a softmax over the chosen ones; its experts carry biases and run a clamped SwiGLU
+  (`swiglu_alpha`, `swiglu_limit`).
+The others score experts with a softmax over the router's logits and take the top k.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class MoeShape:
     dense_intermediate: int = 0  # the MLP columns of the layers that are not MoE layers
     sparse_step: int = 1  # layer i is a MoE layer when (i + 1) % sparse_step == 0 and i is not in dense_layers
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: the router's logits carry a bias, the top k of them are taken before the softmax (over the chosen
+    # alone), and each expert runs gpt-oss's clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate), with biases.
+    gpt_oss: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers and (index + 1) % self.sparse_step == 0
@@ -77,6 +85,9 @@ def moe_shape(config: Any) -> MoeShape | None:
             dense_intermediate=intermediate, sparse_step=max(1, int(get("decoder_sparse_step", 1))),
             dense_layers=tuple(int(i) for i in get("mlp_only_layers", ()) or ()),
         )
+    if model_type == "gpt_oss":
+        return MoeShape(num_experts, top_k, intermediate, True, dense_intermediate=intermediate, gpt_oss=True,
+                        swiglu_alpha=float(get("swiglu_alpha", 1.702)), swiglu_limit=float(get("swiglu_limit", 7.0)))
     # Mixtral renormalises the chosen weights always; OLMoE as its config says.
     normalize = True if model_type == "mixtral" else bool(get("norm_topk_prob", False))
     return MoeShape(num_experts, top_k, intermediate, normalize, dense_intermediate=intermediate)

@@ -71,9 +71,10 @@ def test_engine_invariance_under_forced_kernel_path(env: dict[str, str], unavail
                str(ROOT / "tests/engine/test_engine_e2e.py"), str(ROOT / "tests/worker/test_kquant_formats.py"),
                str(ROOT / "tests/worker/test_stored_formats.py"), str(ROOT / "tests/engine/test_speculative_e2e.py"),
                str(ROOT / "tests/worker/test_layer_program.py"), str(ROOT / "tests/worker/test_moe.py"),
+               str(ROOT / "tests/worker/test_gpt_oss.py"), str(ROOT / "tests/worker/test_mxfp4.py"),
                "-k", (f"{INVARIANCE_TESTS} or kquant or stored_formats or greedy_tokens_equal_plain"
                       " or (python_loops_bits and (default_source or q4_k_m))"
-                      " or k_quant_experts or other_tokens_of_its_step")]
+                      " or k_quant_experts or other_tokens_of_its_step or gpt_oss_matches or mxfp4")]
     if FEWER_CPUS_THAN_THE_MACHINE:
         env = {**env, "OMP_WAIT_POLICY": "passive"}
     # Not an xdist worker itself (tests/conftest.py would give it its share of the CPUs again).

@@ -33,10 +33,11 @@ def from_kernel_layout(k_cache: torch.Tensor) -> torch.Tensor:
 
 
 def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: int, window: int = 0,
-              softcap: float = 0.0) -> torch.Tensor:
+              softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention in float64 for queries at the last q.shape[0] positions of a `context`-long sequence; under a
-    sliding `window` a query sees its last `window` positions only (transformers' key > query - window), and
-    softcap > 0 caps the scores as Gemma 2 does."""
+    sliding `window` a query sees its last `window` positions only (transformers' key > query - window),
+    softcap > 0 caps the scores as Gemma 2 does, and sinks ([heads]) join each head's softmax as one more score
+    whose probability is dropped (gpt-oss, transformers' eager_attention_forward)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     # The cache is [blocks, kv heads, block size, head dim]: positions in order are each block's rows, block by block.
     keys = k_cache[block_ids].transpose(1, 2).reshape(-1, k_cache.shape[1], head_dim)[:context].double()
@@ -50,20 +51,28 @@ def reference(q: torch.Tensor, k_cache, v_cache, block_ids: list[int], context: 
     key_positions = torch.arange(context)[None, :]
     hidden = (key_positions > positions) | ((key_positions <= positions - window) if window else False)
     scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(-1, 1, 1).expand(*scores.shape[:2], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", probs, values)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size", "window", "softcap"),
-    [(9, 3, 64, 16, 0, 0.0), (4, 4, 16, 16, 0, 0.0), (8, 2, 128, 32, 0, 0.0), (2, 1, 8, 4, 0, 0.0),
-     (6, 3, 32, 16, 0, 0.0),
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "window", "softcap", "with_sinks"),
+    [(9, 3, 64, 16, 0, 0.0, False), (4, 4, 16, 16, 0, 0.0, False), (8, 2, 128, 32, 0, 0.0, False),
+     (2, 1, 8, 4, 0, 0.0, False), (6, 3, 32, 16, 0, 0.0, False),
      # Sliding windows shorter than a block, of a block and a bit, longer than most contexts; Gemma 2's cap.
-     (4, 1, 256, 16, 5, 0.0), (9, 3, 64, 16, 19, 0.0), (8, 2, 128, 32, 64, 0.0), (4, 2, 64, 16, 0, 2.0),
-     (6, 3, 32, 16, 37, 1.5)],
+     (4, 1, 256, 16, 5, 0.0, False), (9, 3, 64, 16, 19, 0.0, False), (8, 2, 128, 32, 64, 0.0, False),
+     (4, 2, 64, 16, 0, 2.0, False), (6, 3, 32, 16, 37, 1.5, False),
+     # gpt-oss's sinks, alone and with its sliding window (8 of 16 positions a block).
+     (8, 2, 64, 16, 0, 0.0, True), (4, 4, 16, 16, 8, 0.0, True), (9, 3, 64, 16, 19, 0.0, True)],
 )
 def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                                          window: int, softcap: float) -> None:
+                                          window: int, softcap: float, with_sinks: bool) -> None:
     gen = torch.Generator().manual_seed(0)
+    # Sinks from far below to far above the scores (|score| ~ 1): each branch of the kernel's final scale.
+    sinks = torch.randn(num_heads, generator=gen) * 4 if with_sinks else None
     num_blocks = 96
     k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
@@ -86,13 +95,13 @@ def test_kernel_matches_float64_attention(num_heads: int, num_kv_heads: int, hea
     out = torch.full((rows, num_heads, head_dim), 7.0)
     info = torch.tensor([(r, q_len, ctx) for r, (q_len, ctx) in zip(first_rows, requests, strict=True)])
     paged_attention_op()(out, q, in_kernel_layout(k_cache), v_cache, block_tables, info, head_dim**-0.5, window,
-                         softcap)
+                         softcap, sinks)
 
     assert (out[0] == 7.0).all()
     for i, (q_len, ctx) in enumerate(requests):
         r = first_rows[i]
         expected = reference(q[r : r + q_len], k_cache, v_cache, block_tables[i].long().tolist(), ctx, window,
-                             softcap)
+                             softcap, sinks)
         torch.testing.assert_close(out[r : r + q_len].double(), expected, atol=2e-6, rtol=1e-5)
 
 
@@ -183,6 +192,8 @@ def test_kernel_refuses_what_it_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="head_dim 24"):
         op(torch.zeros(1, 1, 24), torch.zeros(1, 1, 24), in_kernel_layout(torch.zeros(4, 1, 16, 24)),
            torch.zeros(4, 1, 16, 24), tables, torch.tensor([[0, 1, 5]]), 1.0)
+    with pytest.raises(RuntimeError, match=r"sinks must be float32 \[1\]"):  # one logit per query head
+        op(out, q, keys, cache, tables, torch.tensor([[0, 1, 5]]), 1.0, 0, 0.0, torch.zeros(2))
 
 
 def test_the_key_layout_follows_the_build() -> None:
@@ -263,8 +274,9 @@ def test_metadata_of_each_backend() -> None:
         build_metadata(chunks[2:] + chunks[:1], 16, "paged-cpu", CPU, torch.float32)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) -> None:
+def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype, with_sinks: bool) -> None:
     """Decodes, a short chunk after cached positions, a long one and a first chunk (all on the paged kernel under
     paged-cpu, SDPA calls under sdpa): the same output from either backend's metadata, with a float32 or a float16
     cache."""
@@ -283,13 +295,14 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
     q = torch.randn(rows, heads, dim, generator=gen)
     k, v = torch.randn(rows, kv_heads, dim, generator=gen), torch.randn(rows, kv_heads, dim, generator=gen)
     attention = PagedAttention(heads, kv_heads, dim, dim**-0.5)
+    sinks = torch.randn(heads, generator=gen) * 4 if with_sinks else None
     outs, written = {}, {}
     for backend in ("paged-cpu", "sdpa"):
         md = build_metadata(chunks, bs, backend, CPU, torch.float32)
         keys = in_kernel_layout(k_cache) if backend == "paged-cpu" else k_cache.clone()
         assert keys.shape == kv_cache_shapes(backend, 40, kv_heads, bs, dim)[0]
         written[backend] = (keys, v_cache.clone())
-        outs[backend] = attention.forward(q, k, v, *written[backend], md)
+        outs[backend] = attention.forward(q, k, v, *written[backend], md, sinks)
     written["paged-cpu"] = (from_kernel_layout(written["paged-cpu"][0]), written["paged-cpu"][1])
     assert len(build_metadata(chunks, bs, "paged-cpu", CPU, torch.float32).decode_requests) == 5
     torch.testing.assert_close(outs["paged-cpu"], outs["sdpa"], atol=1e-5, rtol=1e-5)
@@ -305,10 +318,10 @@ def test_both_backends_attend_alike_over_a_mixed_batch(kv_dtype: torch.dtype) ->
         assert torch.equal(k_written, k_expected) and torch.equal(v_written, v_expected)
     # Against float64 math over what was written, for the decode and the short chunk after cached positions.
     k_full, v_full = (t.float() for t in written["paged-cpu"])
-    torch.testing.assert_close(outs["paged-cpu"][:1].double(), reference(q[:1], k_full, v_full, [0, 1, 2], 38),
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outs["sdpa"][2:14].double(), reference(q[2:14], k_full, v_full, [4, 5, 6, 7], 52),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["paged-cpu"][:1].double(),
+                               reference(q[:1], k_full, v_full, [0, 1, 2], 38, sinks=sinks), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["sdpa"][2:14].double(),
+                               reference(q[2:14], k_full, v_full, [4, 5, 6, 7], 52, sinks=sinks), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])

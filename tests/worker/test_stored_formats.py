@@ -60,6 +60,8 @@ def random_stored_blocks(stored_type: str, rows: int, blocks: int, seed: int) ->
     raw[..., at : at + 2] = scales[..., None].view(np.uint8)
     if stored_type in ("q4_1", "q5_1"):  # the minimum m
         raw[..., 2:4] = (-8 * np.abs(scales))[..., None].astype(np.float16).view(np.uint8)
+    if stored_type == "mxfp4":  # no float16 d: an E8M0 byte, 2^(e - 128) from 2^-16 to 2^-1 (gpt-oss's experts' span)
+        raw[..., 0] = rng.integers(112, 128, (rows, blocks), dtype=np.uint8)
     return raw
 
 
@@ -68,7 +70,8 @@ def gguf_values(stored_type: str, blocks: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("stored_type", "kernel_format"),
-                         [("q5_0", "q8_0"), ("q4_0", "q8_0"), ("q4_0", "q4_1"), ("iq4_nl", "q8_0")])
+                         [("q5_0", "q8_0"), ("q4_0", "q8_0"), ("q4_0", "q4_1"), ("iq4_nl", "q8_0"),
+                          ("mxfp4", "q8_0")])
 def test_conversion_keeps_every_value(stored_type: str, kernel_format: str) -> None:
     blocks = random_stored_blocks(stored_type, 24, 7, seed=len(stored_type) + len(kernel_format))
     converted = convert_blocks(stored_type, blocks, kernel_format)
@@ -374,13 +377,14 @@ def test_each_layer_of_a_mixed_file_holds_the_files_values(mixed_gguf: Path) -> 
 
 
 @pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build (q5_0 is q8_0 there)")
-@pytest.mark.parametrize("stored_type", ["q4_0", "q5_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("stored_type", ["q4_0", "q5_0", "q5_1", "iq4_nl", "mxfp4"])
 def test_int16_kernel_blocks_run_at_their_stored_size_with_the_files_values(stored_type: str) -> None:
     blocks = random_stored_blocks(stored_type, 48, 12, seed=11)
     values = torch.from_numpy(gguf_values(stored_type, blocks))
     layer = LAYER_TYPES[stored_type](StoredBlocks(stored_type, torch.from_numpy(blocks)), None)
     assert isinstance(layer, Int16BlockLinear)
-    assert layer.blocks.numel() == blocks.size  # 22 (q5_1: 24, q4_0 and iq4_nl: 18) bytes a block of 32: the file's
+    # 22 (q5_1: 24, q4_0 and iq4_nl: 18) bytes a block of 32: the file's; mxfp4's 17 as 18 (its scale a float16 d)
+    assert layer.blocks.numel() == blocks.size * (18 / 17 if stored_type == "mxfp4" else 1)
     assert torch.equal(layer.dequantized(), values)
     x = torch.randn(9, 384, generator=torch.Generator().manual_seed(12))
     x[2, :32] *= 50
@@ -501,7 +505,7 @@ def test_a_whole_untied_embedding_table_stays_the_files_mapping(tmp_path: Path) 
 
 # ------------------------------------------- prompt rows with 8-bit activations (--batched-weights prompt-int8)
 
-INT16_LAYOUT_TYPES = ["q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k"]
+INT16_LAYOUT_TYPES = ["q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k"]
 
 
 def int16_layout_layer(stored_type: str, make_k_quant, rows: int, cols: int, seed: int, path=None):

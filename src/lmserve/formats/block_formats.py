@@ -39,6 +39,9 @@ BLOCK_TYPES: dict[str, BlockType] = {
     # 3-bit codes - 4 under int8 sub-block scales: q6_k's codes - 32 hold them too
     "q3_k": BlockType(110, 256, ("q3_k", "q6_k"), kernel="integer"),
     "iq4_nl": BlockType(18, 32, ("iq4_nl", "q8_0"), kernel="integer"),
+    # gpt-oss's experts: an E8M0 scale and 32 E2M1 values (w = 2^(e - 128) x doubled E2M1), exact in q8_0 where no
+    # mxfp4 kernel runs (its d a float16 power of two: worker/weights/stored_formats.py)
+    "mxfp4": BlockType(17, 32, ("mxfp4", "q8_0"), kernel="integer"),
     "q4_0": BlockType(18, 32, ("q4_0", "q4_1", "q8_0"), kernel="integer"),
     "q4_k": BlockType(144, 256, ("q4_k",), kernel="integer"),
     "q4_1": BlockType(20, 32, ("q4_1",), kernel="float32"),

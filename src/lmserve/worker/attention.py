@@ -290,20 +290,30 @@ def _chunk_mask(positions: np.ndarray, dtype: torch.dtype, device: torch.device)
     return torch.as_tensor(np.where(visible, 0.0, -np.inf), dtype=dtype, device=device)
 
 
-def _attend(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, softcap: float) -> torch.Tensor:
+def _attend(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, softcap: float,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of [B, H, Q, D] queries over [B, KVH, K, D] keys and values. SDPA, unless softcap > 0 (Gemma 2's
-    tanh cap on the scores, which SDPA cannot apply): then the same steps written out, in float32."""
+    tanh cap on the scores) or sinks ([H], gpt-oss's logit per head that joins the softmax and takes no value),
+    which SDPA cannot apply: then the same steps written out, in float32."""
     gqa = q.shape[1] != k.shape[1]
-    if not softcap:
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
-    scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if softcap:
+        scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    else:
+        scores = q.float() @ k.transpose(-1, -2) * scale
     if causal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
     if mask is not None:
         scores = scores + mask
-    return (scores.softmax(-1) @ v).to(q.dtype)
+    if sinks is None:
+        return (scores.softmax(-1) @ v).to(q.dtype)
+    # The sink as one more column of every row's scores, dropped after the softmax (transformers' gpt-oss).
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v).to(q.dtype)
 
 
 class PagedAttention:
@@ -326,6 +336,7 @@ class PagedAttention:
         k_cache: torch.Tensor,  # kv_cache_shapes(md.backend, ...)
         v_cache: torch.Tensor,
         md: AttentionMetadata | WholeSequences,
+        sinks: torch.Tensor | None = None,  # [H] float32: gpt-oss's sink logit per head (not with WholeSequences)
     ) -> torch.Tensor:
         if isinstance(md, WholeSequences):
             return self._whole_sequences(q, k, v, md)
@@ -344,9 +355,9 @@ class PagedAttention:
         if md.decode_requests is not None:
             if len(md.decode_requests):
                 paged_attention_op()(out, q, k_cache, v_cache, md.decode_block_tables, md.decode_requests, self.scale,
-                                     self.window, self.softcap)
+                                     self.window, self.softcap, sinks)
         elif md.num_decodes:
-            out[: md.num_decodes] = self._decode(q[: md.num_decodes], k_cache, v_cache, md)
+            out[: md.num_decodes] = self._decode(q[: md.num_decodes], k_cache, v_cache, md, sinks)
         for row, q_len, start, block_ids, mask in md.prefills:
             qs = q[row : row + q_len]
             if start == 0:
@@ -374,7 +385,7 @@ class PagedAttention:
             # 4-D inputs ([1, heads, len, dim]): with 3-D ones torch's CPU SDPA falls back to its unfused math path,
             # which made a 1,500-token prefill 5x slower (benchmarks/prefill_attention.py).
             o = _attend(qs.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, causal,
-                        self.scale, self.softcap)
+                        self.scale, self.softcap, sinks)
             out[row : row + q_len] = o[0].transpose(0, 1)
         return out
 
@@ -393,7 +404,8 @@ class PagedAttention:
             row += n
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata):
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                sinks: torch.Tensor | None = None):
         n, (kvh, d) = q.shape[0], (self.num_kv_heads, self.head_dim)
         # index_select copies whole blocks; advanced indexing with a 2-D index was 5-10x slower here.
         flat = md.decode_block_tables.view(-1)
@@ -405,5 +417,5 @@ class PagedAttention:
         values = values.view(n, -1, kvh, md.block_size, d)
         values = values.transpose(1, 2).reshape(n, kvh, -1, d).to(q.dtype)
         mask = md.window_decode_mask(self.window) if self.window else md.decode_mask
-        o = _attend(q.unsqueeze(2), keys, values, mask, False, self.scale, self.softcap)  # q: [n, H, 1, D]
+        o = _attend(q.unsqueeze(2), keys, values, mask, False, self.scale, self.softcap, sinks)  # q: [n, H, 1, D]
         return o.squeeze(2)

@@ -1,4 +1,4 @@
-// q4_1, q8_0, q4_0, q5_0, q5_1 and iq4_nl linear layers with the activations as 16-bit integers per block of 32:
+// q4_1, q8_0, q4_0, q5_0, q5_1, iq4_nl and mxfp4 linear layers with the activations as 16-bit integers per block of 32:
 // y = x @ W.T (+ bias), built for AVX-512 VNNI or AVX2 from one source over int16_simd.h's primitives.
 //
 // The float32 block kernel (quantized_linear.cpp) widens every weight to a float and spends an FMA on it: on a
@@ -155,6 +155,35 @@ struct IQ4_NL {
   static inline void source_codes(const uint8_t* block, uint8_t out[kBlock]) { Q4_0::source_codes(block, out); }
 };
 
+// mxfp4 (OCP microscaling, gpt-oss's experts; llama.cpp's block_mxfp4): one E8M0 byte e, then q4_0's 16 bytes of
+// nibbles, each an E2M1 value; w = 2^(e - 127) fp4[q], or, with llama.cpp's table of the values doubled
+// (kvalues_mxfp4: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives), w = 2^(e - 128) v[q]. Packed as iq4_nl is, the
+// power of two as the block's float16 d (exact where 2^(e - 128) is one: e in 104..143, as every scale of a trained
+// model's weights; the packer refuses another) and the indices as v + 16 (4..28, q5_0's range and offset: the
+// unsigned products of every build, without iq4_nl's signed path), 288 bytes for the file's 272.
+struct MXFP4 {
+  static constexpr const char* kName = "mxfp4";
+  static constexpr int64_t kSourceBytes = 17;  // e, 16 bytes of nibbles
+  static constexpr int64_t kScaleBytes = 32;   // 16 d's
+  static constexpr int64_t kBytes = kScaleBytes + 256;
+  static constexpr int32_t kOffset = 16;
+  static constexpr int kPerWiden = 4;  // codes <= 28
+  static constexpr uint8_t kValues[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+  static inline void quants(const uint8_t* block, U8 rows[8]) {
+    low_nibbles(block + kScaleBytes, rows);
+    for (int j = 0; j < 8; ++j) rows[j] = lookup16(rows[j], kValues);
+  }
+  static inline void source_codes(const uint8_t* block, uint8_t out[kBlock]) { nibble_codes(block + 1, out); }
+  // The block's d, 2^(e - 128), as float16 bits.
+  static inline uint16_t source_scale(const uint8_t* block) {
+    const int exponent = static_cast<int>(block[0]) - 128;
+    TORCH_CHECK(exponent >= -24 && exponent <= 15, "mxfp4 block scale 2^", exponent,
+                " is outside float16's range (2^-24 .. 2^15)");
+    return exponent >= -14 ? static_cast<uint16_t>((exponent + 15) << 10)        // normal: biased exponent
+                           : static_cast<uint16_t>(1u << (exponent + 24));      // subnormal: 2^-24 units
+  }
+};
+
 // Input rows that share one decoding of the weights: 6 on AVX-512 (1.03-1.12x over 4); AVX2 has half the registers,
 // each value taking two.
 constexpr int kTileRows = kAvx512 ? 6 : 2;
@@ -288,8 +317,13 @@ at::Tensor pack(at::TensorList parts) {
         uint8_t* dst = dst_all + (g * num_blocks + b) * Format::kBytes;
         for (int64_t n = 0; n < kGroup; ++n) {
           const uint8_t* source_block = rows.row[g * kGroup + n] + b * Format::kSourceBytes;
-          for (int64_t field = 0; field < Format::kScaleBytes / 32; ++field)  // d, then (q4_1, q5_1) m
-            std::memcpy(dst + 32 * field + 2 * n, source_block + 2 * field, 2);
+          if constexpr (requires { Format::source_scale(source_block); }) {  // mxfp4: its E8M0 byte as d
+            const uint16_t d = Format::source_scale(source_block);
+            std::memcpy(dst + 2 * n, &d, 2);
+          } else {
+            for (int64_t field = 0; field < Format::kScaleBytes / 32; ++field)  // d, then (q4_1, q5_1) m
+              std::memcpy(dst + 32 * field + 2 * n, source_block + 2 * field, 2);
+          }
           Format::source_codes(source_block, codes[n]);
         }
         if constexpr (std::is_same_v<Format, Q8_0>) {  // row j's lane n: the codes 4j..4j+3 of output n, as they lie
@@ -375,6 +409,10 @@ TORCH_LIBRARY_FRAGMENT(lmserve, m) {
   m.def("iq4_nl_int16_pack(Tensor[] parts) -> Tensor");
   m.def("iq4_nl_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
   m.def("iq4_nl_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
+  m.def("mxfp4_int16_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("mxfp4_int16_pack(Tensor[] parts) -> Tensor");
+  m.def("mxfp4_int8_linear(Tensor input, Tensor weight, int out_features, Tensor? bias) -> Tensor");
+  m.def("mxfp4_int16_dequantize(Tensor weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
@@ -402,6 +440,10 @@ TORCH_LIBRARY_IMPL(lmserve, CPU, m) {
   m.impl("iq4_nl_int16_pack", &pack<IQ4_NL>);
   m.impl("iq4_nl_int8_linear", &linear<IQ4_NL, false>);
   m.impl("iq4_nl_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<IQ4_NL>(w, out); });
+  m.impl("mxfp4_int16_linear", &linear<MXFP4>);
+  m.impl("mxfp4_int16_pack", &pack<MXFP4>);
+  m.impl("mxfp4_int8_linear", &linear<MXFP4, false>);
+  m.impl("mxfp4_int16_dequantize", [](const at::Tensor& w, at::Tensor out) { dequantize<MXFP4>(w, out); });
 }
 
 #endif  // LMSERVE_INT16_KERNELS: AVX-512 VNNI, or AVX2 with FMA and F16C

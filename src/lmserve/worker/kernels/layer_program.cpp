@@ -27,7 +27,7 @@ using AddNormFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, 
 using RotaryFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 using WriteFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, double, int64_t, double);
+                         const at::Tensor&, double, int64_t, double, const std::optional<at::Tensor>&);
 
 // worker/models/llama.py's apply_rotary: rotate-half RoPE in float32 over the first 2 * width dimensions of each head
 // (width: the tables' last size), the rest passed through (partial rotary, as Phi-4-mini's).
@@ -178,7 +178,7 @@ struct LayerProgram : torch::CustomClassHolder {
       const at::Tensor& group_requests = requests[layer.group];
       if (group_requests.size(0) > 0) {
         attention.call(attended, qkv_parts[0], layer.k_cache, layer.v_cache, tables[layer.group], group_requests,
-                       layer.scale, layer.window, layer.softcap);
+                       layer.scale, layer.window, layer.softcap, std::nullopt);
       }
       at::Tensor out = layer.o(attended.reshape({-1, heads * head_dim}));
       if (sandwich) {

@@ -308,7 +308,7 @@ void run_rows(int64_t rows, const float* queries, float* acc, float* scores, flo
 template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
-         int64_t group, double scale, int64_t window, float softcap) {
+         int64_t group, double scale, int64_t window, float softcap, const float* sinks) {
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t block_size = v_cache.size(2), num_kv_heads = v_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
@@ -398,7 +398,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       }
       for (int64_t i = 0; i < rows; ++i) {
         float* dst = out_data + (first_row + row_query[i]) * o_row + row_head[i] * o_head;
-        const float inv = 1.f / row_sum[i];
+        const float inv = output_scale(row_max[i], row_sum[i], sinks, row_head[i]);
         for (int64_t d = 0; d < kDim; ++d) dst[d] = acc[i * kDim + d] * inv;
       }
     }
@@ -407,7 +407,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& requests,
-                     double scale, int64_t window, double softcap) {
+                     double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests, window, softcap);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = v_cache.size(2), num_kv_heads = v_cache.size(1);
@@ -427,7 +427,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
   dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
     run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale, window,
-                  static_cast<float>(softcap));
+                  static_cast<float>(softcap), sink_logits(sinks, num_heads));
   });
 }
 
@@ -488,7 +488,7 @@ bool paged_keys_transposed() { return lmserve_paged::kKeysTransposed; }
 TORCH_LIBRARY(lmserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor requests, float scale, int window=0, float softcap=0.) -> ()");
+      "Tensor requests, float scale, int window=0, float softcap=0., Tensor? sinks=None) -> ()");
   m.def("write_kv_cache(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor rows) -> ()");
   m.def("paged_keys_transposed() -> bool", &paged_keys_transposed);
 }

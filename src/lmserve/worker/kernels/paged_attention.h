@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace lmserve_paged {
@@ -129,6 +130,27 @@ inline void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, c
   TORCH_CHECK(requests.scalar_type() == at::kLong && requests.is_contiguous() && requests.size(1) == 3,
               "requests: int64 [R, 3] of (first row, query length, context length)");
   TORCH_CHECK(block_tables.size(0) == requests.size(0), "block_tables: one row per request");
+}
+
+// gpt-oss's attention sinks: float32 [heads], one logit per query head that joins its softmax and takes no value;
+// null where the op was given none.
+inline const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                  sinks->size(0) == num_heads,
+              "paged_attention: sinks must be float32 [", num_heads, "], one logit per query head");
+  return sinks->data_ptr<float>();
+}
+
+// What a row's accumulated values are multiplied by at the end: 1 / (its softmax's sum), where the sum holds the
+// sink's exp(sink - max) too when there is one (in the units of the larger of the sink and the row's max, so that
+// neither exp overflows).
+inline float output_scale(float row_max, float row_sum, const float* sinks, int64_t head) {
+  if (sinks == nullptr) return 1.f / row_sum;
+  const float sink = sinks[head];
+  if (sink <= row_max) return 1.f / (row_sum + std::exp(sink - row_max));
+  const float rescale = std::exp(row_max - sink);
+  return rescale / (row_sum * rescale + 1.f);
 }
 
 // The first key a query at `position` sees: under a sliding window of `window` positions (0: none) the keys

@@ -191,7 +191,7 @@ void dequantize_block(const int8_t* k_block, const int8_t* v_block, const int8_t
 template <int kDim, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& requests, const std::vector<WorkItem>& items,
-         int64_t group, double scale, int64_t window, float softcap) {
+         int64_t group, double scale, int64_t window, float softcap, const float* sinks) {
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t* req = requests.data_ptr<int64_t>();
@@ -262,7 +262,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t query = it.first_query + i / it.num_heads;
         float* dst = out_data + (first_row + query) * o_row + row_head[i] * o_head;
-        const float inv = 1.f / row_sum[i];
+        const float inv = output_scale(row_max[i], row_sum[i], sinks, row_head[i]);
         for (int64_t d = 0; d < kDim; ++d) dst[d] = acc[i * kDim + d] * inv;
       }
     }
@@ -271,7 +271,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& requests,
-                     double scale, int64_t window, double softcap) {
+                     double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(out, q, k_cache, v_cache, block_tables, requests, window, softcap);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(2), num_kv_heads = k_cache.size(1);
@@ -284,7 +284,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const std::vector<WorkItem> items = plan_work(requests, num_heads, group, block_size, block_tables.size(1));
   dispatch_head_dim(head_dim, k_cache.scalar_type(), [&]<int kDim, typename KV>() {
     run<kDim, KV>(out, q, k_cache, v_cache, block_tables, requests, items, group, scale, window,
-                  static_cast<float>(softcap));
+                  static_cast<float>(softcap), sink_logits(sinks, num_heads));
   });
 }
 

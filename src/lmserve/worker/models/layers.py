@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmserve.config import (
+    ATTENTION_SINK_MODEL_TYPES,
     FULL_QK_NORM_MODEL_TYPES,
     QK_NORM_MODEL_TYPES,
     QKV_BIAS_MODEL_TYPES,
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
     # A transformers config, or for a GGUF file lmserve.models.GGUFConfig: the same attributes without transformers.
     from transformers import PretrainedConfig
 
-# Every activation an MLP here runs: transformers' names.
-MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Every activation an MLP here runs: transformers' names, and gpt-oss's clamped SwiGLU (its experts'; no config names
+# it in hidden_act).
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gpt_oss_swiglu")
 # LMSERVE_BLAS=torch sends CPU float32 matmuls to torch's own BLAS instead (for comparisons).
 NUMPY_BLAS = os.environ.get("LMSERVE_BLAS", "numpy") == "numpy"
 
@@ -86,6 +88,10 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_paralle
     expert_parallel places whole experts on ranks."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if tp_size > 1 and config.model_type in ATTENTION_SINK_MODEL_TYPES:
+        # Its output projection's and experts' biases would be added once per rank by the all-reduce.
+        raise ValueError(f"tensor parallel is not supported for {config.model_type} yet: run it on one rank, or "
+                         "data parallel")
     shape = moe_shape(config)
     columns = [("attention heads", heads), ("MLP columns", config.intermediate_size)]
     if shape is not None:
@@ -123,7 +129,11 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = config.model_type in QKV_BIAS_MODEL_TYPES or getattr(config, "attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # gpt-oss: a learned logit per head that joins every softmax and takes no value, and a bias on the output
+        # projection (one rank: check_tensor_parallel refuses more).
+        sinks = config.model_type in ATTENTION_SINK_MODEL_TYPES
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if sinks else None
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=sinks)
         # Qwen3 and Gemma 3 normalize each head of q and k before RoPE, one weight of head_dim shared by the heads;
         # OLMoE normalizes q and k whole (one weight over all heads: under tensor parallel, a norm across ranks).
         qk_norm = config.model_type in QK_NORM_MODEL_TYPES
@@ -167,29 +177,41 @@ class Attention(nn.Module):
         else:
             qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
             q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md)
+        o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], md, self.sinks)
         return self.parallel.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, parallel: ParallelGroups, intermediate_size: int | None = None,
-                 reduce: bool = True) -> None:
+                 reduce: bool = True, activation: str | None = None, bias: bool = False,
+                 swiglu: tuple[float, float] = (1.702, 7.0)) -> None:
         """intermediate_size: the whole MLP's columns (default the config's); this rank holds its share. reduce:
-        whether forward() sums the ranks' shares (an expert's caller sums every expert's share first, once)."""
+        whether forward() sums the ranks' shares (an expert's caller sums every expert's share first, once).
+        activation: where it is not the config's (gpt-oss's experts: "gpt_oss_swiglu", with `swiglu`'s (alpha,
+        limit)); bias: biases on gate/up and down (one rank only: check_tensor_parallel)."""
         super().__init__()
         self.parallel = parallel if reduce else None
         self.intermediate = (intermediate_size or config.intermediate_size) // parallel.tp_size  # this rank's
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
         # Gemma's configs name hidden_activation (GeGLU); the others hidden_act.
-        self.activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        self.activation = (activation or getattr(config, "hidden_activation", None)
+                           or getattr(config, "hidden_act", "silu"))
         if self.activation not in MLP_ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.activation!r}: lmserve runs {', '.join(MLP_ACTIVATIONS)}")
+        self.swiglu_alpha, self.swiglu_limit = swiglu
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.activation == "gelu_pytorch_tanh":
+        if self.activation == "gpt_oss_swiglu":
+            # transformers' GptOssExperts._apply_gate: the gate clamped from above, up on both sides, then
+            # (up + 1) * gate * sigmoid(alpha * gate).
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            out = self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha)))
+        elif self.activation == "gelu_pytorch_tanh":
             gate, up = gate_up.split(self.intermediate, dim=-1)
             out = self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
         elif self.fused is not None:

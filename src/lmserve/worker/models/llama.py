@@ -211,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         attn = first.self_attn
         if attn.clip_qkv is not None:
             raise ProgramRefused("clipped q/k/v")
+        if attn.sinks is not None:
+            raise ProgramRefused("attention sinks")
         dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)]
         activation = dense[0].activation if dense else "silu"
         if activation not in ("silu", "gelu_pytorch_tanh"):
@@ -413,8 +415,9 @@ class LlamaForCausalLM(nn.Module):
         if parts[0] == "layers":
             if int(parts[1]) not in self.stage_layers:
                 return True
-            return "experts" in parts and not self.layers[int(parts[1])].mlp.is_local(int(parts[parts.index(
-                "experts") + 1]))
+            # (a checkpoint that stacks its experts, gpt-oss's, names none: weights/gpt_oss.py splits them)
+            expert = parts[parts.index("experts") + 1] if "experts" in parts[:-1] else ""
+            return expert.isdigit() and not self.layers[int(parts[1])].mlp.is_local(int(expert))
         if name == "embed_tokens.weight":
             return self.embed_tokens is None
         if name == "lm_head.weight":

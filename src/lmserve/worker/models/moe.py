@@ -48,9 +48,11 @@ class RouterWeight(nn.Module):
     how many rows it is given (measured here: a decode alone and beside a prefill differed by 5e-6), and a token's
     routing must not depend on its batch. In float64 those orders agree to ~1e-16, far inside float32's rounding."""
 
-    def __init__(self, out_features: int, hidden_size: int) -> None:
+    def __init__(self, out_features: int, hidden_size: int, bias: bool = False) -> None:
+        """bias: gpt-oss's router adds one to its logits."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._weight64: torch.Tensor | None = None
 
     def keep_in_float64(self) -> None:
@@ -61,7 +63,8 @@ class RouterWeight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._weight64 is None:
             self.keep_in_float64()
-        return (x.double() @ self._weight64.t()).float()
+        logits = x.double() @ self._weight64.t()
+        return (logits if self.bias is None else logits + self.bias.double()).float()
 
 
 class SparseMoeBlock(nn.Module):
@@ -71,7 +74,7 @@ class SparseMoeBlock(nn.Module):
         self.shape = shape
         self.parallel = parallel
         self.num_experts, self.top_k = shape.num_experts, shape.top_k
-        self.gate = RouterWeight(shape.num_experts, config.hidden_size)
+        self.gate = RouterWeight(shape.num_experts, config.hidden_size, bias=shape.gpt_oss)
         tp, rank = parallel.tp_size, parallel.tp_rank
         self.expert_parallel = expert_parallel and tp > 1
         # Experts split by columns (each rank a share of each) or placed whole (expert parallel: the MLP takes its
@@ -80,7 +83,8 @@ class SparseMoeBlock(nn.Module):
         self.local_experts = [e for e in range(shape.num_experts) if not self.expert_parallel or e % tp == rank]
         local = set(self.local_experts)
         self.experts = nn.ModuleList(
-            _expert(config, parallel, columns) if e in local else MissingLayer() for e in range(shape.num_experts)
+            _expert(config, parallel, columns, shape) if e in local else MissingLayer()
+            for e in range(shape.num_experts)
         )
         self.shared_expert = (_expert(config, parallel, shape.shared_intermediate) if shape.shared_intermediate
                               else None)
@@ -96,6 +100,9 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts (highest score first) and their weights, in float32."""
+        if self.shape.gpt_oss:  # the top k logits, then a softmax over those alone
+            logits, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), chosen
         probs = torch.softmax(self.gate(x), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # sorted: highest first
         if self.shape.normalize_top_k:
@@ -130,6 +137,8 @@ class SparseMoeBlock(nn.Module):
         return self._program
 
     def _new_program(self) -> Any | None:
+        if self.shape.gpt_oss:  # its router's bias and order, its experts' activation: the Python loop runs them
+            return None
         mlps = {e: self.experts[e] for e in self.local_experts}
         if self.shared_expert is not None:
             mlps[-1] = self.shared_expert
@@ -215,6 +224,10 @@ def _combine(slot_out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _expert(config: PretrainedConfig, parallel: ParallelGroups, intermediate: int) -> MLP:
-    """One expert: an MLP of `intermediate` columns (this rank's share) whose output the block sums first."""
+def _expert(config: PretrainedConfig, parallel: ParallelGroups, intermediate: int, shape: MoeShape | None = None) -> MLP:
+    """One expert: an MLP of `intermediate` columns (this rank's share) whose output the block sums first (gpt-oss's:
+    biases and its clamped SwiGLU)."""
+    if shape is not None and shape.gpt_oss:
+        return MLP(config, parallel, intermediate_size=intermediate, reduce=False, activation="gpt_oss_swiglu",
+                   bias=True, swiglu=(shape.swiglu_alpha, shape.swiglu_limit))
     return MLP(config, parallel, intermediate_size=intermediate, reduce=False)

@@ -1,6 +1,6 @@
-"""Rotary position embeddings (RoPE) as the Llama family's configs describe them: transformers' default, linear and
-LongRoPE (Phi-3) computed here, without importing transformers (what a GGUF file can hold), other types from an HF
-directory's config through transformers' own functions; a GGUF's rope_freqs tensor (Llama 3.1+) as llama.cpp applies it;
+"""Rotary position embeddings (RoPE) as the Llama family's configs describe them: transformers' default, linear,
+LongRoPE (Phi-3) and YaRN (gpt-oss) computed here, without importing transformers (what a GGUF file can hold), other
+types from an HF directory's config through transformers' own functions; a GGUF's rope_freqs tensor (Llama 3.1+) as llama.cpp applies it;
 partial rotary (Phi-4-mini). Tables are float32, one per layer type, computed as positions are first used."""
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def _rope_frequencies(
     rope_type = params.get("rope_type", "default")
     cpu = torch.device("cpu")
     dim = rotary_dim(config, head_dim)
-    if rope_type in ("default", "linear", "longrope"):
-        # transformers' default, linear and LongRoPE (those a GGUF file can hold), without importing transformers.
+    if rope_type in ("default", "linear", "longrope", "yarn"):
+        # transformers' default, linear, LongRoPE and YaRN (those a GGUF file can hold), without importing
+        # transformers.
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
         scaling = 1.0
@@ -47,6 +48,8 @@ def _rope_frequencies(
             inv_freq = inv_freq / params["factor"]
         elif rope_type == "longrope":
             inv_freq, scaling = _longrope(config, params, inv_freq, max_position)
+        elif rope_type == "yarn":
+            inv_freq, scaling = _yarn(config, params, dim)
     else:
         # Other rope types come from an HF directory's config (a transformers config): transformers' functions.
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -92,6 +95,44 @@ def _longrope(
     if len(factors) != inv_freq.numel():
         raise ValueError(f"LongRoPE has {len(factors)} factors for {inv_freq.numel()} rotary frequencies")
     return inv_freq / torch.tensor(factors, dtype=torch.float), attention_factor
+
+
+def _yarn(config: PretrainedConfig, params: dict, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, Qwen's long-context configs), as transformers' _compute_yarn_parameters computes it: per
+    frequency a blend of the original (extrapolated) and the factor-scaled (interpolated) one, ramping linearly
+    between the dimensions that turn beta_fast and beta_slow times over the original context (floored and ceiled
+    unless `truncate` is False, as gpt-oss's config says), and cos and sin scaled by the attention factor
+    (0.1 ln(factor) + 1 unless given)."""
+    base = params["rope_theta"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 # On the CPU the tables are computed this many positions at a time, as positions are first used: a model's whole

@@ -245,4 +245,7 @@ KQUANT_LAYER_FORMATS = (
     # IQ4_XS files' blocks run here too, each sub-block's scale rounded once (stored_formats.convert_blocks).
     LayerFormat("iq4_nl", _layer_type("iq4_nl", Int16BlockLinear), _INT16_KERNEL, _INT16_PACKING,
                 group_rows=GROUP_ROWS),
+    # gpt-oss's experts: each block's E8M0 scale as a float16 d (the packer refuses a scale outside its range).
+    LayerFormat("mxfp4", _layer_type("mxfp4", Int16BlockLinear), _INT16_KERNEL, _INT16_PACKING,
+                group_rows=GROUP_ROWS),
 )

@@ -26,6 +26,7 @@ from lmserve.formats.gguf_file import (
 )
 from lmserve.models import GGUFConfig, ModelSource, load_model_config
 from lmserve.worker.weights.block_packing import StoredBlocks
+from lmserve.worker.weights.gpt_oss import gpt_oss_hf_weights, gpt_oss_mxfp4_types
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def load_weights(
     # float32 as transformers adds it. llama.cpp's converter stored it added already.
     norms_plus_one = source.kind == "hf" and config.model_type in GEMMA_MODEL_TYPES
     weights = (part for name, tensor in weights for part in split_fused(name, tensor, config))
+    if source.kind == "hf" and config.model_type == "gpt_oss":  # stacked (or MXFP4) experts as each one's own
+        weights = gpt_oss_hf_weights(weights, blocks)
     for name, tensor in weights:
         if norms_plus_one and name.endswith("norm.weight"):
             tensor = tensor.float() + 1.0
@@ -145,7 +148,7 @@ def _hf_weights(
 
 GGMLType = gguf.GGMLQuantizationType
 # The types a GGUF may hold. Under `--quantization auto` a matrix whose type a kernel format holds (Q4_0, Q4_1, Q5_0,
-# Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_NL exactly, IQ4_XS with its scales rounded:
+# Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and MXFP4 exactly, IQ4_XS with its scales rounded:
 # weights/stored_formats.py) stays in its stored blocks or goes into that format's; the others (floats, and any type
 # where this CPU's kernels do not build) are dequantized tensor by tensor into float16 layers
 # (worker/weights/float16.py), and the runner's log names them. A type not listed is refused by name.
@@ -165,6 +168,7 @@ SUPPORTED_GGML_TYPES = (
     GGMLType.Q6_K,
     GGMLType.IQ4_NL,
     GGMLType.IQ4_XS,
+    GGMLType.MXFP4,
 )
 
 _GGUF_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -202,6 +206,13 @@ _GGUF_GEMMA_PER_LAYER = {
 }
 
 
+# gpt-oss: a norm after attention that is the MLP's input norm (llama.cpp's post_attention_norm), the sinks, and the
+# router (ffn_gate_inp) and the stacked experts with biases.
+_GGUF_GPT_OSS_PER_LAYER = {**_GGUF_PER_LAYER, "post_attention_norm": "post_attention_layernorm"}
+# A per-layer vector that the model holds as a parameter of its own (no ".weight").
+_GGUF_PARAMETERS = {"attn_sinks": "self_attn.sinks"}
+
+
 # Phi-3 stores q, k and v as one matrix, and gate and up as one (llama.cpp names it ffn_up), as its HF checkpoints do.
 _GGUF_PHI3_PER_LAYER = {**_GGUF_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Tensors a GGUF holds for the config, not the model: lmserve.models reads them into the RoPE parameters; and a
@@ -215,8 +226,10 @@ def hf_name_from_gguf(name: str, arch: str = "llama") -> str:
     match = _GGUF_NAME.fullmatch(name)
     if match and match[1] is not None and match[2] in _GGUF_EXPERTS:
         return f"model.layers.{match[1]}.mlp.experts.*.{_GGUF_EXPERTS[match[2]]}.{match[3]}"
-    per_layer = {"phi3": _GGUF_PHI3_PER_LAYER}.get(arch, _GGUF_GEMMA_PER_LAYER if arch in GEMMA_MODEL_TYPES
-                                                   else _GGUF_PER_LAYER)
+    if match and match[1] is not None and match[2] in _GGUF_PARAMETERS and match[3] == "weight":
+        return f"model.layers.{match[1]}.{_GGUF_PARAMETERS[match[2]]}"
+    per_layer = {"phi3": _GGUF_PHI3_PER_LAYER, "gpt_oss": _GGUF_GPT_OSS_PER_LAYER, "gpt-oss": _GGUF_GPT_OSS_PER_LAYER
+                 }.get(arch, _GGUF_GEMMA_PER_LAYER if arch in GEMMA_MODEL_TYPES else _GGUF_PER_LAYER)
     table = per_layer if match and match[1] is not None else _GGUF_TOP_LEVEL
     if not match or match[2] not in table:
         raise ValueError(f"unexpected GGUF tensor '{name}' for a {arch} model")
@@ -279,7 +292,10 @@ def _gguf_experts(
 
 def stored_matrix_types(source: ModelSource) -> dict[str, str] | None:
     """For a GGUF file, each matrix's stored type by Hugging Face name (lower case: q5_0, q4_k, f32...), which decides
-    the kernel format each layer takes (worker/weights/stored_formats.py); None for any other source."""
+    the kernel format each layer takes (worker/weights/stored_formats.py); for a gpt-oss checkpoint with MXFP4
+    experts, those experts' (mxfp4; the other matrices are float); None for any other source."""
+    if source.kind == "hf":
+        return gpt_oss_mxfp4_types(load_model_config(source))
     if source.kind != "gguf":
         return None
     header = read_gguf_header(source.path)

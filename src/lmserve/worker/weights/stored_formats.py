@@ -10,6 +10,10 @@ stored types convert into one of them without changing any weight's value, block
         or q8_0 with q - 8 (where no q4_0 kernel runs: kernels/int16_activations.cpp reads it at its stored size);
   iq4_nl: float16 d, 32 four-bit indices q into llama.cpp's table of 16 int8 values (w = d kvalues[q]) -> q8_0 with
         the codes kvalues[q] (where no iq4_nl kernel runs: kernels/int16_activations.cpp reads it at its stored size);
+  mxfp4: an E8M0 byte e, 32 four-bit indices q into E2M1's values doubled (w = 2^(e - 128) v[q], v in -12..12) ->
+        q8_0 with the codes v[q] and d = 2^(e - 128) in float16 (exact for e in 104..143, every trained model's
+        scale; a block outside refuses: where no mxfp4 kernel runs, kernels/int16_activations.cpp reads it at its
+        stored size);
   q3_k: float16 d, 16 six-bit sub-block scales ls, 256 three-bit integers q in -4..3 (w = d (ls - 32) q) -> q6_k
         with sc = ls - 32 and codes q + 32 (for a layer that fuses it with Q6_K rows: 6.56 bits a weight);
   q4_1 and q8_0 are kernel formats already, and so are q5_1, q3_k, q4_k, q5_k and q6_k where the int16-activation
@@ -96,6 +100,8 @@ def convert_blocks(stored_type: str, blocks: np.ndarray, kernel_format: str) -> 
     if kernel_format == "q6_k":  # from q3_k
         return _q3_k_as_q6_k(blocks)
     if kernel_format == "q8_0":
+        if stored_type == "mxfp4":
+            return _mxfp4_as_q8_0(blocks)
         if stored_type == "iq4_nl":
             return _iq4_nl_as_q8_0(blocks)
         if stored_type == "iq4_xs":
@@ -122,6 +128,28 @@ def _iq4_nl_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     out[..., 0:2] = blocks[..., 0:2]
     pairs = _IQ4_PAIRS[blocks[..., 2:18]].view(np.uint8).reshape(*blocks.shape[:-1], 16, 2)
     out[..., 2:34].reshape(*blocks.shape[:-1], 2, 16)[...] = pairs.swapaxes(-1, -2)
+    return out
+
+
+# llama.cpp's kvalues_mxfp4: E2M1's 16 values doubled (an MXFP4 block's d is half its E8M0 scale).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def mxfp4_scales_as_float16(exponents: np.ndarray) -> np.ndarray:
+    """E8M0 bytes e as float16 d = 2^(e - 128) (exact: a power of two float16 holds); raises where one is not."""
+    powers = exponents.astype(np.int32) - 128
+    if powers.size and (powers.min() < -24 or powers.max() > 15):
+        raise ValueError(f"mxfp4 block scale 2^{powers.min() if powers.min() < -24 else powers.max()} is outside "
+                         "float16's range (2^-24 .. 2^15)")
+    return np.ldexp(np.float32(1.0), powers).astype(np.float16)
+
+
+def _mxfp4_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    out = np.empty((*blocks.shape[:-1], 34), dtype=np.uint8)
+    out[..., 0:2] = mxfp4_scales_as_float16(blocks[..., 0])[..., None].view(np.uint8)
+    nibbles = blocks[..., 1:17]
+    out[..., 2:18] = MXFP4_VALUES[nibbles & 0x0F].view(np.uint8)
+    out[..., 18:34] = MXFP4_VALUES[nibbles >> 4].view(np.uint8)
     return out
 
 
