@@ -18,6 +18,7 @@ from lmserve.distributed.parallel_state import ParallelGroups
 from lmserve.formats.block_formats import held_bytes_per_weight
 from lmserve.formats.gguf_file import gguf_held_bits, read_gguf_header
 from lmserve.models import load_hf_config, resolve_model
+from lmserve.worker.kernels import cpu_kernels
 from lmserve.worker.model_builder import build_model
 from lmserve.worker.prompt_rows import PromptRows, prompt_rows
 from lmserve.worker.weights import kernel_choice
@@ -525,16 +526,23 @@ def int16_layout_layer(stored_type: str, make_k_quant, rows: int, cols: int, see
 @pytest.mark.skipif(not int16_kernel_loads(), reason="the int16 kernels did not build")
 @pytest.mark.parametrize("stored_type", INT16_LAYOUT_TYPES)
 def test_8_bit_activations_round_each_block_to_8_bits_and_keep_rows_apart(stored_type: str, make_k_quant) -> None:
-    """The int8 op multiplies the same blocks by x rounded to 8 bits a block of 32 (s = max|x| / 127, round(x / s)):
-    on inputs already on that grid it gives the int16 op's bits; elsewhere an error of the 8-bit rounding, more than
-    the 16-bit one's; and every row its own bits whatever rows share the call (tiles of 1 to 8 rows)."""
+    """The int8 op multiplies the same blocks by x rounded to 8 bits a block of 32 (s = max|x| / 127, round(x / s);
+    the K-quants' default rounds a block of 256, llama.cpp's q8_K, which test_kquant_formats.py holds to its own
+    reference, so this grid check runs them with one scale per 32): on inputs already on that grid it gives the
+    int16 op's bits; elsewhere an error of the 8-bit rounding, more than the 16-bit one's; and every row its own bits
+    whatever rows share the call (tiles of 1 to 8 rows)."""
     layer, values = int16_layout_layer(stored_type, make_k_quant, 48, 512, seed=21)
     gen = torch.Generator().manual_seed(22)
     # On the grid: per block integers in -127..127 reaching 127, times a power of two per block.
     ints = torch.randint(-127, 128, (13, 16, 32), generator=gen).float()
     ints[..., 0] = 127
     on_grid = (ints * 2.0 ** torch.randint(-8, 4, (13, 16, 1), generator=gen).float()).reshape(13, 512)
-    int8 = layer.int8_linear_op(on_grid, layer.blocks, 48, None)
+    ops = cpu_kernels()
+    per_256 = ops.set_kquant_super_scale(False)
+    try:
+        int8 = layer.int8_linear_op(on_grid, layer.blocks, 48, None)
+    finally:
+        ops.set_kquant_super_scale(per_256)
     assert torch.equal(int8, layer.linear_op(on_grid, layer.blocks, 48, None))
     x = torch.randn(13, 512, generator=gen)
     x[3, :64] *= 40  # an outlier block
